@@ -1,0 +1,231 @@
+package outbox
+
+import (
+	"errors"
+	"fmt"
+	"regexp"
+	"time"
+)
+
+// Config is the per-deployment configuration of the module. The zero value, after
+// WithDefaults, is a working configuration: enabled, consumer on, NOTIFY on.
+type Config struct {
+	// Disabled turns the whole module off: the writer hook records nothing, no consumer or
+	// maintenance task starts, and one log line says so. Defaults to false.
+	Disabled bool
+
+	// ConsumerDisabled keeps the writer hook but starts no consumer in this process.
+	// Defaults to false.
+	ConsumerDisabled bool
+
+	// IdentityField names the persisted setting that holds this process's durable consumer
+	// identity. When the setting is absent or empty, observation is disabled and the log says
+	// which field to set. Defaults to "outbox.consumer_id".
+	IdentityField string
+
+	// WriterLabel prefixes the per-boot writer process ID stamped on events this process
+	// writes (an origin label only). Defaults to "writer".
+	WriterLabel string
+
+	// PollInterval is the longest a consumer waits between scans when no notification
+	// arrives. Notifications only shorten it. Defaults to 1s; must be at least 10ms.
+	PollInterval time.Duration
+
+	// BatchSize is how many events a consumer reads per project per scan, and how many it
+	// acknowledges in one cursor write at most. Defaults to 1000; 1 to 10000.
+	BatchSize int
+
+	// SequenceBatchSize is how many events the sequencer numbers per project per call.
+	// Defaults to 10000; 1 to 100000.
+	SequenceBatchSize int
+
+	// LeaseTTL is how long a consumer's lease lasts without a heartbeat, measured by the
+	// database clock. Defaults to 30s; must be at least 1s and at least three heartbeats.
+	LeaseTTL time.Duration
+
+	// HeartbeatInterval is how often a consumer renews its leases (and retries the ones it
+	// could not take). Defaults to LeaseTTL/3.
+	HeartbeatInterval time.Duration
+
+	// ListenerTimeout bounds one event's dispatch to the observed listeners; a listener
+	// still running then counts as a listener_timeout failure. Defaults to 30s; at least 1ms.
+	ListenerTimeout time.Duration
+
+	// NotifyDisabled turns off the LISTEN/NOTIFY wake-up; consumers then rely on polling
+	// alone. Defaults to false.
+	NotifyDisabled bool
+
+	// NotifyChannel is the LISTEN/NOTIFY channel. The payload is one project ID.
+	// Defaults to "lifecycle_outbox".
+	NotifyChannel string
+
+	// ListenDSN, when set, is used for the consumer's dedicated LISTEN connection instead of
+	// a connection taken from the pool, for pools behind a transaction-pooling proxy.
+	// Defaults to empty (use the pool's configuration).
+	ListenDSN string
+
+	// RetrySchedule is the wait before each retry of a failed event: the first entry after the
+	// first failure, and so on; the last entry repeats. Defaults to 1s, 5s, 30s, 5m, 15m.
+	RetrySchedule []time.Duration
+
+	// MaxAttempts is how many times an event is tried before it is parked as a dead letter.
+	// Defaults to 10; 1 to 1000.
+	MaxAttempts int
+
+	// NewCursor says where a consumer starts in a project it has never read: "reconcile"
+	// rebuilds the local cache from live tasks and starts at the head; "oldest" replays the
+	// retained history (and reconciles if part of it was pruned). Defaults to "reconcile".
+	NewCursor string
+
+	// RetentionWindow is how long an acknowledged event is kept. Defaults to 720h (30 days);
+	// at least 1h.
+	RetentionWindow time.Duration
+
+	// DeadLetterRetention is how long a resolved dead letter is kept. Unresolved ones are
+	// kept until resolved or their consumer is retired. Defaults to 720h; at least 1h.
+	DeadLetterRetention time.Duration
+
+	// RetentionBatchSize is how many rows one pruning transaction deletes. Defaults to 5000;
+	// 1 to 100000.
+	RetentionBatchSize int
+
+	// RetentionBudget is the most rows one sweep prunes before it stops and reports that it
+	// was cut short; the next sweep continues. Defaults to 500000; at least RetentionBatchSize.
+	RetentionBudget int
+
+	// AutoMigrate applies the module's migrations at start. When false the module only
+	// verifies the schema and refuses to start if it is behind. Defaults to false.
+	AutoMigrate bool
+
+	// Clock moves time in tests. Defaults to RealClock.
+	Clock Clock
+}
+
+// Cursor start positions for Config.NewCursor.
+const (
+	NewCursorReconcile = "reconcile"
+	NewCursorOldest    = "oldest"
+)
+
+// DefaultRetrySchedule is the backoff of the contract: 1s, 5s, 30s, 5m, then 15m.
+var DefaultRetrySchedule = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 5 * time.Minute, 15 * time.Minute}
+
+var channelPattern = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+// WithDefaults returns a copy of c with every unset field given its default.
+func (c Config) WithDefaults() Config {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	defInt := func(i *int, v int) {
+		if *i == 0 {
+			*i = v
+		}
+	}
+	if c.IdentityField == "" {
+		c.IdentityField = "outbox.consumer_id"
+	}
+	if c.WriterLabel == "" {
+		c.WriterLabel = "writer"
+	}
+	def(&c.PollInterval, time.Second)
+	defInt(&c.BatchSize, 1000)
+	defInt(&c.SequenceBatchSize, 10000)
+	def(&c.LeaseTTL, 30*time.Second)
+	def(&c.HeartbeatInterval, c.LeaseTTL/3)
+	def(&c.ListenerTimeout, 30*time.Second)
+	if c.NotifyChannel == "" {
+		c.NotifyChannel = "lifecycle_outbox"
+	}
+	if len(c.RetrySchedule) == 0 {
+		c.RetrySchedule = append([]time.Duration(nil), DefaultRetrySchedule...)
+	}
+	defInt(&c.MaxAttempts, 10)
+	if c.NewCursor == "" {
+		c.NewCursor = NewCursorReconcile
+	}
+	def(&c.RetentionWindow, 30*24*time.Hour)
+	def(&c.DeadLetterRetention, 30*24*time.Hour)
+	defInt(&c.RetentionBatchSize, 5000)
+	defInt(&c.RetentionBudget, 500000)
+	if c.Clock == nil {
+		c.Clock = RealClock{}
+	}
+	return c
+}
+
+// Validate reports every invalid field of c (after WithDefaults), each error naming its field.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(field, format string, args ...any) { errs = append(errs, invalid(field, format, args...)) }
+	if err := checkID("identity field", c.IdentityField); err != nil {
+		bad("IdentityField", "%v", err)
+	}
+	if err := checkID("writer label", c.WriterLabel); err != nil || len(c.WriterLabel) > maxIDLen-17 {
+		bad("WriterLabel", "must be 1 to %d characters from [A-Za-z0-9._:-]", maxIDLen-17)
+	}
+	if c.PollInterval < 10*time.Millisecond {
+		bad("PollInterval", "must be at least 10ms (got %s)", c.PollInterval)
+	}
+	if c.BatchSize < 1 || c.BatchSize > 10000 {
+		bad("BatchSize", "must be between 1 and 10000 (got %d)", c.BatchSize)
+	}
+	if c.SequenceBatchSize < 1 || c.SequenceBatchSize > 100000 {
+		bad("SequenceBatchSize", "must be between 1 and 100000 (got %d)", c.SequenceBatchSize)
+	}
+	if c.LeaseTTL < time.Second {
+		bad("LeaseTTL", "must be at least 1s (got %s)", c.LeaseTTL)
+	}
+	if c.HeartbeatInterval <= 0 || c.HeartbeatInterval*3 > c.LeaseTTL {
+		bad("HeartbeatInterval", "must be positive and at most a third of LeaseTTL %s (got %s)", c.LeaseTTL, c.HeartbeatInterval)
+	}
+	if c.ListenerTimeout < time.Millisecond {
+		bad("ListenerTimeout", "must be at least 1ms (got %s)", c.ListenerTimeout)
+	}
+	if !channelPattern.MatchString(c.NotifyChannel) {
+		bad("NotifyChannel", "must be a lower-case identifier of at most 63 characters (got %q)", c.NotifyChannel)
+	}
+	for i, d := range c.RetrySchedule {
+		if d <= 0 || d > 24*time.Hour {
+			bad("RetrySchedule", "entry %d must be between 0 and 24h (got %s)", i, d)
+		}
+	}
+	if c.MaxAttempts < 1 || c.MaxAttempts > 1000 {
+		bad("MaxAttempts", "must be between 1 and 1000 (got %d)", c.MaxAttempts)
+	}
+	if c.NewCursor != NewCursorReconcile && c.NewCursor != NewCursorOldest {
+		bad("NewCursor", "must be %q or %q (got %q)", NewCursorReconcile, NewCursorOldest, c.NewCursor)
+	}
+	if c.RetentionWindow < time.Hour {
+		bad("RetentionWindow", "must be at least 1h (got %s)", c.RetentionWindow)
+	}
+	if c.DeadLetterRetention < time.Hour {
+		bad("DeadLetterRetention", "must be at least 1h (got %s)", c.DeadLetterRetention)
+	}
+	if c.RetentionBatchSize < 1 || c.RetentionBatchSize > 100000 {
+		bad("RetentionBatchSize", "must be between 1 and 100000 (got %d)", c.RetentionBatchSize)
+	}
+	if c.RetentionBudget < c.RetentionBatchSize {
+		bad("RetentionBudget", "must be at least RetentionBatchSize %d (got %d)", c.RetentionBatchSize, c.RetentionBudget)
+	}
+	if c.Clock == nil {
+		bad("Clock", "is nil; call WithDefaults first")
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("outbox config: %w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// retryDelay is the wait after the given number of failed attempts (1 = the first failure).
+func (c Config) retryDelay(attempts int) time.Duration {
+	if attempts < 1 {
+		attempts = 1
+	}
+	if attempts > len(c.RetrySchedule) {
+		return c.RetrySchedule[len(c.RetrySchedule)-1]
+	}
+	return c.RetrySchedule[attempts-1]
+}

@@ -1,0 +1,92 @@
+package outbox
+
+import (
+	"fmt"
+	"strings"
+	"time"
+)
+
+// EventTypeTaskDeleted is the only lifecycle event in the stream today. Adding another is a
+// deliberate contract change: a migration widens the database's check and the payload grows a
+// version.
+const EventTypeTaskDeleted = "task:deleted"
+
+// PayloadVersion is the version of the event payload this build writes and understands.
+const PayloadVersion = 1
+
+// eventIDTime is the canonical form of deletedAt inside an event ID: UTC, microseconds, the
+// precision PostgreSQL stores.
+const eventIDTime = "2006-01-02T15:04:05.000000Z"
+
+const eventIDPrefix = "task-deleted:"
+
+// Event is one task:deleted event as it is stored. It carries only what an observer needs:
+// no mailbox prose, credentials or free-text audit metadata.
+type Event struct {
+	ProjectID       string    `json:"projectId"`
+	Sequence        int64     `json:"sequence,omitempty"` // 0 until sequenced
+	EventID         string    `json:"eventId"`
+	EventType       string    `json:"type"`
+	TaskID          string    `json:"taskId"`
+	DeletedAt       time.Time `json:"deletedAt"`
+	PriorColumn     string    `json:"priorColumn,omitempty"` // the task's column/status before the delete
+	Archived        bool      `json:"archived"`              // whether the task was archived when deleted
+	WriterProcessID string    `json:"writerProcessId"`
+	OccurredAt      time.Time `json:"occurredAt"`
+	PayloadVersion  int       `json:"payloadVersion"`
+}
+
+// TaskDeletedEventID is the identity of the first deletion of taskID at deletedAt:
+// "task-deleted:<taskId>:<deletedAt>", deletedAt in canonical UTC with microseconds.
+func TaskDeletedEventID(taskID string, deletedAt time.Time) string {
+	return eventIDPrefix + taskID + ":" + deletedAt.UTC().Format(eventIDTime)
+}
+
+// ParseEventID splits a task:deleted event ID into its task ID and deletedAt.
+func ParseEventID(id string) (taskID string, deletedAt time.Time, err error) {
+	rest, ok := strings.CutPrefix(id, eventIDPrefix)
+	if !ok {
+		return "", time.Time{}, fmt.Errorf("event ID %q does not start with %q", id, eventIDPrefix)
+	}
+	n := len(eventIDTime)
+	if len(rest) < n+2 || rest[len(rest)-n-1] != ':' {
+		return "", time.Time{}, fmt.Errorf("event ID %q does not end with \":<deletedAt>\"", id)
+	}
+	taskID, stamp := rest[:len(rest)-n-1], rest[len(rest)-n:]
+	deletedAt, err = time.Parse(eventIDTime, stamp)
+	if err != nil || deletedAt.Format(eventIDTime) != stamp {
+		return "", time.Time{}, fmt.Errorf("event ID %q has a deletedAt that is not canonical UTC with microseconds", id)
+	}
+	if err := validateTaskID(taskID); err != nil {
+		return "", time.Time{}, fmt.Errorf("event ID %q: %w", id, err)
+	}
+	return taskID, deletedAt, nil
+}
+
+// validate checks an event read from the database before it is dispatched: a row this build
+// cannot interpret is reported, not guessed at.
+func (e Event) validate() error {
+	if err := ValidateProjectID(e.ProjectID); err != nil {
+		return invalid("project_id", "%v", err)
+	}
+	if e.Sequence < 1 {
+		return invalid("sequence", "must be positive (got %d)", e.Sequence)
+	}
+	if e.EventType != EventTypeTaskDeleted {
+		return invalid("event_type", "%q is not a type this build understands", e.EventType)
+	}
+	if e.PayloadVersion < 1 || e.PayloadVersion > PayloadVersion {
+		return invalid("payload_version", "%d is not a version this build understands (up to %d)", e.PayloadVersion, PayloadVersion)
+	}
+	taskID, deletedAt, err := ParseEventID(e.EventID)
+	if err != nil {
+		return invalid("event_id", "%v", err)
+	}
+	if taskID != e.TaskID || !deletedAt.Equal(e.DeletedAt) {
+		return invalid("event_id", "%q does not match task %q deleted at %s", e.EventID, e.TaskID, e.DeletedAt.UTC().Format(eventIDTime))
+	}
+	if e.WriterProcessID == "" {
+		return invalid("writer_process_id", "is empty")
+	}
+	return nil
+}

@@ -1,0 +1,258 @@
+// Package pgcluster starts a throwaway PostgreSQL cluster from the server binaries installed on
+// the machine. Tests, the demo and the benchmarks use it; nothing else should.
+//
+// The cluster listens only on a unix socket in a short private directory. When the current user
+// is root, initdb and pg_ctl run as the "postgres" OS user, because initdb refuses root. A small
+// reaper process holds the read end of a pipe from the starting process: when that process ends
+// for any reason (normal exit, panic, SIGKILL), the pipe closes and the reaper stops the server
+// and removes its directory, so nothing is left running.
+package pgcluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Options tune a new cluster.
+type Options struct {
+	// Durable keeps fsync, synchronous_commit and full_page_writes on. Tests leave it off for
+	// speed; benchmarks turn it on so their figures mean something.
+	Durable bool
+	// Settings are extra postgresql.conf parameters, passed as -c name=value.
+	Settings map[string]string
+	// MaxConnections defaults to 300.
+	MaxConnections int
+}
+
+// Cluster is a running throwaway PostgreSQL server.
+type Cluster struct {
+	binDir  string
+	baseDir string // removed on Stop
+	dataDir string
+	sockDir string
+	logFile string
+	cred    *syscall.Credential // nil when not running as root
+	opts    Options
+
+	reaper     *exec.Cmd
+	reaperPipe *os.File
+
+	mu      sync.Mutex
+	stopped bool
+}
+
+// Superuser is the name of the cluster's bootstrap superuser.
+const Superuser = "postgres"
+
+// FindBinDir locates the directory holding initdb and pg_ctl: first on PATH (resolving
+// wrapper scripts to the real server directory when possible), then under
+// /usr/lib/postgresql/*/bin, newest version first.
+func FindBinDir() (string, error) {
+	candidates, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(candidates, func(i, j int) bool {
+		return versionOf(candidates[i]) > versionOf(candidates[j])
+	})
+	if p, err := exec.LookPath("pg_ctl"); err == nil {
+		dir := filepath.Dir(p)
+		if _, err := os.Stat(filepath.Join(dir, "postgres")); err == nil {
+			return dir, nil
+		}
+		// Debian puts wrapper scripts on PATH; the server binaries live elsewhere.
+	}
+	for _, dir := range candidates {
+		if _, err := os.Stat(filepath.Join(dir, "initdb")); err == nil {
+			return dir, nil
+		}
+	}
+	return "", errors.New("no PostgreSQL server binaries: initdb and pg_ctl are neither on PATH nor under /usr/lib/postgresql/*/bin")
+}
+
+func versionOf(binDir string) int {
+	v, _ := strconv.Atoi(filepath.Base(filepath.Dir(binDir)))
+	return v
+}
+
+// Start initialises and starts a new cluster.
+func Start(ctx context.Context, opts Options) (*Cluster, error) {
+	binDir, err := FindBinDir()
+	if err != nil {
+		return nil, err
+	}
+	if opts.MaxConnections == 0 {
+		opts.MaxConnections = 300
+	}
+	// Unix socket paths are limited to 107 bytes, so the base directory lives directly under
+	// /tmp rather than under a long TMPDIR.
+	baseDir, err := os.MkdirTemp("/tmp", "pg")
+	if err != nil {
+		return nil, fmt.Errorf("create cluster directory: %w", err)
+	}
+	c := &Cluster{
+		binDir:  binDir,
+		baseDir: baseDir,
+		dataDir: filepath.Join(baseDir, "data"),
+		sockDir: baseDir,
+		logFile: filepath.Join(baseDir, "server.log"),
+		opts:    opts,
+	}
+	if os.Geteuid() == 0 {
+		cred, err := credentialOf("postgres")
+		if err != nil {
+			_ = os.RemoveAll(baseDir)
+			return nil, err
+		}
+		c.cred = cred
+		if err := os.Chown(baseDir, int(cred.Uid), int(cred.Gid)); err != nil {
+			_ = os.RemoveAll(baseDir)
+			return nil, fmt.Errorf("hand cluster directory to postgres: %w", err)
+		}
+	}
+	if err := c.startReaper(); err != nil {
+		_ = os.RemoveAll(baseDir)
+		return nil, err
+	}
+	if err := c.run(ctx, "initdb", "-D", c.dataDir, "-A", "trust", "-U", Superuser,
+		"-E", "UTF8", "--locale=C", "--no-sync"); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	if err := c.start(ctx); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func credentialOf(name string) (*syscall.Credential, error) {
+	u, err := user.Lookup(name)
+	if err != nil {
+		return nil, fmt.Errorf("running as root needs the %q OS user for initdb: %w", name, err)
+	}
+	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+}
+
+// startReaper launches the process that cleans up after us if we die without calling Stop.
+func (c *Cluster) startReaper() error {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return fmt.Errorf("reaper pipe: %w", err)
+	}
+	script := `read _ignored; "$1" -D "$2" stop -m immediate >/dev/null 2>&1; rm -rf "$3"`
+	cmd := exec.Command("/bin/sh", "-c", script, "reaper", filepath.Join(c.binDir, "pg_ctl"), c.dataDir, c.baseDir)
+	cmd.Stdin = r
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: c.cred}
+	if err := cmd.Start(); err != nil {
+		_ = r.Close()
+		_ = w.Close()
+		return fmt.Errorf("start reaper: %w", err)
+	}
+	_ = r.Close()
+	c.reaper, c.reaperPipe = cmd, w
+	return nil
+}
+
+func (c *Cluster) serverOptions() string {
+	settings := map[string]string{
+		"listen_addresses":    "''",
+		"max_connections":     strconv.Itoa(c.opts.MaxConnections),
+		"unix_socket_directories": c.sockDir,
+	}
+	if !c.opts.Durable {
+		settings["fsync"] = "off"
+		settings["synchronous_commit"] = "off"
+		settings["full_page_writes"] = "off"
+	}
+	for k, v := range c.opts.Settings {
+		settings[k] = v
+	}
+	keys := make([]string, 0, len(settings))
+	for k := range settings {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var b strings.Builder
+	for _, k := range keys {
+		fmt.Fprintf(&b, " -c %s=%s", k, settings[k])
+	}
+	return strings.TrimSpace(b.String())
+}
+
+func (c *Cluster) start(ctx context.Context) error {
+	return c.run(ctx, "pg_ctl", "start", "-w", "-t", "60", "-D", c.dataDir, "-l", c.logFile, "-o", c.serverOptions())
+}
+
+// Restart stops the server with the fast mode (clients are disconnected, transactions rolled
+// back) and starts it again on the same socket.
+func (c *Cluster) Restart(ctx context.Context) error {
+	return c.run(ctx, "pg_ctl", "restart", "-w", "-t", "60", "-m", "fast", "-D", c.dataDir, "-l", c.logFile, "-o", c.serverOptions())
+}
+
+func (c *Cluster) run(ctx context.Context, tool string, args ...string) error {
+	cmd := exec.CommandContext(ctx, filepath.Join(c.binDir, tool), args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	cmd.Dir = c.baseDir
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s: %w: %s%s", tool, err, strings.TrimSpace(string(out)), c.logTail())
+	}
+	return nil
+}
+
+func (c *Cluster) logTail() string {
+	b, err := os.ReadFile(c.logFile)
+	if err != nil || len(b) == 0 {
+		return ""
+	}
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return "\nserver log:\n" + string(b)
+}
+
+// SocketDir is the directory holding the server's unix socket.
+func (c *Cluster) SocketDir() string { return c.sockDir }
+
+// BinDir is the directory holding the server binaries (pgbench lives there too).
+func (c *Cluster) BinDir() string { return c.binDir }
+
+// DSN returns a keyword/value connection string for the superuser and the given database.
+func (c *Cluster) DSN(database string) string {
+	return fmt.Sprintf("host=%s port=5432 user=%s dbname=%s sslmode=disable", c.sockDir, Superuser, database)
+}
+
+// URL returns the same connection as DSN in URL form.
+func (c *Cluster) URL(database string) string {
+	return fmt.Sprintf("postgres://%s@/%s?host=%s&port=5432&sslmode=disable", Superuser, database, c.sockDir)
+}
+
+// Stop stops the server and removes its directory. It is safe to call more than once.
+func (c *Cluster) Stop() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopped {
+		return
+	}
+	c.stopped = true
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := os.Stat(filepath.Join(c.dataDir, "postmaster.pid")); err == nil {
+		_ = c.run(ctx, "pg_ctl", "stop", "-w", "-m", "immediate", "-D", c.dataDir)
+	}
+	// Closing the pipe lets the reaper finish; it removes the directory.
+	_ = c.reaperPipe.Close()
+	_ = c.reaper.Wait()
+	_ = os.RemoveAll(c.baseDir)
+}

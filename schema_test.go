@@ -1,0 +1,245 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func TestMigrateFreshDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
+
+	err := outbox.VerifySchema(ctx, pool)
+	require.ErrorIs(t, err, outbox.ErrSchemaBehind)
+
+	applied, err := outbox.Migrate(ctx, pool)
+	require.NoError(t, err)
+	require.Equal(t, []int{1, 2, 3}, applied)
+	require.NoError(t, outbox.VerifySchema(ctx, pool))
+
+	status, err := outbox.SchemaStatus(ctx, pool)
+	require.NoError(t, err)
+	require.Len(t, status, outbox.SchemaVersion)
+	for i, m := range outbox.Migrations() {
+		require.Equal(t, m.Version, status[i].Version)
+		require.Equal(t, m.Checksum, status[i].Checksum)
+	}
+}
+
+func TestMigrateUpgradePathIsIdempotent(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
+
+	applied, err := outbox.MigrateThrough(ctx, pool, 1)
+	require.NoError(t, err)
+	require.Equal(t, []int{1}, applied)
+	require.ErrorIs(t, outbox.VerifySchema(ctx, pool), outbox.ErrSchemaBehind)
+
+	// The writer's table works at version 1 already.
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
+		VALUES ('p1', 'task-deleted:t1:2026-01-02T03:04:05.000006Z', 'task:deleted', 't1', '2026-01-02T03:04:05.000006Z', 'w', 1)`)
+	require.NoError(t, err)
+
+	applied, err = outbox.Migrate(ctx, pool)
+	require.NoError(t, err)
+	require.Equal(t, []int{2, 3}, applied)
+
+	applied, err = outbox.Migrate(ctx, pool)
+	require.NoError(t, err)
+	require.Empty(t, applied, "re-running the applier applies nothing")
+	require.NoError(t, outbox.VerifySchema(ctx, pool))
+
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM lifecycle_outbox`).Scan(&n))
+	require.Equal(t, 1, n, "the upgrade kept existing rows")
+}
+
+func TestConcurrentAppliersApplyEachMigrationOnce(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewEmptyDB(t)
+
+	const appliers = 4
+	pools := make([]interface {
+		Begin(context.Context) (pgx.Tx, error)
+	}, appliers)
+	for i := range pools {
+		pools[i] = pgtest.Pool(t, db.URL)
+	}
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		all   []int
+		errs  = make([]error, appliers)
+		start = make(chan struct{})
+	)
+	for i := range appliers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			v, err := outbox.Migrate(ctx, pools[i])
+			errs[i] = err
+			mu.Lock()
+			all = append(all, v...)
+			mu.Unlock()
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for i, err := range errs {
+		require.NoError(t, err, "applier %d", i)
+	}
+	sort.Ints(all)
+	require.Equal(t, []int{1, 2, 3}, all, "every migration applied exactly once across the appliers")
+	require.NoError(t, outbox.VerifySchema(ctx, pgtest.Pool(t, db.URL)))
+}
+
+func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+
+	t.Run("checksum", func(t *testing.T) {
+		t.Parallel()
+		pool := pgtest.NewPool(t)
+		_, err := pool.Exec(ctx, `UPDATE lifecycle_outbox_schema SET checksum = 'deadbeef' WHERE version = 2`)
+		require.NoError(t, err)
+		err = outbox.VerifySchema(ctx, pool)
+		require.ErrorIs(t, err, outbox.ErrSchemaChecksum)
+		require.Contains(t, err.Error(), "0002_consumers")
+		_, err = outbox.Migrate(ctx, pool)
+		require.ErrorIs(t, err, outbox.ErrSchemaChecksum, "the applier refuses a tampered history too")
+	})
+	t.Run("ahead", func(t *testing.T) {
+		t.Parallel()
+		pool := pgtest.NewPool(t)
+		_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox_schema (version, name, checksum) VALUES ($1, 'from_the_future', 'x')`, outbox.SchemaVersion+1)
+		require.NoError(t, err)
+		err = outbox.VerifySchema(ctx, pool)
+		require.ErrorIs(t, err, outbox.ErrSchemaAhead)
+		_, err = outbox.Migrate(ctx, pool)
+		require.ErrorIs(t, err, outbox.ErrSchemaAhead)
+	})
+	t.Run("behind", func(t *testing.T) {
+		t.Parallel()
+		pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
+		_, err := outbox.MigrateThrough(ctx, pool, 2)
+		require.NoError(t, err)
+		err = outbox.VerifySchema(ctx, pool)
+		require.ErrorIs(t, err, outbox.ErrSchemaBehind)
+		require.Contains(t, err.Error(), "version 2")
+	})
+}
+
+func TestDatabaseRefusesUnknownEventType(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
+		VALUES ('p1', 'task-archived:t1', 'task:archived', 't1', now(), 'w', 1)`)
+	requireSQLState(t, err, "23514") // check_violation
+
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
+		VALUES ('p1', 'task-deleted:t1:not-the-stored-time', 'task:deleted', 't1', now(), 'w', 1)`)
+	requireSQLState(t, err, "23514")
+}
+
+func requireSQLState(t *testing.T, err error, code string) {
+	t.Helper()
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, code, pgErr.Code, pgErr.Message)
+}
+
+var roleCounter atomic.Int64
+
+// runtimeRole creates a login role with only the module's runtime grants, scoped to projects,
+// and returns a connection string for it on db.
+func runtimeRole(t *testing.T, db pgtest.DB, projects ...string) string {
+	t.Helper()
+	ctx := ctxT(t)
+	role := fmt.Sprintf("rt_%s_%d", db.Name, roleCounter.Add(1))
+	admin := pgtest.Pool(t, db.URL)
+	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		// The database is dropped first (cleanups run last-in first-out); then the role.
+		_, _ = admin.Exec(ctx, `DROP OWNED BY `+pgx.Identifier{role}.Sanitize())
+	})
+	require.NoError(t, outbox.GrantRuntimeRole(ctx, admin, role, projects...))
+	return db.As(role)
+}
+
+func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	admin := pgtest.Pool(t, db.URL)
+	for _, p := range []string{"proj-a", "proj-b"} {
+		_, err := admin.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
+			VALUES ($1, 'task-deleted:t1:2026-01-02T03:04:05.000000Z', 'task:deleted', 't1', '2026-01-02T03:04:05Z', 'w', 1)`, p)
+		require.NoError(t, err)
+		_, err = admin.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ($1, 'dash', 0)`, p)
+		require.NoError(t, err)
+	}
+
+	rolePool := pgtest.Pool(t, runtimeRole(t, db, "proj-a"))
+	var bypass, super bool
+	require.NoError(t, rolePool.QueryRow(ctx, `SELECT rolbypassrls, rolsuper FROM pg_roles WHERE rolname = current_user`).Scan(&bypass, &super))
+	require.False(t, bypass)
+	require.False(t, super)
+
+	for _, table := range []string{"lifecycle_outbox", "lifecycle_consumer_cursors"} {
+		var projects []string
+		require.NoError(t, rolePool.QueryRow(ctx, `SELECT coalesce(array_agg(DISTINCT project_id), '{}') FROM `+table).Scan(&projects))
+		require.Equal(t, []string{"proj-a"}, projects, table)
+	}
+
+	_, err := rolePool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
+		VALUES ('proj-b', 'task-deleted:t2:2026-01-02T03:04:05.000000Z', 'task:deleted', 't2', '2026-01-02T03:04:05Z', 'w', 1)`)
+	requireSQLState(t, err, "42501") // insufficient_privilege: row violates the policy
+
+	tag, err := rolePool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 99 WHERE project_id = 'proj-b'`)
+	require.NoError(t, err)
+	require.Zero(t, tag.RowsAffected(), "project B's cursor is invisible, so nothing is updated")
+
+	// Project A still works for the role: the writer's insert and the sequencer.
+	_, err = rolePool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
+		VALUES ('proj-a', 'task-deleted:t2:2026-01-02T03:04:05.000000Z', 'task:deleted', 't2', '2026-01-02T03:04:05Z', 'w', 1)`)
+	require.NoError(t, err)
+	rows, err := rolePool.Query(ctx, `SELECT project_id, last_sequence FROM lifecycle_outbox_sequence(NULL, 100)`)
+	require.NoError(t, err)
+	heads, err := pgx.CollectRows(rows, pgx.RowToMap)
+	require.NoError(t, err)
+	require.Len(t, heads, 1)
+	require.Equal(t, "proj-a", heads[0]["project_id"])
+	require.EqualValues(t, 2, heads[0]["last_sequence"])
+
+	var bSeq *int64
+	require.NoError(t, admin.QueryRow(ctx, `SELECT sequence FROM lifecycle_outbox WHERE project_id = 'proj-b'`).Scan(&bSeq))
+	require.Nil(t, bSeq, "the role's sequencer never touched project B")
+}
