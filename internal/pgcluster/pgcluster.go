@@ -166,8 +166,8 @@ func (c *Cluster) startReaper() error {
 
 func (c *Cluster) serverOptions() string {
 	settings := map[string]string{
-		"listen_addresses":    "''",
-		"max_connections":     strconv.Itoa(c.opts.MaxConnections),
+		"listen_addresses":        "''",
+		"max_connections":         strconv.Itoa(c.opts.MaxConnections),
 		"unix_socket_directories": c.sockDir,
 	}
 	if !c.opts.Durable {
