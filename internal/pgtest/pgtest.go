@@ -233,6 +233,8 @@ func Pool(t testing.TB, url string) *pgxpool.Pool {
 	if err != nil {
 		t.Fatalf("pgtest: parse %s: %v", url, err)
 	}
+	// Tests hold many transactions open at once on purpose; the default of four would deadlock.
+	cfg.MaxConns = 32
 	return PoolConfig(t, cfg)
 }
 
