@@ -1,0 +1,96 @@
+package outbox
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The host seams: what the module asks of the process that embeds it. The reference host in
+// example/taskstore implements each one.
+
+// TaskCache is the host's local cache of live tasks. Both methods must be idempotent.
+type TaskCache interface {
+	// RemoveTask drops a task deleted at deletedAt. removed is false when the task was not
+	// cached, which the consumer counts as a suppressed re-delivery.
+	RemoveTask(ctx context.Context, projectID, taskID string, deletedAt time.Time) (removed bool, err error)
+	// ReplaceLive makes liveTaskIDs the project's complete live set, dropping every other ID.
+	ReplaceLive(ctx context.Context, projectID string, liveTaskIDs []string) error
+}
+
+// LiveTasks reads the host's live tasks for full reconciliation.
+type LiveTasks interface {
+	// LiveTaskIDsTx returns the IDs of the project's tasks with deleted_at IS NULL. It runs in
+	// tx, a REPEATABLE READ transaction that also reads the outbox head, so both come from one
+	// snapshot.
+	LiveTaskIDsTx(ctx context.Context, tx pgx.Tx, projectID string) ([]string, error)
+}
+
+// Audit actions the module writes.
+const (
+	AuditConsumerPoisoned = "lifecycle-observation:consumer-poisoned"
+	AuditConsumerReplayed = "lifecycle-observation:consumer-replayed"
+	AuditConsumerRetired  = "lifecycle-observation:consumer-retired"
+	AuditReplayRequested  = "lifecycle-observation:replay-requested"
+)
+
+// AuditRecord is a run-audit row the module asks the host to write. It holds identifiers and
+// counts only: never error text, payload prose or free-form notes.
+type AuditRecord struct {
+	Action     string
+	ProjectID  string
+	ConsumerID ConsumerID
+	EventID    string // empty for consumer-level actions
+	Sequence   int64  // 0 for consumer-level actions
+	Attempts   int    // delivery attempts so far
+	Actor      string // who asked, for operator actions (an identifier)
+	Reason     string // why, for operator actions (a ticket or short code)
+}
+
+// AuditSink writes run-audit rows inside the module's transaction, so the audited change and
+// its audit row commit together.
+type AuditSink interface {
+	WriteAuditTx(ctx context.Context, tx pgx.Tx, rec AuditRecord) error
+}
+
+// TableAuditSink writes to the module's own lifecycle_audit table. It is used when the host
+// provides no sink.
+type TableAuditSink struct{}
+
+// WriteAuditTx inserts rec into lifecycle_audit.
+func (TableAuditSink) WriteAuditTx(ctx context.Context, tx pgx.Tx, rec AuditRecord) error {
+	_, err := tx.Exec(ctx, insertAuditSQL, rec.ProjectID, rec.Action, nullable(string(rec.ConsumerID)),
+		nullable(rec.EventID), nullableInt(rec.Sequence), nullableInt(int64(rec.Attempts)), nullable(rec.Actor), nullable(rec.Reason))
+	return err
+}
+
+const insertAuditSQL = `
+INSERT INTO lifecycle_audit (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`
+
+func nullable(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
+}
+
+func nullableInt(v int64) *int64 {
+	if v == 0 {
+		return nil
+	}
+	return &v
+}
+
+// Projects says which projects this process observes. It is asked again at every heartbeat,
+// so projects may come and go while the consumer runs.
+type Projects interface {
+	ObservedProjects(ctx context.Context) ([]string, error)
+}
+
+// StaticProjects is a fixed project list.
+type StaticProjects []string
+
+// ObservedProjects returns the list.
+func (p StaticProjects) ObservedProjects(context.Context) ([]string, error) { return p, nil }

@@ -1,0 +1,223 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+	"unicode"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+// TaskDeletion is what the host's delete transaction tells the writer hook.
+type TaskDeletion struct {
+	ProjectID string
+	TaskID    string
+	// DeletedAt is the value the database stored, read back in the same transaction (for
+	// example with RETURNING deleted_at). It must have microsecond precision, as PostgreSQL
+	// stores it, because the event identity is derived from it.
+	DeletedAt time.Time
+	// PriorColumn is the task's column or status just before the delete.
+	PriorColumn string
+	// Archived says whether the task was archived when it was deleted.
+	Archived bool
+}
+
+// Writer is the transactional writer hook. It is safe for concurrent use.
+//
+// Its only cost inside the delete transaction is one insert into lifecycle_outbox with a NULL
+// sequence: no lock that another delete waits on, no NOTIFY (which would serialise commits
+// database-wide on the notification queue lock). After commit the host calls Committed, and
+// the writer sends one coalesced wake-up per project from outside any delete transaction.
+type Writer struct {
+	processID string
+	disabled  bool
+	notify    *notifier // nil when notifications are off or the module is disabled
+	log       *zap.Logger
+}
+
+// NewWriter builds a writer. db is used only for post-commit notifications and may be nil
+// when cfg.NotifyDisabled is set.
+func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = zap.NewNop()
+	}
+	id, err := NewWriterProcessID(cfg.WriterLabel)
+	if err != nil {
+		return nil, err
+	}
+	w := &Writer{processID: id, disabled: cfg.Disabled, log: log.Named("outbox.writer")}
+	if !cfg.Disabled && !cfg.NotifyDisabled {
+		if db == nil {
+			return nil, errors.New("outbox writer: a database is needed for notifications (or set NotifyDisabled)")
+		}
+		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, log: w.log, pending: map[string]struct{}{}}
+	}
+	return w, nil
+}
+
+// ProcessID is this boot's writer process ID, stamped on every event it records.
+func (w *Writer) ProcessID() string { return w.processID }
+
+const insertEventSQL = `
+INSERT INTO lifecycle_outbox
+    (project_id, event_id, event_type, task_id, deleted_at, prior_column, archived, writer_process_id, payload_version)
+VALUES ($1, $2, 'task:deleted', $3, $4, $5, $6, $7, $8)
+ON CONFLICT (project_id, event_id) DO NOTHING
+RETURNING occurred_at`
+
+const selectEventByIDSQL = `
+SELECT writer_process_id, occurred_at, coalesce(sequence, 0)
+FROM lifecycle_outbox WHERE project_id = $1 AND event_id = $2`
+
+// RecordTaskDeletedTx records the first deletion of a task inside the caller's delete
+// transaction, so that the delete and its event commit or roll back together. It returns the
+// event and whether this call inserted it: a second call for the same deletion (same task,
+// same stored deletedAt) inserts nothing and returns the stored event. Called from an observed
+// context it refuses with a *FenceError and writes nothing.
+func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDeletion) (Event, bool, error) {
+	if err := RefuseObserved(ctx, "record "+EventTypeTaskDeleted); err != nil {
+		return Event{}, false, err
+	}
+	if tx == nil {
+		return Event{}, false, errors.New("record task:deleted: nil transaction: the hook must run inside the delete transaction")
+	}
+	if err := d.validate(); err != nil {
+		return Event{}, false, fmt.Errorf("record task:deleted: %w", err)
+	}
+	ev := Event{
+		ProjectID:       d.ProjectID,
+		EventID:         TaskDeletedEventID(d.TaskID, d.DeletedAt),
+		EventType:       EventTypeTaskDeleted,
+		TaskID:          d.TaskID,
+		DeletedAt:       d.DeletedAt.UTC(),
+		PriorColumn:     d.PriorColumn,
+		Archived:        d.Archived,
+		WriterProcessID: w.processID,
+		PayloadVersion:  PayloadVersion,
+	}
+	if w.disabled {
+		return ev, false, nil
+	}
+	var prior *string
+	if d.PriorColumn != "" {
+		prior = &d.PriorColumn
+	}
+	err := tx.QueryRow(ctx, insertEventSQL, ev.ProjectID, ev.EventID, ev.TaskID, ev.DeletedAt, prior,
+		ev.Archived, ev.WriterProcessID, ev.PayloadVersion).Scan(&ev.OccurredAt)
+	if err == nil {
+		return ev, true, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return Event{}, false, fmt.Errorf("record task:deleted: %w", err)
+	}
+	// Already recorded: return the stored event.
+	if err := tx.QueryRow(ctx, selectEventByIDSQL, ev.ProjectID, ev.EventID).
+		Scan(&ev.WriterProcessID, &ev.OccurredAt, &ev.Sequence); err != nil {
+		return Event{}, false, fmt.Errorf("read recorded task:deleted: %w", err)
+	}
+	return ev, false, nil
+}
+
+func (d TaskDeletion) validate() error {
+	if err := ValidateProjectID(d.ProjectID); err != nil {
+		return invalid("ProjectID", "%v", err)
+	}
+	if err := validateTaskID(d.TaskID); err != nil {
+		return err
+	}
+	if d.DeletedAt.IsZero() {
+		return invalid("DeletedAt", "is zero: pass the deleted_at value the database stored")
+	}
+	if d.DeletedAt.Nanosecond()%1000 != 0 {
+		return invalid("DeletedAt", "%s has sub-microsecond precision: pass the value the database stored, not a client clock reading", d.DeletedAt.Format(time.RFC3339Nano))
+	}
+	if y := d.DeletedAt.UTC().Year(); y < 1 || y > 9999 {
+		return invalid("DeletedAt", "year %d is out of range", y)
+	}
+	if len(d.PriorColumn) > 128 || strings.IndexFunc(d.PriorColumn, unicode.IsControl) >= 0 {
+		return invalid("PriorColumn", "must be at most 128 bytes without control characters")
+	}
+	return nil
+}
+
+// Committed tells the writer that a transaction holding events of these projects committed.
+// It never blocks: the wake-up is sent in the background, coalesced per project, and a lost
+// one only costs consumers one poll interval.
+func (w *Writer) Committed(projectIDs ...string) {
+	if w.notify != nil {
+		w.notify.enqueue(projectIDs)
+	}
+}
+
+// Close waits for wake-ups in flight to be sent.
+func (w *Writer) Close() {
+	if w.notify != nil {
+		w.notify.wait()
+	}
+}
+
+// notifier sends post-commit wake-ups. Projects committed while a send is in flight are
+// gathered and sent together by the same goroutine, so a burst of deletes costs one NOTIFY per
+// project per round trip, not one per delete. No goroutine runs while nothing is pending.
+type notifier struct {
+	db      DBTX
+	channel string
+	log     *zap.Logger
+
+	mu      sync.Mutex
+	pending map[string]struct{}
+	running bool
+	wg      sync.WaitGroup
+}
+
+const notifySQL = `SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p`
+
+func (n *notifier) enqueue(projects []string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, p := range projects {
+		n.pending[p] = struct{}{}
+	}
+	if n.running || len(n.pending) == 0 {
+		return
+	}
+	n.running = true
+	n.wg.Add(1)
+	go n.flush()
+}
+
+func (n *notifier) flush() {
+	defer n.wg.Done()
+	for {
+		n.mu.Lock()
+		if len(n.pending) == 0 {
+			n.running = false
+			n.mu.Unlock()
+			return
+		}
+		batch := make([]string, 0, len(n.pending))
+		for p := range n.pending {
+			batch = append(batch, p)
+		}
+		clear(n.pending)
+		n.mu.Unlock()
+
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if _, err := n.db.Exec(ctx, notifySQL, n.channel, batch); err != nil {
+			n.log.Warn("wake-up notification not sent; consumers will find the events on their next poll",
+				zap.Strings("projects", batch), zap.Error(err))
+		}
+		cancel()
+	}
+}
+
+func (n *notifier) wait() { n.wg.Wait() }
