@@ -32,7 +32,7 @@ const (
 	AuditConsumerPoisoned = "lifecycle-observation:consumer-poisoned"
 	AuditConsumerReplayed = "lifecycle-observation:consumer-replayed"
 	AuditConsumerRetired  = "lifecycle-observation:consumer-retired"
-	AuditReplayRequested  = "lifecycle-observation:replay-requested"
+	AuditConsumerRestored = "lifecycle-observation:consumer-reinstated"
 )
 
 // AuditRecord is a run-audit row the module asks the host to write. It holds identifiers and

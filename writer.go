@@ -37,6 +37,7 @@ type Writer struct {
 	processID string
 	disabled  bool
 	notify    *notifier // nil when notifications are off or the module is disabled
+	clock     Clock
 	log       *zap.Logger
 }
 
@@ -54,7 +55,7 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &Writer{processID: id, disabled: cfg.Disabled, log: log.Named("outbox.writer")}
+	w := &Writer{processID: id, disabled: cfg.Disabled, clock: cfg.Clock, log: log.Named("outbox.writer")}
 	if !cfg.Disabled && !cfg.NotifyDisabled {
 		if db == nil {
 			return nil, errors.New("outbox writer: a database is needed for notifications (or set NotifyDisabled)")
@@ -69,8 +70,8 @@ func (w *Writer) ProcessID() string { return w.processID }
 
 const insertEventSQL = `
 INSERT INTO lifecycle_outbox
-    (project_id, event_id, event_type, task_id, deleted_at, prior_column, archived, writer_process_id, payload_version)
-VALUES ($1, $2, 'task:deleted', $3, $4, $5, $6, $7, $8)
+    (project_id, event_id, event_type, task_id, deleted_at, prior_column, archived, writer_process_id, payload_version, occurred_at)
+VALUES ($1, $2, 'task:deleted', $3, $4, $5, $6, $7, $8, now() + $9::interval)
 ON CONFLICT (project_id, event_id) DO NOTHING
 RETURNING occurred_at`
 
@@ -112,7 +113,7 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 		prior = &d.PriorColumn
 	}
 	err := tx.QueryRow(ctx, insertEventSQL, ev.ProjectID, ev.EventID, ev.TaskID, ev.DeletedAt, prior,
-		ev.Archived, ev.WriterProcessID, ev.PayloadVersion).Scan(&ev.OccurredAt)
+		ev.Archived, ev.WriterProcessID, ev.PayloadVersion, w.clock.Offset()).Scan(&ev.OccurredAt)
 	if err == nil {
 		return ev, true, nil
 	}

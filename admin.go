@@ -1,0 +1,319 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+)
+
+// Admin holds the operator calls behind outboxctl, usable from a host's own admin surface.
+// Mutating calls take an actor and a reason, validate them as identifiers (never prose), and
+// audit what they did in the same transaction.
+type Admin struct {
+	pool  *pgxpool.Pool
+	clock Clock
+	audit AuditSink
+	log   *zap.Logger
+}
+
+// AdminOptions configure an Admin.
+type AdminOptions struct {
+	Audit  AuditSink // defaults to TableAuditSink
+	Clock  Clock     // defaults to RealClock
+	Logger *zap.Logger
+}
+
+// NewAdmin returns the operator calls on pool.
+func NewAdmin(pool *pgxpool.Pool, opts AdminOptions) *Admin {
+	if opts.Audit == nil {
+		opts.Audit = TableAuditSink{}
+	}
+	if opts.Clock == nil {
+		opts.Clock = RealClock{}
+	}
+	if opts.Logger == nil {
+		opts.Logger = zap.NewNop()
+	}
+	return &Admin{pool: pool, clock: opts.Clock, audit: opts.Audit, log: opts.Logger.Named("outbox.admin")}
+}
+
+// StatusFilter narrows Status and DeadLetters; empty fields match everything.
+type StatusFilter struct {
+	ProjectID  string
+	ConsumerID string
+}
+
+// ConsumerStatus is one (project, consumer) cursor as an operator sees it.
+type ConsumerStatus struct {
+	ProjectID       string     `json:"projectId"`
+	ConsumerID      string     `json:"consumerId"`
+	Cursor          *int64     `json:"cursor"` // nil: never positioned (reconciles on start)
+	Head            int64      `json:"head"`
+	PrunedThrough   int64      `json:"prunedThrough"`
+	LagEvents       int64      `json:"lagEvents"`
+	LagSeconds      float64    `json:"lagSeconds"` // age of the oldest unacknowledged event
+	LeaseOwner      string     `json:"leaseOwner,omitempty"`
+	LeaseEpoch      int64      `json:"leaseEpoch"`
+	LeaseExpiresAt  *time.Time `json:"leaseExpiresAt,omitempty"`
+	LeaseHeld       bool       `json:"leaseHeld"`
+	HeartbeatAt     *time.Time `json:"heartbeatAt,omitempty"`
+	Retired         bool       `json:"retired"`
+	RetiredAt       *time.Time `json:"retiredAt,omitempty"`
+	RetiredBy       string     `json:"retiredBy,omitempty"`
+	RetiredReason   string     `json:"retiredReason,omitempty"`
+	Retrying        int        `json:"retrying"`
+	Dead            int        `json:"dead"`
+	ReplayRequested int        `json:"replayRequested"`
+	ReconciledAt    *time.Time `json:"reconciledAt,omitempty"`
+	ReconcileReason string     `json:"reconcileReason,omitempty"`
+}
+
+const statusSQL = `
+SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
+       coalesce(h.last_sequence, 0), coalesce(h.pruned_through, 0),
+       greatest(coalesce(h.last_sequence, 0) - coalesce(c.last_acked_sequence, 0), 0),
+       coalesce(greatest(extract(epoch FROM (now() + $3::interval) - o.occurred_at), 0), 0)::float8,
+       coalesce(c.lease_owner, ''), c.lease_epoch, c.lease_expires_at,
+       coalesce(c.lease_owner IS NOT NULL AND c.lease_expires_at > now() + $3::interval, false),
+       c.heartbeat_at, c.retired_at IS NOT NULL, c.retired_at, coalesce(c.retired_by, ''), coalesce(c.retired_reason, ''),
+       coalesce(d.retrying, 0), coalesce(d.dead, 0), coalesce(d.replay, 0),
+       c.reconciled_at, coalesce(c.reconcile_reason, '')
+FROM lifecycle_consumer_cursors c
+LEFT JOIN lifecycle_outbox_heads h ON h.project_id = c.project_id
+LEFT JOIN lifecycle_outbox o ON o.project_id = c.project_id AND o.sequence = coalesce(c.last_acked_sequence, 0) + 1
+LEFT JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE state = 'retrying')::int AS retrying,
+           count(*) FILTER (WHERE state = 'dead')::int AS dead,
+           count(*) FILTER (WHERE state = 'replay_requested')::int AS replay
+    FROM lifecycle_consumer_deliveries d
+    WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
+) d ON true
+WHERE ($1 = '' OR c.project_id = $1) AND ($2 = '' OR c.consumer_id = $2)
+ORDER BY c.project_id, c.consumer_id`
+
+// Status reports every matching cursor: position, head, lag, lease and open deliveries.
+func (a *Admin) Status(ctx context.Context, f StatusFilter) ([]ConsumerStatus, error) {
+	return consumerStatus(ctx, a.pool, a.clock, f)
+}
+
+func consumerStatus(ctx context.Context, db DBTX, clock Clock, f StatusFilter) ([]ConsumerStatus, error) {
+	rows, err := db.Query(ctx, statusSQL, f.ProjectID, f.ConsumerID, clock.Offset())
+	if err != nil {
+		return nil, fmt.Errorf("status: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ConsumerStatus])
+	if err != nil {
+		return nil, fmt.Errorf("status: %w", err)
+	}
+	return out, nil
+}
+
+// DeadLetter is a delivery parked after its last attempt (or awaiting a requested replay).
+type DeadLetter struct {
+	ProjectID         string     `json:"projectId"`
+	ConsumerID        string     `json:"consumerId"`
+	Sequence          int64      `json:"sequence"`
+	EventID           string     `json:"eventId"`
+	State             string     `json:"state"`
+	Attempts          int        `json:"attempts"`
+	LastFailureClass  string     `json:"lastFailureClass"`
+	ParkedAt          *time.Time `json:"parkedAt,omitempty"`
+	ReplayRequestedAt *time.Time `json:"replayRequestedAt,omitempty"`
+	ReplayRequestedBy string     `json:"replayRequestedBy,omitempty"`
+}
+
+const deadLettersSQL = `
+SELECT project_id, consumer_id, sequence, event_id, state, attempts, coalesce(last_failure_class, ''),
+       parked_at, replay_requested_at, coalesce(replay_requested_by, '')
+FROM lifecycle_consumer_deliveries
+WHERE state IN ('dead', 'replay_requested')
+  AND ($1 = '' OR project_id = $1) AND ($2 = '' OR consumer_id = $2)
+ORDER BY project_id, consumer_id, sequence`
+
+// DeadLetters lists unresolved dead letters.
+func (a *Admin) DeadLetters(ctx context.Context, f StatusFilter) ([]DeadLetter, error) {
+	rows, err := a.pool.Query(ctx, deadLettersSQL, f.ProjectID, f.ConsumerID)
+	if err != nil {
+		return nil, fmt.Errorf("dead letters: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[DeadLetter])
+	if err != nil {
+		return nil, fmt.Errorf("dead letters: %w", err)
+	}
+	return out, nil
+}
+
+// actorPattern and reasonPattern keep operator input to identifiers: an audit row must not
+// carry free text, which could hold anything.
+var (
+	actorPattern  = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._@:/-]{0,127}$`)
+	reasonPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:/#-]{0,127}$`)
+)
+
+// Operator says who asks for a mutation and why.
+type Operator struct {
+	Actor  string // an identifier: a user name, e-mail or service account
+	Reason string // a ticket reference or a short code such as "listener-fixed", not prose
+}
+
+func (o Operator) validate() error {
+	if !actorPattern.MatchString(o.Actor) {
+		return invalid("actor", "must be an identifier of 1 to 128 characters from [A-Za-z0-9._@:/-] (got %q)", o.Actor)
+	}
+	if !reasonPattern.MatchString(o.Reason) {
+		return invalid("reason", "must be a ticket reference or short code of 1 to 128 characters from [A-Za-z0-9._:/#-], not prose (got %q)", o.Reason)
+	}
+	return nil
+}
+
+// ReplayRequest names a dead letter to replay.
+type ReplayRequest struct {
+	ProjectID  string
+	ConsumerID string
+	Sequence   int64 // the event's sequence in the project, as DeadLetters lists it
+	Operator
+}
+
+const requestReplaySQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'replay_requested', replay_requested_at = now() + $6::interval, replay_requested_by = $4, replay_reason = $5
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'dead'
+RETURNING event_id`
+
+const deliveryStateSQL = `
+SELECT state FROM lifecycle_consumer_deliveries WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3`
+
+const cursorExistsSQL = `
+SELECT EXISTS (SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = $1 AND ($2 = '' OR project_id = $2))`
+
+// RequestReplay marks a dead letter for replay. Only the consumer that owns it re-dispatches
+// it, on its next scan; it resolves the dead letter and writes the consumer-replayed audit row
+// naming this operator. It returns ErrUnknownConsumer or ErrNotDeadLetter when there is
+// nothing to replay.
+func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID string, err error) {
+	if err := r.validate(); err != nil {
+		return "", err
+	}
+	if err := ValidateProjectID(r.ProjectID); err != nil {
+		return "", &ValidationError{Field: "project", Reason: err.Error()}
+	}
+	err = a.pool.QueryRow(ctx, requestReplaySQL, r.ProjectID, r.ConsumerID, r.Sequence, r.Actor, r.Reason, a.clock.Offset()).Scan(&eventID)
+	if err == nil {
+		a.log.Info("replay requested", zap.String("project_id", r.ProjectID), zap.String("consumer_id", r.ConsumerID),
+			zap.Int64("sequence", r.Sequence), zap.String("event_id", eventID), zap.String("actor", r.Actor))
+		return eventID, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return "", fmt.Errorf("request replay: %w", err)
+	}
+	if err := a.requireConsumer(ctx, r.ConsumerID, r.ProjectID); err != nil {
+		return "", err
+	}
+	var state string
+	switch err := a.pool.QueryRow(ctx, deliveryStateSQL, r.ProjectID, r.ConsumerID, r.Sequence).Scan(&state); {
+	case errors.Is(err, pgx.ErrNoRows):
+		return "", fmt.Errorf("%w: consumer %q has no failed delivery at sequence %d of project %q", ErrNotDeadLetter, r.ConsumerID, r.Sequence, r.ProjectID)
+	case err != nil:
+		return "", fmt.Errorf("request replay: %w", err)
+	}
+	return "", fmt.Errorf("%w: the delivery at sequence %d of project %q for consumer %q is %s", ErrNotDeadLetter, r.Sequence, r.ProjectID, r.ConsumerID, state)
+}
+
+func (a *Admin) requireConsumer(ctx context.Context, consumer, project string) error {
+	var exists bool
+	if err := a.pool.QueryRow(ctx, cursorExistsSQL, consumer, project).Scan(&exists); err != nil {
+		return fmt.Errorf("look up consumer: %w", err)
+	}
+	if !exists {
+		if project == "" {
+			return fmt.Errorf("%w: no cursor for consumer %q in any project", ErrUnknownConsumer, consumer)
+		}
+		return fmt.Errorf("%w: no cursor for consumer %q in project %q", ErrUnknownConsumer, consumer, project)
+	}
+	return nil
+}
+
+// RetireRequest names a consumer to retire, in one project or (ProjectID empty) in all.
+type RetireRequest struct {
+	ConsumerID string
+	ProjectID  string
+	Operator
+}
+
+const retireSQL = `
+UPDATE lifecycle_consumer_cursors
+SET retired_at = now() + $5::interval, retired_by = $3, retired_reason = $4, lease_owner = NULL, lease_expires_at = NULL
+WHERE consumer_id = $1 AND ($2 = '' OR project_id = $2) AND retired_at IS NULL
+RETURNING project_id`
+
+const reinstateSQL = `
+UPDATE lifecycle_consumer_cursors
+SET retired_at = NULL, retired_by = NULL, retired_reason = NULL
+WHERE consumer_id = $1 AND ($2 = '' OR project_id = $2) AND retired_at IS NOT NULL
+RETURNING project_id`
+
+// RetireConsumer retires a consumer identity: it stops holding back pruning, its unresolved
+// dead letters may be pruned, and it can no longer take a lease (a process starting with it
+// gets ErrConsumerRetired). It returns the projects retired now, each with an audit row; a
+// missed heartbeat never does this.
+func (a *Admin) RetireConsumer(ctx context.Context, r RetireRequest) ([]string, error) {
+	return a.setRetired(ctx, r, retireSQL, AuditConsumerRetired)
+}
+
+// ReinstateConsumer undoes a retirement, with its own audit row. The reinstated consumer
+// reconciles if retention pruned past its cursor meanwhile.
+func (a *Admin) ReinstateConsumer(ctx context.Context, r RetireRequest) ([]string, error) {
+	return a.setRetired(ctx, r, reinstateSQL, AuditConsumerRestored)
+}
+
+func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql, action string) ([]string, error) {
+	if err := r.validate(); err != nil {
+		return nil, err
+	}
+	if _, err := ParseConsumerID(r.ConsumerID); err != nil {
+		return nil, &ValidationError{Field: "consumer", Reason: err.Error()}
+	}
+	if err := a.requireConsumer(ctx, r.ConsumerID, r.ProjectID); err != nil {
+		return nil, err
+	}
+	tx, err := a.pool.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", action, err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	args := []any{r.ConsumerID, r.ProjectID}
+	if action == AuditConsumerRetired {
+		args = append(args, r.Actor, r.Reason, a.clock.Offset())
+	}
+	rows, err := tx.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", action, err)
+	}
+	projects, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", action, err)
+	}
+	for _, p := range projects {
+		if err := a.audit.WriteAuditTx(ctx, tx, AuditRecord{Action: action, ProjectID: p, ConsumerID: ConsumerID(r.ConsumerID),
+			Actor: r.Actor, Reason: r.Reason}); err != nil {
+			return nil, fmt.Errorf("%s: audit: %w", action, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return nil, fmt.Errorf("%s: %w", action, err)
+	}
+	a.log.Info(action, zap.String("consumer_id", r.ConsumerID), zap.Strings("projects", projects), zap.String("actor", r.Actor), zap.String("reason", r.Reason))
+	return projects, nil
+}
+
+// Migrate applies the module's missing migrations.
+func (a *Admin) Migrate(ctx context.Context) ([]int, error) { return Migrate(ctx, a.pool) }
+
+// VerifySchema checks the module's schema is current.
+func (a *Admin) VerifySchema(ctx context.Context) error { return VerifySchema(ctx, a.pool) }

@@ -1,0 +1,662 @@
+package outbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+)
+
+// ConsumerOptions configure a Consumer.
+type ConsumerOptions struct {
+	// ID is the durable identity, normally from ResolveConsumerID. Required.
+	ID ConsumerID
+	// Pool is the host's pool. The consumer uses at most two of its connections at a time,
+	// plus one dedicated LISTEN connection (hijacked from the pool unless Config.ListenDSN).
+	Pool *pgxpool.Pool
+	// Config is the deployment configuration (defaults applied by NewConsumer).
+	Config Config
+	// Projects lists the projects this process observes. Required.
+	Projects Projects
+	// Dispatcher delivers events to the cache and the observed listeners. Required.
+	Dispatcher *Dispatcher
+	// LiveTasks reads live tasks for reconciliation; without it reconciliation only moves
+	// the cursor, and the log says so.
+	LiveTasks LiveTasks
+	// Cache receives the live set on reconciliation; usually the dispatcher's cache.
+	Cache TaskCache
+	// Audit writes the poison and replay audit rows. Defaults to TableAuditSink.
+	Audit AuditSink
+	// Metrics, when set, receives the consumer's measurements.
+	Metrics *Metrics
+	Logger  *zap.Logger
+}
+
+// Consumer replays committed events of its projects, in sequence order, from its durable
+// cursors, under fenced leases, and hands them to the dispatcher. Start and Stop control it.
+type Consumer struct {
+	id       ConsumerID
+	owner    string // this instance's lease owner token: per boot, never an identity
+	pool     *pgxpool.Pool
+	cfg      Config
+	projects Projects
+	dispatch *Dispatcher
+	live     LiveTasks
+	cache    TaskCache
+	audit    AuditSink
+	metrics  *Metrics
+	log      *zap.Logger
+	clock    Clock
+
+	leases *leaseTable
+	state  map[string]*streamState // owned by the loop goroutine
+	heartbeatControl
+	stats  stats
+
+	wake    chan struct{}
+	dirtyMu sync.Mutex
+	dirty   map[string]struct{}
+
+	mu      sync.Mutex
+	started bool
+	stopped bool
+	cancel  context.CancelFunc
+	done    chan struct{}
+	runErr  error
+}
+
+// streamState is the loop's view of one project stream.
+type streamState struct {
+	project   string
+	epoch     int64 // lease epoch this state belongs to; 0 before the first lease
+	acked     int64 // durable cursor; -1 when the cursor is NULL (never positioned)
+	position  int64 // dispatched through; position > acked means acknowledgements are pending
+	delivered int64 // highest sequence this instance delivered: re-deliveries below are suppressed
+	retryWait time.Duration
+	blocked   bool // the head-of-line event waits for its next attempt
+}
+
+// NewConsumer validates opts and builds a consumer. It does not touch the database.
+func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
+	cfg := opts.Config.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if _, err := ParseConsumerID(string(opts.ID)); err != nil {
+		return nil, &ValidationError{Field: "ConsumerOptions.ID", Reason: err.Error()}
+	}
+	switch {
+	case opts.Pool == nil:
+		return nil, invalid("ConsumerOptions.Pool", "is nil")
+	case opts.Projects == nil:
+		return nil, invalid("ConsumerOptions.Projects", "is nil")
+	case opts.Dispatcher == nil:
+		return nil, invalid("ConsumerOptions.Dispatcher", "is nil")
+	}
+	if opts.Logger == nil {
+		opts.Logger = zap.NewNop()
+	}
+	if opts.Audit == nil {
+		opts.Audit = TableAuditSink{}
+	}
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return nil, fmt.Errorf("lease owner token: %w", err)
+	}
+	c := &Consumer{
+		id: opts.ID, owner: string(opts.ID) + "@" + hex.EncodeToString(b[:]),
+		pool: opts.Pool, cfg: cfg, projects: opts.Projects, dispatch: opts.Dispatcher,
+		live: opts.LiveTasks, cache: opts.Cache, audit: opts.Audit, metrics: opts.Metrics,
+		log:   opts.Logger.Named("outbox.consumer").With(zap.String("consumer_id", string(opts.ID))),
+		clock: cfg.Clock, state: map[string]*streamState{},
+		wake: make(chan struct{}, 1), dirty: map[string]struct{}{},
+	}
+	c.leases = &leaseTable{held: map[string]lease{}}
+	return c, nil
+}
+
+// ID is the consumer's durable identity.
+func (c *Consumer) ID() ConsumerID { return c.id }
+
+// Start checks the database, takes the leases it can and starts the consumer's goroutines. It
+// does not block on event delivery. It fails fast when the database is unreachable or when the
+// identity was retired for any observed project (ErrConsumerRetired).
+func (c *Consumer) Start(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.started {
+		return errors.New("consumer already started")
+	}
+	projects, err := c.observedProjects(ctx)
+	if err != nil {
+		return err
+	}
+	if err := c.ensureCursors(ctx, projects); err != nil {
+		return err
+	}
+	if err := c.checkRetired(ctx, projects); err != nil {
+		return err
+	}
+	runCtx, cancel := context.WithCancel(context.Background())
+	c.started, c.cancel, c.done = true, cancel, make(chan struct{})
+	if _, err := c.acquire(ctx, projects); err != nil {
+		cancel()
+		return err
+	}
+	var wg sync.WaitGroup
+	listening := make(chan struct{})
+	wg.Add(2)
+	go func() { defer wg.Done(); c.heartbeatLoop(runCtx) }()
+	go func() {
+		defer wg.Done()
+		if c.cfg.NotifyDisabled {
+			close(listening)
+			<-runCtx.Done()
+			return
+		}
+		c.listenLoop(runCtx, listening)
+	}()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		// Listen first, then catch up: the first scan starts once LISTEN is in place (or has
+		// failed once), so nothing committed in between is left to the poll interval.
+		select {
+		case <-listening:
+		case <-runCtx.Done():
+		}
+		c.loop(runCtx)
+	}()
+	go func() {
+		wg.Wait()
+		c.shutdown()
+		close(c.done)
+	}()
+	c.metrics.watch(c)
+	c.log.Info("consumer started", zap.Int("projects", len(projects)), zap.String("lease_owner", c.owner))
+	return nil
+}
+
+// Stop stops the consumer, flushes pending acknowledgements, releases its leases and waits for
+// its goroutines, bounded by ctx. It is idempotent and safe before Start.
+func (c *Consumer) Stop(ctx context.Context) error {
+	c.mu.Lock()
+	if !c.started || c.stopped {
+		c.stopped = true
+		c.mu.Unlock()
+		return nil
+	}
+	c.stopped = true
+	c.cancel()
+	done := c.done
+	c.mu.Unlock()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("stop consumer: %w", ctx.Err())
+	}
+}
+
+// Done is closed when the consumer has stopped.
+func (c *Consumer) Done() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.done
+}
+
+// shutdown runs after every goroutine returned: flush acknowledgements, release leases.
+func (c *Consumer) shutdown() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c.flushAcks(ctx, c.pendingAcks())
+	c.release(ctx)
+	c.log.Info("consumer stopped", zap.Int64("delivered", c.stats.delivered.Load()))
+}
+
+func (c *Consumer) observedProjects(ctx context.Context) ([]string, error) {
+	ps, err := c.projects.ObservedProjects(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("observed projects: %w", err)
+	}
+	out := make([]string, 0, len(ps))
+	seen := make(map[string]bool, len(ps))
+	for _, p := range ps {
+		if err := ValidateProjectID(p); err != nil {
+			return nil, fmt.Errorf("observed projects: %w", err)
+		}
+		if !seen[p] {
+			seen[p] = true
+			out = append(out, p)
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// requestScan asks the loop to look at projects soon (all of them when projects is nil).
+func (c *Consumer) requestScan(projects ...string) {
+	c.dirtyMu.Lock()
+	if projects == nil {
+		c.dirty[""] = struct{}{}
+	}
+	for _, p := range projects {
+		c.dirty[p] = struct{}{}
+	}
+	c.dirtyMu.Unlock()
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// takeDirty returns the projects to scan and whether a full scan was asked for.
+func (c *Consumer) takeDirty() (map[string]struct{}, bool) {
+	c.dirtyMu.Lock()
+	defer c.dirtyMu.Unlock()
+	d := c.dirty
+	c.dirty = map[string]struct{}{}
+	_, all := d[""]
+	return d, all
+}
+
+// loop is the consumer's single dispatching goroutine.
+func (c *Consumer) loop(ctx context.Context) {
+	poll := time.NewTimer(0)
+	defer poll.Stop()
+	full := true
+	for {
+		dirty, all := c.takeDirty()
+		full = full || all
+		wait := c.iterate(ctx, dirty, full)
+		if ctx.Err() != nil {
+			return
+		}
+		if full {
+			if !poll.Stop() {
+				select {
+				case <-poll.C:
+				default:
+				}
+			}
+			poll.Reset(c.cfg.PollInterval)
+		}
+		full = false
+
+		var retry Timer
+		var retryC <-chan time.Time
+		if wait > 0 {
+			retry = c.clock.NewTimer(wait)
+			retryC = retry.C()
+		}
+		select {
+		case <-ctx.Done():
+		case <-poll.C:
+			full = true
+		case <-c.wake:
+		case <-retryC:
+			full = true
+		}
+		if retry != nil {
+			retry.Stop()
+		}
+		if ctx.Err() != nil {
+			return
+		}
+	}
+}
+
+// iterate runs one scan over the held leases of the dirty projects (all of them on a full
+// scan) and returns how long until a blocked retry falls due (0 when none is blocked).
+func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full bool) time.Duration {
+	held := c.syncStates()
+	if !full {
+		scoped := held[:0:0]
+		for _, p := range held {
+			if _, ok := dirty[p]; ok {
+				scoped = append(scoped, p)
+			}
+		}
+		held = scoped
+	}
+	if len(held) == 0 {
+		return c.nextRetry()
+	}
+	heads, err := Sequence(ctx, c.pool, held, c.cfg.SequenceBatchSize)
+	if err != nil {
+		c.logTransient("sequence", err)
+		return c.nextRetry()
+	}
+	open, err := c.openDeliveries(ctx, held)
+	if err != nil {
+		c.logTransient("read open deliveries", err)
+		return c.nextRetry()
+	}
+	for _, p := range held {
+		if ctx.Err() != nil {
+			break
+		}
+		st := c.state[p]
+		if err := c.scanProject(ctx, st, heads[p], open[p]); err != nil {
+			c.handleStreamError(st, err)
+		}
+	}
+	c.flushAcks(ctx, c.pendingAcks())
+	return c.nextRetry()
+}
+
+// scanProject brings one project's stream up to its head, or to its first blocked event.
+func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, open []delivery) error {
+	st.blocked, st.retryWait = false, 0
+	for _, d := range open {
+		if d.state == stateReplayRequested {
+			if err := c.replay(ctx, st, d); err != nil {
+				return err
+			}
+		}
+	}
+	if err := c.checkPosition(ctx, st, head); err != nil {
+		return err
+	}
+	var retrying *delivery
+	for i := range open {
+		if open[i].state == stateRetrying {
+			retrying = &open[i]
+			break
+		}
+	}
+	if retrying != nil && retrying.sequence <= st.position {
+		retrying = nil // superseded, for example by a reconciliation
+	}
+	for st.position < head.LastSequence {
+		if ctx.Err() != nil || !c.leases.valid(st.project, st.epoch, c.now()) {
+			return nil
+		}
+		if retrying != nil && retrying.sequence == st.position+1 && !retrying.due {
+			st.blocked, st.retryWait = true, retrying.wait
+			return nil
+		}
+		batch, err := c.readEvents(ctx, st.project, st.position, c.cfg.BatchSize)
+		if err != nil {
+			return err
+		}
+		if len(batch) == 0 {
+			return nil
+		}
+		stop, err := c.dispatchBatch(ctx, st, batch, retrying)
+		if err != nil || stop {
+			return err
+		}
+		retrying = nil
+		if st.position-st.acked >= int64(c.cfg.BatchSize) {
+			c.flushAcks(ctx, []ack{{st.project, st.epoch, st.position}})
+		}
+	}
+	return nil
+}
+
+// dispatchBatch delivers events in order. It stops at the first failure (which it records) or
+// when the lease is gone; stop reports that the stream cannot go further this scan.
+func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []Event, retrying *delivery) (stop bool, err error) {
+	for _, ev := range batch {
+		if ev.Sequence != st.position+1 {
+			return true, fmt.Errorf("project %s: read sequence %d after %d", st.project, ev.Sequence, st.position)
+		}
+		if !c.leases.valid(st.project, st.epoch, c.now()) {
+			return true, nil
+		}
+		if ev.Sequence <= st.delivered {
+			// Delivered by this instance before a lease change: a re-delivery, not new work.
+			st.position = ev.Sequence
+			c.stats.suppressed.Add(1)
+			continue
+		}
+		attempt := 1
+		if retrying != nil && retrying.sequence == ev.Sequence {
+			attempt = retrying.attempts + 1
+		}
+		started := time.Now()
+		outcome, class := c.dispatch.Dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt})
+		c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
+		switch outcome {
+		case Interrupted:
+			return true, nil
+		case Failed:
+			c.flushAcks(ctx, []ack{{st.project, st.epoch, st.position}})
+			parked, err := c.recordFailure(ctx, st, ev, class)
+			if err != nil || !parked {
+				return true, err
+			}
+			retrying = nil
+			continue // parked: the cursor moved past it, the stream goes on
+		case Own:
+			c.stats.own.Add(1)
+		default:
+			c.stats.delivered.Add(1)
+		}
+		st.position, st.delivered = ev.Sequence, ev.Sequence
+		if attempt > 1 {
+			// The event that was retrying succeeded: close its delivery with the cursor move.
+			if err := c.resolveRetried(ctx, st, ev); err != nil {
+				return true, err
+			}
+		}
+	}
+	return false, nil
+}
+
+// checkPosition positions a never-read cursor and reconciles one whose history is gone.
+func (c *Consumer) checkPosition(ctx context.Context, st *streamState, head Head) error {
+	switch {
+	case st.acked < 0 && c.cfg.NewCursor == NewCursorOldest && head.PrunedThrough == 0:
+		return c.startAtOldest(ctx, st)
+	case st.acked < 0:
+		return c.reconcile(ctx, st, ReasonMissingCursor)
+	case st.acked > head.LastSequence:
+		return c.reconcile(ctx, st, ReasonCursorAheadOfHead)
+	case st.acked < head.PrunedThrough:
+		return c.reconcile(ctx, st, ReasonCursorBelowPrunedFloor)
+	}
+	return nil
+}
+
+func (c *Consumer) handleStreamError(st *streamState, err error) {
+	if errors.Is(err, ErrLeaseLost) {
+		if !c.leases.lose(st.project, st.epoch) {
+			return // already counted
+		}
+		c.metrics.leaseLost(st.project, string(c.id))
+		c.stats.leaseLosses.Add(1)
+		c.log.Warn("lease lost; dispatch stopped for the project until it is re-acquired",
+			zap.String("project_id", st.project), zap.Int64("epoch", st.epoch))
+		return
+	}
+	c.logTransient("project "+st.project, err)
+}
+
+func (c *Consumer) logTransient(what string, err error) {
+	if errors.Is(err, context.Canceled) {
+		return
+	}
+	c.log.Warn("consumer step failed; retrying on the next scan", zap.String("step", what), zap.Error(err))
+}
+
+// syncStates aligns the loop's stream states with the lease table and returns the projects
+// whose lease is held now, sorted.
+func (c *Consumer) syncStates() []string {
+	held := c.leases.snapshot()
+	out := make([]string, 0, len(held))
+	for p, l := range held {
+		st := c.state[p]
+		if st == nil {
+			st = &streamState{project: p}
+			c.state[p] = st
+		}
+		if st.epoch != l.epoch {
+			// A new lease: start from the durable cursor it came with.
+			st.epoch, st.acked, st.position = l.epoch, l.acked, max(l.acked, 0)
+		}
+		out = append(out, p)
+	}
+	for p := range c.state {
+		if _, ok := held[p]; !ok {
+			c.state[p].blocked = false
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// nextRetry is the shortest wait among blocked streams (0 when none).
+func (c *Consumer) nextRetry() time.Duration {
+	var wait time.Duration
+	for _, st := range c.state {
+		if st.blocked && (wait == 0 || st.retryWait < wait) {
+			wait = max(st.retryWait, time.Millisecond)
+		}
+	}
+	return wait
+}
+
+// now is the local clock shifted like the database clock, for lease deadlines.
+func (c *Consumer) now() time.Time { return time.Now().Add(c.clock.Offset()) }
+
+// offset is the clock offset passed to every time comparison in SQL.
+func (c *Consumer) offset() time.Duration { return c.clock.Offset() }
+
+const readEventsSQL = `
+SELECT project_id, sequence, event_id, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+       writer_process_id, occurred_at, payload_version
+FROM lifecycle_outbox
+WHERE project_id = $1 AND sequence > $2
+ORDER BY sequence
+LIMIT $3`
+
+func (c *Consumer) readEvents(ctx context.Context, project string, after int64, limit int) ([]Event, error) {
+	rows, err := c.pool.Query(ctx, readEventsSQL, project, after, limit)
+	if err != nil {
+		return nil, fmt.Errorf("read events: %w", err)
+	}
+	return scanEvents(rows, limit)
+}
+
+// scanEvents decodes outbox rows without reflection: the drain path reads many of them.
+func scanEvents(rows pgx.Rows, capacity int) ([]Event, error) {
+	defer rows.Close()
+	out := make([]Event, 0, capacity)
+	for rows.Next() {
+		var e Event
+		var version int16
+		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventID, &e.EventType, &e.TaskID, &e.DeletedAt,
+			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &e.OccurredAt, &version); err != nil {
+			return nil, fmt.Errorf("decode event: %w", err)
+		}
+		e.PayloadVersion = int(version)
+		out = append(out, e)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read events: %w", err)
+	}
+	return out, nil
+}
+
+// ack is an acknowledgement to write: the cursor of project under lease epoch.
+type ack struct {
+	project  string
+	epoch    int64
+	sequence int64
+}
+
+func (c *Consumer) pendingAcks() []ack {
+	var out []ack
+	for _, st := range c.state {
+		if st.position > st.acked && st.epoch > 0 {
+			out = append(out, ack{st.project, st.epoch, st.position})
+		}
+	}
+	return out
+}
+
+const ackSQL = `
+UPDATE lifecycle_consumer_cursors c
+SET last_acked_sequence = a.sequence, acked_at = now()
+FROM unnest($3::text[], $4::bigint[], $5::bigint[]) AS a(project_id, epoch, sequence)
+WHERE c.consumer_id = $1 AND c.lease_owner = $2
+  AND c.project_id = a.project_id AND c.lease_epoch = a.epoch
+  AND c.lease_expires_at > now() + $6::interval AND c.retired_at IS NULL
+  AND (c.last_acked_sequence IS NULL OR c.last_acked_sequence <= a.sequence)
+RETURNING c.project_id`
+
+// flushAcks writes acknowledgements in one fenced statement. A project whose row did not
+// match lost its lease: nothing was written for it.
+func (c *Consumer) flushAcks(ctx context.Context, acks []ack) {
+	if len(acks) == 0 {
+		return
+	}
+	projects := make([]string, len(acks))
+	epochs := make([]int64, len(acks))
+	seqs := make([]int64, len(acks))
+	for i, a := range acks {
+		projects[i], epochs[i], seqs[i] = a.project, a.epoch, a.sequence
+	}
+	rows, err := c.pool.Query(ctx, ackSQL, c.id, c.owner, projects, epochs, seqs, c.offset())
+	if err != nil {
+		c.logTransient("acknowledge", err)
+		return
+	}
+	ok, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		c.logTransient("acknowledge", err)
+		return
+	}
+	written := make(map[string]bool, len(ok))
+	for _, p := range ok {
+		written[p] = true
+	}
+	for _, a := range acks {
+		st := c.state[a.project]
+		if written[a.project] {
+			if st != nil && st.epoch == a.epoch && st.acked < a.sequence {
+				st.acked = a.sequence
+			}
+			continue
+		}
+		if st != nil {
+			c.handleStreamError(st, ErrLeaseLost)
+		}
+	}
+}
+
+// Stats are a consumer's counters since it was built.
+type Stats struct {
+	Delivered       int64 // events the listeners took
+	Own             int64 // events this process wrote, not re-delivered to its own listeners
+	Suppressed      int64 // re-deliveries this instance had already delivered
+	Failures        int64 // failed attempts
+	Parked          int64 // events parked as dead letters
+	Replayed        int64 // dead letters replayed successfully
+	Reconciliations int64
+	LeaseLosses     int64
+}
+
+type stats struct {
+	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses atomic.Int64
+}
+
+// Stats returns the consumer's counters.
+func (c *Consumer) Stats() Stats {
+	s := &c.stats
+	return Stats{
+		Delivered: s.delivered.Load(), Own: s.own.Load(), Suppressed: s.suppressed.Load(), Failures: s.failures.Load(),
+		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
+	}
+}

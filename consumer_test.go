@@ -1,0 +1,596 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap/zaptest"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/outboxtest"
+)
+
+// recorder is an observed listener that remembers what it got, and can be told to fail.
+type recorder struct {
+	mu      sync.Mutex
+	events  []outbox.ObservedEvent
+	changed chan struct{}
+	fail    func(outbox.ObservedEvent) error // nil: succeed
+}
+
+func newRecorder() *recorder { return &recorder{changed: make(chan struct{})} }
+
+func (r *recorder) Name() string { return "recorder" }
+
+func (r *recorder) HandleObserved(ctx context.Context, ev outbox.ObservedEvent) error {
+	r.mu.Lock()
+	fail := r.fail
+	r.mu.Unlock()
+	var err error
+	if fail != nil {
+		err = fail(ev)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err == nil {
+		r.events = append(r.events, ev)
+	}
+	close(r.changed)
+	r.changed = make(chan struct{})
+	return err
+}
+
+func (r *recorder) setFail(fn func(outbox.ObservedEvent) error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.fail = fn
+}
+
+func (r *recorder) snapshot() []outbox.ObservedEvent {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.events)
+}
+
+// waitFor blocks until cond holds over the recorded events or ctx ends.
+func (r *recorder) waitFor(t *testing.T, ctx context.Context, what string, cond func([]outbox.ObservedEvent) bool) []outbox.ObservedEvent {
+	t.Helper()
+	for {
+		r.mu.Lock()
+		evs, ch := slices.Clone(r.events), r.changed
+		r.mu.Unlock()
+		if cond(evs) {
+			return evs
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			t.Fatalf("waiting for %s: %v (have %d events)", what, ctx.Err(), len(evs))
+		}
+	}
+}
+
+func (r *recorder) waitCount(t *testing.T, ctx context.Context, n int) []outbox.ObservedEvent {
+	t.Helper()
+	return r.waitFor(t, ctx, fmt.Sprintf("%d events", n), func(evs []outbox.ObservedEvent) bool { return len(evs) >= n })
+}
+
+// process is one simulated OS process: its own pool, task store, cache and (optionally)
+// consumer, all on the shared database.
+type process struct {
+	pool     *pgxpool.Pool
+	store    *taskstore.Store
+	writer   *outbox.Writer
+	consumer *outbox.Consumer
+	rec      *recorder
+}
+
+type processOpts struct {
+	id        outbox.ConsumerID // empty: a writer-only process
+	projects  []string
+	cfg       outbox.Config
+	listeners []outbox.Listener
+	live      outbox.LiveTasks // defaults to the store
+	noStart   bool
+}
+
+func startProcess(t *testing.T, url string, o processOpts) *process {
+	t.Helper()
+	ctx := ctxT(t)
+	p := &process{pool: pgtest.Pool(t, url), rec: newRecorder()}
+	w, err := outbox.NewWriter(p.pool, o.cfg, zaptest.NewLogger(t))
+	require.NoError(t, err)
+	t.Cleanup(w.Close)
+	p.writer = w
+	p.store = taskstore.New(p.pool, taskstore.Options{Writer: w, Logger: zaptest.NewLogger(t)})
+	require.NoError(t, p.store.LoadCache(ctx, o.projects...))
+	if o.id == "" {
+		return p
+	}
+	if o.live == nil {
+		o.live = p.store
+	}
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{
+		Listeners: append([]outbox.Listener{p.rec}, o.listeners...), Cache: p.store.Cache(),
+		SelfWriterID: w.ProcessID(), Timeout: o.cfg.WithDefaults().ListenerTimeout, Logger: zaptest.NewLogger(t),
+	})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
+		ID: o.id, Pool: p.pool, Config: o.cfg, Projects: outbox.StaticProjects(o.projects), Dispatcher: d,
+		LiveTasks: o.live, Cache: p.store.Cache(), Audit: p.store, Logger: zaptest.NewLogger(t),
+	})
+	require.NoError(t, err)
+	p.consumer = c
+	if !o.noStart {
+		p.start(t)
+	}
+	return p
+}
+
+// newConsumerWith builds a consumer for p with extra listeners after the recorder.
+func newConsumerWith(t *testing.T, p *process, id outbox.ConsumerID, projects []string, cfg outbox.Config, extra ...outbox.Listener) *outbox.Consumer {
+	t.Helper()
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{
+		Listeners: append([]outbox.Listener{p.rec}, extra...), Cache: p.store.Cache(),
+		SelfWriterID: p.writer.ProcessID(), Timeout: cfg.WithDefaults().ListenerTimeout, Logger: zaptest.NewLogger(t),
+	})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
+		ID: id, Pool: p.pool, Config: cfg, Projects: outbox.StaticProjects(projects), Dispatcher: d,
+		LiveTasks: p.store, Cache: p.store.Cache(), Audit: p.store, Logger: zaptest.NewLogger(t),
+	})
+	require.NoError(t, err)
+	return c
+}
+
+func (p *process) start(t *testing.T) {
+	t.Helper()
+	require.NoError(t, p.consumer.Start(ctxT(t)))
+	t.Cleanup(func() { p.stop(t) })
+}
+
+func (p *process) stop(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, p.consumer.Stop(ctx))
+}
+
+func fastConfig() outbox.Config {
+	return outbox.Config{PollInterval: 50 * time.Millisecond, LeaseTTL: 3 * time.Second, HeartbeatInterval: time.Second, NewCursor: outbox.NewCursorOldest}
+}
+
+func cursorOf(t *testing.T, pool *pgxpool.Pool, project, consumer string) int64 {
+	t.Helper()
+	var c *int64
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT last_acked_sequence FROM lifecycle_consumer_cursors WHERE project_id = $1 AND consumer_id = $2`,
+		project, consumer).Scan(&c))
+	if c == nil {
+		return -1
+	}
+	return *c
+}
+
+func waitCursor(t *testing.T, ctx context.Context, pool *pgxpool.Pool, project, consumer string, want int64) {
+	t.Helper()
+	for {
+		if cursorOf(t, pool, project, consumer) == want {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("cursor of %s/%s never reached %d (at %d)", project, consumer, want, cursorOf(t, pool, project, consumer))
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+func TestWriterAndObserverProcesses(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	projects := []string{"alpha", "beta"}
+	writer := startProcess(t, db.URL, processOpts{projects: projects, cfg: fastConfig()})
+	var ids []string
+	for _, p := range projects {
+		got, err := writer.store.CreateMany(ctx, p, "t", 30)
+		require.NoError(t, err)
+		ids = append(ids, got...)
+	}
+	observer := startProcess(t, db.URL, processOpts{id: "dashboard", projects: projects, cfg: fastConfig()})
+	for _, p := range projects {
+		require.Len(t, observer.store.Cache().Live(p), 30)
+	}
+
+	for i := range 30 {
+		for _, p := range projects {
+			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
+			require.NoError(t, err)
+		}
+	}
+	evs := observer.rec.waitCount(t, ctx, 60)
+	require.Len(t, evs, 60, "each deletion observed once")
+	last := map[string]int64{}
+	for _, ev := range evs {
+		require.True(t, ev.Observed)
+		require.Equal(t, writer.writer.ProcessID(), ev.WriterProcessID, "carries the writer's identity")
+		require.Equal(t, outbox.ConsumerID("dashboard"), ev.ConsumerID)
+		require.Equal(t, last[ev.ProjectID]+1, ev.Sequence, "in sequence order per project")
+		last[ev.ProjectID] = ev.Sequence
+	}
+	for _, p := range projects {
+		require.Empty(t, observer.store.Cache().Live(p), "the observer's cache dropped every deleted task")
+		waitCursor(t, ctx, observer.pool, p, "dashboard", 30)
+	}
+	require.Zero(t, countRows(t, writer.pool, `SELECT count(*) FROM run_audit WHERE actor <> 'taskstore'`), "the observer wrote no audit row")
+	require.Equal(t, 60, countRows(t, writer.pool, `SELECT count(*) FROM mailbox_notices`), "one notice per delete, all from the writer")
+}
+
+func TestOwnEventsAreNotDeliveredTwiceToOwnListeners(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	proc := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: fastConfig()})
+	var local []taskstore.TaskDeleted
+	var mu sync.Mutex
+	proc.store.Emitter().On(func(_ context.Context, ev taskstore.TaskDeleted) { mu.Lock(); local = append(local, ev); mu.Unlock() })
+	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
+
+	_, err := proc.store.Create(ctx, "p", "mine", "", "")
+	require.NoError(t, err)
+	_, err = other.store.Create(ctx, "p", "theirs", "", "")
+	require.NoError(t, err)
+	_, err = proc.store.Delete(ctx, "p", "mine")
+	require.NoError(t, err)
+	_, err = other.store.Delete(ctx, "p", "theirs")
+	require.NoError(t, err)
+
+	waitCursor(t, ctx, proc.pool, "p", "engine", 2)
+	evs := proc.rec.snapshot()
+	require.Len(t, evs, 1, "only the other process's deletion is observed")
+	require.Equal(t, "theirs", evs[0].TaskID)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, local, 1, "the local emitter heard its own delete once")
+	require.Equal(t, "mine", local[0].TaskID)
+	require.Equal(t, int64(1), proc.consumer.Stats().Own)
+}
+
+func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	clock := outboxtest.NewFakeClock()
+	cfg := fastConfig()
+	cfg.Clock = clock
+	cfg.LeaseTTL = 30 * time.Second
+	cfg.HeartbeatInterval = 10 * time.Second
+
+	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: cfg})
+	_, err := writer.store.CreateMany(ctx, "p", "t", 5)
+	require.NoError(t, err)
+
+	// A takes the lease and blocks in its listener on the third event.
+	release := make(chan struct{})
+	a := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg})
+	a.rec.setFail(func(ev outbox.ObservedEvent) error {
+		if ev.Sequence == 3 {
+			<-release
+		}
+		return nil
+	})
+	outbox.PauseHeartbeat(a.consumer, true) // A is "frozen" from now on
+	b := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg})
+	bGate := make(chan struct{})
+	b.rec.setFail(func(ev outbox.ObservedEvent) error {
+		if ev.Sequence == 3 {
+			<-bGate
+		}
+		return nil
+	})
+
+	for i := range 5 {
+		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+		require.NoError(t, err)
+	}
+	// A delivered 1 and 2 and is stuck in 3; its acknowledgements are batched, so none is
+	// written yet.
+	a.rec.waitCount(t, ctx, 2)
+	require.Empty(t, b.rec.snapshot(), "B holds no lease while A's is valid")
+	outbox.HeartbeatNow(ctx, b.consumer)
+	require.Empty(t, b.rec.snapshot(), "B still cannot take an unexpired lease")
+
+	// Time passes beyond A's lease; B takes over with a new epoch, re-delivers 1 and 2
+	// (at-least-once) and is held at 3 itself.
+	clock.Advance(31 * time.Second)
+	outbox.HeartbeatNow(ctx, b.consumer)
+	st, err := outbox.NewAdmin(b.pool, outbox.AdminOptions{Clock: clock}).Status(ctx, outbox.StatusFilter{ConsumerID: "engine"})
+	require.NoError(t, err)
+	require.Len(t, st, 1)
+	require.True(t, st[0].LeaseHeld)
+	require.Equal(t, int64(2), st[0].LeaseEpoch, "B's acquisition bumped the epoch")
+	b.rec.waitCount(t, ctx, 2)
+
+	// A wakes up late, finishes 3 and tries to acknowledge 1..3: rejected.
+	close(release)
+	deadline, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for a.consumer.Stats().LeaseLosses == 0 {
+		select {
+		case <-deadline.Done():
+			t.Fatal("A never noticed it lost the lease")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	require.Equal(t, int64(0), cursorOf(t, a.pool, "p", "engine"), "A's late acknowledgement was rejected")
+	require.Len(t, a.rec.snapshot(), 3, "A stopped dispatching once its lease was gone")
+
+	// Only the holder advances.
+	close(bGate)
+	waitCursor(t, ctx, b.pool, "p", "engine", 5)
+	evs := b.rec.snapshot()
+	require.Equal(t, int64(5), evs[len(evs)-1].Sequence)
+}
+
+func TestRestartResumesFromCursor(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
+	_, err := writer.store.CreateMany(ctx, "p", "t", 40)
+	require.NoError(t, err)
+
+	first := startProcess(t, db.URL, processOpts{id: "cli", projects: []string{"p"}, cfg: fastConfig()})
+	for i := range 20 {
+		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+		require.NoError(t, err)
+	}
+	first.rec.waitCount(t, ctx, 20)
+	first.stop(t)
+	require.Equal(t, int64(20), cursorOf(t, writer.pool, "p", "cli"), "stop flushed the acknowledgements")
+
+	for i := 20; i < 40; i++ {
+		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+		require.NoError(t, err)
+	}
+	second := startProcess(t, db.URL, processOpts{id: "cli", projects: []string{"p"}, cfg: fastConfig()})
+	evs := second.rec.waitCount(t, ctx, 20)
+	require.Len(t, evs, 20)
+	for i, ev := range evs {
+		require.Equal(t, int64(21+i), ev.Sequence, "resumed after the cursor, nothing lost or repeated")
+	}
+	require.Zero(t, second.consumer.Stats().Reconciliations)
+}
+
+func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
+	_, err := writer.store.CreateMany(ctx, "p", "t", 20)
+	require.NoError(t, err)
+
+	t.Run("a notification wakes a consumer that polls hourly", func(t *testing.T) {
+		cfg := fastConfig()
+		cfg.PollInterval = time.Hour
+		obs := startProcess(t, db.URL, processOpts{id: "hourly", projects: []string{"p"}, cfg: cfg})
+		waitCursor(t, ctx, obs.pool, "p", "hourly", 0) // positioned; LISTEN is up before the first scan
+		_, err := writer.store.Delete(ctx, "p", "t-1")
+		require.NoError(t, err)
+		prompt, cancel := context.WithTimeout(ctx, 20*time.Second) // far below the hour
+		defer cancel()
+		obs.rec.waitCount(t, prompt, 1)
+	})
+
+	t.Run("with the LISTEN connection killed, polling still delivers everything", func(t *testing.T) {
+		cfg := fastConfig()
+		cfg.PollInterval = 100 * time.Millisecond
+		obs := startProcess(t, db.URL, processOpts{id: "poller", projects: []string{"p"}, cfg: cfg})
+		waitCursor(t, ctx, obs.pool, "p", "poller", 1)
+		admin := pgtest.Pool(t, db.URL)
+		var killed int
+		require.NoError(t, admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE datname = current_database() AND query ILIKE 'LISTEN%'`).Scan(&killed))
+		require.GreaterOrEqual(t, killed, 1)
+		for i := 2; i <= 20; i++ {
+			_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+			require.NoError(t, err)
+		}
+		evs := obs.rec.waitCount(t, ctx, 20)
+		require.Len(t, evs, 20, "the first deletion and the 19 made while LISTEN was down")
+		waitCursor(t, ctx, obs.pool, "p", "poller", 20)
+	})
+}
+
+func TestReconciliation(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+
+	setup := func(t *testing.T) (pgtest.DB, *process) {
+		db := pgtest.NewDB(t)
+		w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
+		_, err := w.store.CreateMany(ctx, "p", "t", 10)
+		require.NoError(t, err)
+		for i := range 4 {
+			_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+			require.NoError(t, err)
+		}
+		_, err = outbox.Sequence(ctx, w.pool, nil, 100)
+		require.NoError(t, err)
+		return db, w
+	}
+	reasonOf := func(t *testing.T, pool *pgxpool.Pool, consumer string) string {
+		var r string
+		require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(reconcile_reason, '') FROM lifecycle_consumer_cursors WHERE consumer_id = $1`, consumer).Scan(&r))
+		return r
+	}
+
+	t.Run("missing cursor", func(t *testing.T) {
+		t.Parallel()
+		db, w := setup(t)
+		cfg := fastConfig()
+		cfg.NewCursor = outbox.NewCursorReconcile
+		obs := startProcess(t, db.URL, processOpts{id: "fresh", projects: []string{"p"}, cfg: cfg, noStart: true})
+		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", []string{"t-1", "stale-id"}))
+		obs.start(t)
+		waitCursor(t, ctx, w.pool, "p", "fresh", 4)
+		require.Equal(t, outbox.ReasonMissingCursor, reasonOf(t, w.pool, "fresh"))
+		require.Len(t, obs.store.Cache().Live("p"), 6, "the live set replaced the cache; stale IDs dropped")
+		require.False(t, obs.store.Cache().Has("p", "stale-id"))
+		require.Empty(t, obs.rec.snapshot(), "history before the head is not replayed")
+	})
+
+	t.Run("cursor ahead of head", func(t *testing.T) {
+		t.Parallel()
+		db, w := setup(t)
+		_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'ahead', 99)`)
+		require.NoError(t, err)
+		startProcess(t, db.URL, processOpts{id: "ahead", projects: []string{"p"}, cfg: fastConfig()})
+		waitCursor(t, ctx, w.pool, "p", "ahead", 4)
+		require.Equal(t, outbox.ReasonCursorAheadOfHead, reasonOf(t, w.pool, "ahead"))
+	})
+
+	t.Run("cursor below the pruned floor", func(t *testing.T) {
+		t.Parallel()
+		db, w := setup(t)
+		_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'behind', 1)`)
+		require.NoError(t, err)
+		_, err = w.pool.Exec(ctx, `DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence <= 3`)
+		require.NoError(t, err)
+		_, err = w.pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 3 WHERE project_id = 'p'`)
+		require.NoError(t, err)
+		obs := startProcess(t, db.URL, processOpts{id: "behind", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
+		all := make([]string, 10)
+		for i := range all {
+			all[i] = fmt.Sprintf("t-%d", i+1)
+		}
+		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", all)) // a cache that missed the deletions
+		obs.start(t)
+		waitCursor(t, ctx, w.pool, "p", "behind", 4)
+		require.Equal(t, outbox.ReasonCursorBelowPrunedFloor, reasonOf(t, w.pool, "behind"))
+		require.False(t, obs.store.Cache().Has("p", "t-2"), "the pruned deletion is reflected by the rebuilt cache")
+	})
+
+	t.Run("a delete committed while reconciling is not lost", func(t *testing.T) {
+		t.Parallel()
+		db, w := setup(t)
+		cfg := fastConfig()
+		cfg.NewCursor = outbox.NewCursorReconcile
+		deleted := make(chan error, 1)
+		racing := &racingLiveTasks{inner: w.store, during: func() {
+			_, err := w.store.Delete(ctx, "p", "t-9")
+			deleted <- err
+		}}
+		obs := startProcess(t, db.URL, processOpts{id: "racer", projects: []string{"p"}, cfg: cfg, live: racing})
+		require.NoError(t, <-deleted)
+		evs := obs.rec.waitCount(t, ctx, 1)
+		require.Equal(t, "t-9", evs[0].TaskID)
+		require.False(t, obs.store.Cache().Has("p", "t-9"))
+		waitCursor(t, ctx, w.pool, "p", "racer", 5)
+	})
+}
+
+// racingLiveTasks commits a delete from another connection while the reconciliation snapshot
+// is open, after the head was read.
+type racingLiveTasks struct {
+	inner  outbox.LiveTasks
+	once   sync.Once
+	during func()
+}
+
+func (r *racingLiveTasks) LiveTaskIDsTx(ctx context.Context, tx pgx.Tx, project string) ([]string, error) {
+	r.once.Do(r.during)
+	return r.inner.LiveTaskIDsTx(ctx, tx, project)
+}
+
+func TestObservedListenerCannotPerformWriterOwnedEffects(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
+	_, err := writer.store.CreateMany(ctx, "p", "t", 3)
+	require.NoError(t, err)
+
+	var mu sync.Mutex
+	var errs []error
+	obs := startProcess(t, db.URL, processOpts{id: "sneaky", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
+	sneaky := outbox.ListenerFunc("sneaky", func(ctx context.Context, ev outbox.ObservedEvent) error {
+		task := taskstore.Task{ProjectID: ev.ProjectID, ID: ev.TaskID, Column: ev.PriorColumn}
+		record := func(err error) { mu.Lock(); errs = append(errs, err); mu.Unlock() }
+		record(obs.store.SendDeleteNotice(ctx, task))
+		tx, err := obs.pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		record(obs.store.WriteDeleteAuditTx(ctx, tx, task))
+		_, _, err = obs.writer.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: ev.ProjectID, TaskID: "t-3", DeletedAt: ev.DeletedAt})
+		record(err)
+		if err := tx.Commit(ctx); err != nil {
+			return err
+		}
+		_, err = obs.store.Delete(ctx, ev.ProjectID, "t-3")
+		record(err)
+		return nil
+	})
+	// The sneaky listener joins the observer's dispatcher; built here so it can use obs.
+	obs.consumer = newConsumerWith(t, obs, "sneaky", []string{"p"}, fastConfig(), sneaky)
+	obs.start(t)
+	_, err = writer.store.Delete(ctx, "p", "t-1")
+	require.NoError(t, err)
+	obs.rec.waitCount(t, ctx, 1)
+	waitCursor(t, ctx, obs.pool, "p", "sneaky", 1)
+
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, errs, 4)
+	for _, err := range errs {
+		var fence *outbox.FenceError
+		require.ErrorAs(t, err, &fence)
+		require.True(t, errors.Is(err, outbox.ErrObservedContext))
+	}
+	require.Equal(t, 1, countRows(t, writer.pool, `SELECT count(*) FROM mailbox_notices`))
+	require.Equal(t, 1, countRows(t, writer.pool, `SELECT count(*) FROM run_audit`))
+	require.Equal(t, 1, countRows(t, writer.pool, `SELECT count(*) FROM lifecycle_outbox`))
+	task, err := writer.store.Get(ctx, "p", "t-3")
+	require.NoError(t, err)
+	require.Nil(t, task.DeletedAt, "the observer's delete was refused")
+}
+
+func TestIdentityFromPersistedSetting(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	settings := taskstore.NewSettings(pool, "node-1")
+
+	_, ok, err := outbox.ResolveConsumerID(ctx, settings, "outbox.consumer_id")
+	require.NoError(t, err)
+	require.False(t, ok, "absent: observation disabled")
+
+	require.NoError(t, settings.Set(ctx, "outbox.consumer_id", ""))
+	_, ok, err = outbox.ResolveConsumerID(ctx, settings, "outbox.consumer_id")
+	require.NoError(t, err)
+	require.False(t, ok, "empty: observation disabled")
+
+	for _, bad := range []string{" dash", "dash board", "dash\n", "-lead", "x/y", strings.Repeat("a", 129)} {
+		require.NoError(t, settings.Set(ctx, "outbox.consumer_id", bad))
+		_, ok, err = outbox.ResolveConsumerID(ctx, settings, "outbox.consumer_id")
+		require.False(t, ok)
+		var verr *outbox.ValidationError
+		require.ErrorAs(t, err, &verr, "%q", bad)
+		require.Equal(t, "outbox.consumer_id", verr.Field, "the error names the field")
+	}
+
+	require.NoError(t, settings.Set(ctx, "outbox.consumer_id", "dashboard.eu-1"))
+	id, ok, err := outbox.ResolveConsumerID(ctx, settings, "outbox.consumer_id")
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Equal(t, outbox.ConsumerID("dashboard.eu-1"), id)
+}

@@ -1,0 +1,104 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+// The wake-up channel. Writers send one notification per project after commit; the payload
+// is the project ID and nothing else. A notification is only a hint that shortens a
+// consumer's wait: the cursor scan is what delivers, so a lost notification costs at most one
+// poll interval and a forged one costs one scan.
+
+// ParseWakePayload checks a notification payload and returns the project it names. Payloads
+// that are not ours (anything but a valid project ID) are an error, which the consumer logs
+// and skips.
+func ParseWakePayload(payload string) (string, error) {
+	if err := ValidateProjectID(payload); err != nil {
+		return "", fmt.Errorf("wake-up payload is not a project ID: %w", err)
+	}
+	return payload, nil
+}
+
+// listenLoop keeps one dedicated LISTEN connection open. After every (re)connection it asks
+// for a full scan, so events committed while it was away are caught up. listening is closed
+// once the first LISTEN is in place or has failed.
+func (c *Consumer) listenLoop(ctx context.Context, listening chan struct{}) {
+	var once sync.Once
+	ready := func() { once.Do(func() { close(listening) }) }
+	defer ready()
+	wait := 100 * time.Millisecond
+	for {
+		err := c.listenOnce(ctx, ready)
+		ready()
+		if ctx.Err() != nil {
+			return
+		}
+		c.metrics.listenReconnect(string(c.id))
+		c.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", wait))
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		wait = min(wait*2, 5*time.Second)
+	}
+}
+
+func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
+	conn, err := c.listenConn(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		closeCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = conn.Close(closeCtx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{c.cfg.NotifyChannel}.Sanitize()); err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	c.requestScan() // catch up on whatever committed while no one was listening
+	ready()
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return fmt.Errorf("wait for notification: %w", err)
+		}
+		project, err := ParseWakePayload(n.Payload)
+		if err != nil {
+			c.log.Debug("skipped a notification that is not ours", zap.String("channel", n.Channel), zap.Int("payload_bytes", len(n.Payload)))
+			continue
+		}
+		c.requestScan(project)
+	}
+}
+
+// listenConn opens the dedicated connection: from Config.ListenDSN when set (a pool behind a
+// transaction-pooling proxy cannot LISTEN), else hijacked from the pool so it never returns.
+func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
+	if c.cfg.ListenDSN != "" {
+		conn, err := pgx.Connect(ctx, c.cfg.ListenDSN)
+		if err != nil {
+			return nil, fmt.Errorf("connect for LISTEN: %w", err)
+		}
+		return conn, nil
+	}
+	pc, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("acquire LISTEN connection: %w", err)
+	}
+	conn := pc.Hijack()
+	if conn == nil {
+		return nil, errors.New("acquire LISTEN connection: hijack returned nil")
+	}
+	return conn, nil
+}

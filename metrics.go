@@ -1,0 +1,201 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the module's Prometheus measurements. Build them with NewMetrics only when the
+// host provides a registerer; a nil *Metrics records nothing. Labels are project and consumer
+// IDs (and small fixed sets such as the failure class), never event IDs, so the series count
+// stays bounded by the projects a process observes.
+type Metrics struct {
+	dispatched        *prometheus.CounterVec
+	duration          *prometheus.HistogramVec
+	failures          *prometheus.CounterVec
+	parkedTotal       *prometheus.CounterVec
+	replayedTotal     *prometheus.CounterVec
+	leaseAcquisitions *prometheus.CounterVec
+	leaseLosses       *prometheus.CounterVec
+	reconciliations   *prometheus.CounterVec
+	prunedRows        *prometheus.CounterVec
+	prunedDead        prometheus.Counter
+	listenReconnects  *prometheus.CounterVec
+	status            *statusCollector
+}
+
+// NewMetrics creates the module's metrics and registers them with reg.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	pc := []string{"project", "consumer"}
+	m := &Metrics{
+		dispatched: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_events_dispatched_total",
+			Help: "Events handled by a consumer, by outcome (delivered, own, failed)."}, append(pc, "outcome")),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "outbox_dispatch_duration_seconds",
+			Help:    "Time to dispatch one event to the cache and the observed listeners.",
+			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5, 30}}, []string{"consumer"}),
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_delivery_failures_total",
+			Help: "Failed delivery attempts, by failure class."}, append(pc, "class")),
+		parkedTotal: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_dead_letters_parked_total",
+			Help: "Events parked as dead letters after their last attempt."}, pc),
+		replayedTotal: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_dead_letters_replayed_total",
+			Help: "Dead letters replayed successfully."}, pc),
+		leaseAcquisitions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_lease_acquisitions_total",
+			Help: "Leases acquired."}, pc),
+		leaseLosses: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_lease_losses_total",
+			Help: "Leases lost (expired or taken over) while held."}, pc),
+		reconciliations: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_reconciliations_total",
+			Help: "Full reconciliations, by reason."}, append(pc, "reason")),
+		prunedRows: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_pruned_rows_total",
+			Help: "Outbox rows pruned by retention."}, []string{"project"}),
+		prunedDead: prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_pruned_dead_letters_total",
+			Help: "Resolved dead letters pruned by retention."}),
+		listenReconnects: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_listen_reconnects_total",
+			Help: "Times the LISTEN connection was lost and re-opened."}, []string{"consumer"}),
+		status: &statusCollector{},
+	}
+	m.status.lagEvents = prometheus.NewDesc("outbox_consumer_lag_events",
+		"Committed, sequenced events the consumer has not acknowledged.", pc, nil)
+	m.status.lagSeconds = prometheus.NewDesc("outbox_consumer_lag_seconds",
+		"Age of the oldest event the consumer has not acknowledged (0 when caught up).", pc, nil)
+	m.status.deadOutstanding = prometheus.NewDesc("outbox_dead_letters_outstanding",
+		"Dead letters not yet resolved (dead or awaiting replay).", pc, nil)
+	m.status.retrying = prometheus.NewDesc("outbox_deliveries_retrying",
+		"Events waiting for their next attempt.", pc, nil)
+	for _, c := range []prometheus.Collector{m.dispatched, m.duration, m.failures, m.parkedTotal, m.replayedTotal,
+		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects, m.status} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("register outbox metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+func outcomeLabel(o Outcome) string {
+	switch o {
+	case Delivered:
+		return "delivered"
+	case Own:
+		return "own"
+	case Failed:
+		return "failed"
+	default:
+		return "interrupted"
+	}
+}
+
+func (m *Metrics) observeDispatch(project, consumer string, o Outcome, d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.dispatched.WithLabelValues(project, consumer, outcomeLabel(o)).Inc()
+	m.duration.WithLabelValues(consumer).Observe(d.Seconds())
+}
+
+func (m *Metrics) failure(project, consumer string, class FailureClass) {
+	if m != nil {
+		m.failures.WithLabelValues(project, consumer, string(class)).Inc()
+	}
+}
+
+func (m *Metrics) parked(project, consumer string) {
+	if m != nil {
+		m.parkedTotal.WithLabelValues(project, consumer).Inc()
+	}
+}
+
+func (m *Metrics) replayed(project, consumer string) {
+	if m != nil {
+		m.replayedTotal.WithLabelValues(project, consumer).Inc()
+	}
+}
+
+func (m *Metrics) leaseAcquired(project, consumer string) {
+	if m != nil {
+		m.leaseAcquisitions.WithLabelValues(project, consumer).Inc()
+	}
+}
+
+func (m *Metrics) leaseLost(project, consumer string) {
+	if m != nil {
+		m.leaseLosses.WithLabelValues(project, consumer).Inc()
+	}
+}
+
+func (m *Metrics) reconciled(project, consumer, reason string) {
+	if m != nil {
+		m.reconciliations.WithLabelValues(project, consumer, reason).Inc()
+	}
+}
+
+func (m *Metrics) pruned(project string, rows int64) {
+	if m != nil && rows > 0 {
+		m.prunedRows.WithLabelValues(project).Add(float64(rows))
+	}
+}
+
+func (m *Metrics) prunedDeadLetters(n int64) {
+	if m != nil && n > 0 {
+		m.prunedDead.Add(float64(n))
+	}
+}
+
+func (m *Metrics) listenReconnect(consumer string) {
+	if m != nil {
+		m.listenReconnects.WithLabelValues(consumer).Inc()
+	}
+}
+
+// watch makes the status gauges report consumer c.
+func (m *Metrics) watch(c *Consumer) {
+	if m != nil {
+		m.status.add(c)
+	}
+}
+
+// statusCollector reads lag and dead-letter counts from the database at scrape time, so the
+// gauges are exact whenever they are read and cost nothing between scrapes.
+type statusCollector struct {
+	lagEvents, lagSeconds, deadOutstanding, retrying *prometheus.Desc
+
+	mu        sync.Mutex
+	consumers []*Consumer
+}
+
+func (s *statusCollector) add(c *Consumer) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.consumers = append(s.consumers, c)
+}
+
+func (s *statusCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- s.lagEvents
+	ch <- s.lagSeconds
+	ch <- s.deadOutstanding
+	ch <- s.retrying
+}
+
+func (s *statusCollector) Collect(ch chan<- prometheus.Metric) {
+	s.mu.Lock()
+	consumers := append([]*Consumer(nil), s.consumers...)
+	s.mu.Unlock()
+	for _, c := range consumers {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		rows, err := consumerStatus(ctx, c.pool, c.clock, StatusFilter{ConsumerID: string(c.id)})
+		cancel()
+		if err != nil {
+			ch <- prometheus.NewInvalidMetric(s.lagEvents, err)
+			continue
+		}
+		for _, r := range rows {
+			lv := []string{r.ProjectID, r.ConsumerID}
+			ch <- prometheus.MustNewConstMetric(s.lagEvents, prometheus.GaugeValue, float64(r.LagEvents), lv...)
+			ch <- prometheus.MustNewConstMetric(s.lagSeconds, prometheus.GaugeValue, r.LagSeconds, lv...)
+			ch <- prometheus.MustNewConstMetric(s.deadOutstanding, prometheus.GaugeValue, float64(r.Dead+r.ReplayRequested), lv...)
+			ch <- prometheus.MustNewConstMetric(s.retrying, prometheus.GaugeValue, float64(r.Retrying), lv...)
+		}
+	}
+}

@@ -1,0 +1,136 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+// Why a consumer reconciles. They are stored on the cursor and logged.
+const (
+	ReasonMissingCursor          = "missing_cursor"
+	ReasonCursorAheadOfHead      = "cursor_ahead_of_head"
+	ReasonCursorBelowPrunedFloor = "cursor_below_pruned_floor"
+)
+
+const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1), 0)`
+
+const reconcileCursorSQL = `
+UPDATE lifecycle_consumer_cursors
+SET last_acked_sequence = $3, acked_at = now(), reconciled_at = now() + $5::interval, reconcile_reason = $4
+WHERE project_id = $1 AND consumer_id = $2`
+
+const supersedeRetriesSQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'resolved', resolved_at = now() + $4::interval, next_attempt_at = NULL
+WHERE project_id = $1 AND consumer_id = $2 AND state = 'retrying' AND sequence <= $3`
+
+// reconcile rebuilds the project's live set when its history cannot be replayed, and restarts
+// the cursor at the head. The head and the live tasks come from one REPEATABLE READ snapshot:
+// a delete committed before it is absent from the live set and sequenced at or below the head
+// or later; a delete committed after it is sequenced above the head and delivered normally.
+func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string) error {
+	head, live, err := c.snapshot(ctx, st.project)
+	if err != nil {
+		return err
+	}
+	if c.cache != nil && c.live != nil {
+		if err := c.cache.ReplaceLive(ctx, st.project, live); err != nil {
+			return fmt.Errorf("reconcile: replace cache: %w", err)
+		}
+	}
+	err = c.fencedTx(ctx, st, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, reconcileCursorSQL, st.project, c.id, head, reason, c.offset()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, supersedeRetriesSQL, st.project, c.id, head, c.offset())
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("reconcile: %w", err)
+	}
+	previous := st.acked
+	st.acked, st.position = head, head
+	c.stats.reconciliations.Add(1)
+	c.metrics.reconciled(st.project, string(c.id), reason)
+	fields := []zap.Field{zap.String("project_id", st.project), zap.String("reason", reason),
+		zap.Int64("previous_cursor", previous), zap.Int64("head", head), zap.Int("live_tasks", len(live))}
+	if c.live == nil || c.cache == nil {
+		c.log.Warn("reconciled the cursor only: no live-task source or cache to rebuild", fields...)
+	} else {
+		c.log.Info("reconciled", fields...)
+	}
+	return nil
+}
+
+// snapshot reads the head and the live task IDs in one REPEATABLE READ transaction.
+func (c *Consumer) snapshot(ctx context.Context, project string) (int64, []string, error) {
+	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return 0, nil, fmt.Errorf("reconcile: begin snapshot: %w", err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var head int64
+	if err := tx.QueryRow(ctx, headSQL, project).Scan(&head); err != nil {
+		return 0, nil, fmt.Errorf("reconcile: read head: %w", err)
+	}
+	var live []string
+	if c.live != nil {
+		if live, err = c.live.LiveTaskIDsTx(ctx, tx, project); err != nil {
+			return 0, nil, fmt.Errorf("reconcile: read live tasks: %w", err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, nil, fmt.Errorf("reconcile: end snapshot: %w", err)
+	}
+	return head, live, nil
+}
+
+const startAtOldestSQL = `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 0, acked_at = now()
+WHERE project_id = $1 AND consumer_id = $2 AND last_acked_sequence IS NULL`
+
+// startAtOldest positions a never-read cursor before the first event, when nothing was pruned.
+func (c *Consumer) startAtOldest(ctx context.Context, st *streamState) error {
+	err := c.fencedTx(ctx, st, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, startAtOldestSQL, st.project, c.id)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("start cursor at oldest: %w", err)
+	}
+	st.acked, st.position = 0, 0
+	c.log.Info("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
+	return nil
+}
+
+const fenceSQL = `
+SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
+WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch = $4
+  AND lease_expires_at > now() + $5::interval AND retired_at IS NULL
+FOR UPDATE`
+
+// fencedTx runs fn in a transaction that first locks the cursor row under the stream's lease.
+// When the lease no longer matches it returns ErrLeaseLost and fn never runs. Holding the row
+// lock until commit keeps a takeover from slipping in between the check and the writes.
+func (c *Consumer) fencedTx(ctx context.Context, st *streamState, fn func(pgx.Tx) error) error {
+	tx, err := c.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var cursor int64
+	err = tx.QueryRow(ctx, fenceSQL, st.project, c.id, c.owner, st.epoch, c.offset()).Scan(&cursor)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ErrLeaseLost
+	}
+	if err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}

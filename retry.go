@@ -1,0 +1,228 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+// A failed event is not acknowledged. Its delivery row keeps the attempt count, the next
+// attempt time (on the database clock) and the failure class, so the backoff survives a
+// restart and a takeover by another process with the same identity. The stream waits for it:
+// order is the contract. After Config.MaxAttempts failures one fenced transaction parks it as
+// a dead letter, writes the consumer-poisoned audit row and moves the cursor past it.
+
+// Delivery states.
+const (
+	stateRetrying        = "retrying"
+	stateDead            = "dead"
+	stateReplayRequested = "replay_requested"
+	stateResolved        = "resolved"
+)
+
+// delivery is an open delivery row: a head-of-line retry or a replay request.
+type delivery struct {
+	sequence int64
+	eventID  string
+	state    string
+	attempts int
+	due      bool
+	wait     time.Duration // until next_attempt_at, for a retry not yet due
+}
+
+const openDeliveriesSQL = `
+SELECT project_id, sequence, event_id, state, attempts,
+       coalesce(next_attempt_at <= now() + $3::interval, true),
+       coalesce(greatest(0, extract(epoch FROM next_attempt_at - (now() + $3::interval))), 0)::float8
+FROM lifecycle_consumer_deliveries
+WHERE consumer_id = $1 AND project_id = ANY ($2) AND state IN ('retrying', 'replay_requested')
+ORDER BY project_id, sequence`
+
+func (c *Consumer) openDeliveries(ctx context.Context, projects []string) (map[string][]delivery, error) {
+	rows, err := c.pool.Query(ctx, openDeliveriesSQL, c.id, projects, c.offset())
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := map[string][]delivery{}
+	for rows.Next() {
+		var p string
+		var d delivery
+		var waitSeconds float64
+		if err := rows.Scan(&p, &d.sequence, &d.eventID, &d.state, &d.attempts, &d.due, &waitSeconds); err != nil {
+			return nil, err
+		}
+		d.wait = time.Duration(waitSeconds * float64(time.Second))
+		out[p] = append(out[p], d)
+	}
+	return out, rows.Err()
+}
+
+const lockDeliverySQL = `
+SELECT attempts FROM lifecycle_consumer_deliveries
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3
+FOR UPDATE`
+
+const upsertRetryingSQL = `
+INSERT INTO lifecycle_consumer_deliveries AS d
+    (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, first_failed_at, last_failed_at)
+VALUES ($1, $2, $3, $4, 'retrying', $5, now() + $7::interval + $6::interval, $8, now() + $7::interval, now() + $7::interval)
+ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
+SET state = 'retrying', attempts = excluded.attempts, next_attempt_at = excluded.next_attempt_at,
+    last_failure_class = excluded.last_failure_class, last_failed_at = excluded.last_failed_at`
+
+const upsertDeadSQL = `
+INSERT INTO lifecycle_consumer_deliveries AS d
+    (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, first_failed_at, last_failed_at, parked_at)
+VALUES ($1, $2, $3, $4, 'dead', $5, $7, now() + $6::interval, now() + $6::interval, now() + $6::interval)
+ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
+SET state = 'dead', attempts = excluded.attempts, next_attempt_at = NULL, last_failure_class = excluded.last_failure_class,
+    last_failed_at = excluded.last_failed_at, parked_at = excluded.parked_at`
+
+const advanceCursorSQL = `
+UPDATE lifecycle_consumer_cursors SET last_acked_sequence = $3, acked_at = now()
+WHERE project_id = $1 AND consumer_id = $2 AND (last_acked_sequence IS NULL OR last_acked_sequence < $3)`
+
+// recordFailure persists one failed attempt of ev, parking it when the attempts are spent; it
+// reports whether it parked (and so moved the cursor past ev).
+func (c *Consumer) recordFailure(ctx context.Context, st *streamState, ev Event, class FailureClass) (parked bool, err error) {
+	c.stats.failures.Add(1)
+	c.metrics.failure(st.project, string(c.id), class)
+	var attempts int
+	err = c.fencedTx(ctx, st, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, lockDeliverySQL, st.project, c.id, ev.Sequence).Scan(&attempts)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return err
+		}
+		attempts++
+		if attempts < c.cfg.MaxAttempts {
+			_, err := tx.Exec(ctx, upsertRetryingSQL, st.project, c.id, ev.Sequence, ev.EventID, attempts,
+				c.cfg.retryDelay(attempts), c.offset(), string(class))
+			return err
+		}
+		parked = true
+		if _, err := tx.Exec(ctx, upsertDeadSQL, st.project, c.id, ev.Sequence, ev.EventID, attempts, c.offset(), string(class)); err != nil {
+			return err
+		}
+		if err := c.audit.WriteAuditTx(ctx, tx, AuditRecord{Action: AuditConsumerPoisoned, ProjectID: st.project,
+			ConsumerID: c.id, EventID: ev.EventID, Sequence: ev.Sequence, Attempts: attempts}); err != nil {
+			return fmt.Errorf("write poison audit: %w", err)
+		}
+		_, err = tx.Exec(ctx, advanceCursorSQL, st.project, c.id, ev.Sequence)
+		return err
+	})
+	if err != nil {
+		return false, fmt.Errorf("record failed delivery: %w", err)
+	}
+	fields := []zap.Field{zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence),
+		zap.String("event_id", ev.EventID), zap.String("class", string(class)), zap.Int("attempts", attempts)}
+	if !parked {
+		st.blocked, st.retryWait = true, c.cfg.retryDelay(attempts)
+		c.log.Warn("delivery failed; the stream waits for the retry", append(fields, zap.Duration("retry_in", st.retryWait))...)
+		return false, nil
+	}
+	st.acked, st.position = ev.Sequence, ev.Sequence
+	c.dispatch.applyToCache(ctx, ev)
+	c.stats.parked.Add(1)
+	c.metrics.parked(st.project, string(c.id))
+	c.log.Error("event parked as a dead letter; the stream moves on", fields...)
+	return true, nil
+}
+
+const resolveRetriedSQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'resolved', attempts = attempts + 1, resolved_at = now() + $4::interval, next_attempt_at = NULL
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'retrying'`
+
+// resolveRetried closes a retried event's delivery row and acknowledges it in one transaction.
+func (c *Consumer) resolveRetried(ctx context.Context, st *streamState, ev Event) error {
+	err := c.fencedTx(ctx, st, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, resolveRetriedSQL, st.project, c.id, ev.Sequence, c.offset()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, advanceCursorSQL, st.project, c.id, ev.Sequence)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("resolve retried delivery: %w", err)
+	}
+	st.acked = ev.Sequence
+	c.log.Info("retried delivery succeeded", zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence), zap.String("event_id", ev.EventID))
+	return nil
+}
+
+const readEventSQL = `
+SELECT project_id, sequence, event_id, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+       writer_process_id, occurred_at, payload_version
+FROM lifecycle_outbox
+WHERE project_id = $1 AND sequence = $2`
+
+const replayResolvedSQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'resolved', attempts = attempts + 1, resolved_at = now() + $4::interval
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'
+RETURNING attempts, coalesce(replay_requested_by, ''), coalesce(replay_reason, '')`
+
+const replayFailedSQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'dead', attempts = attempts + 1, last_failure_class = $5,
+    last_failed_at = now() + $4::interval, parked_at = now() + $4::interval
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
+
+// replay re-dispatches a dead letter an operator asked to replay. Only the consumer that owns
+// the delivery row sees it; success resolves it with a consumer-replayed audit row, failure
+// puts it back to dead with its count.
+func (c *Consumer) replay(ctx context.Context, st *streamState, d delivery) error {
+	rows, err := c.pool.Query(ctx, readEventSQL, st.project, d.sequence)
+	if err != nil {
+		return fmt.Errorf("read replayed event: %w", err)
+	}
+	evs, err := scanEvents(rows, 1)
+	if err != nil {
+		return fmt.Errorf("read replayed event: %w", err)
+	}
+	if len(evs) == 0 {
+		c.log.Error("replay requested for an event that is no longer stored", zap.String("project_id", st.project),
+			zap.Int64("sequence", d.sequence), zap.String("event_id", d.eventID))
+		return nil
+	}
+	ev := evs[0]
+	outcome, class := c.dispatch.Dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: d.attempts + 1, Replay: true})
+	if outcome == Interrupted {
+		return nil
+	}
+	fields := []zap.Field{zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence), zap.String("event_id", ev.EventID)}
+	if outcome == Failed {
+		c.stats.failures.Add(1)
+		c.metrics.failure(st.project, string(c.id), class)
+		err := c.fencedTx(ctx, st, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, replayFailedSQL, st.project, c.id, ev.Sequence, c.offset(), string(class))
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("record failed replay: %w", err)
+		}
+		c.log.Error("replay failed; the event is a dead letter again", append(fields, zap.String("class", string(class)))...)
+		return nil
+	}
+	err = c.fencedTx(ctx, st, func(tx pgx.Tx) error {
+		var attempts int
+		var actor, reason string
+		if err := tx.QueryRow(ctx, replayResolvedSQL, st.project, c.id, ev.Sequence, c.offset()).Scan(&attempts, &actor, &reason); err != nil {
+			return err
+		}
+		return c.audit.WriteAuditTx(ctx, tx, AuditRecord{Action: AuditConsumerReplayed, ProjectID: st.project, ConsumerID: c.id,
+			EventID: ev.EventID, Sequence: ev.Sequence, Attempts: attempts, Actor: actor, Reason: reason})
+	})
+	if err != nil {
+		return fmt.Errorf("resolve replay: %w", err)
+	}
+	c.stats.replayed.Add(1)
+	c.metrics.replayed(st.project, string(c.id))
+	c.log.Info("dead letter replayed and resolved", fields...)
+	return nil
+}
