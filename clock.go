@@ -34,20 +34,3 @@ type realTimer struct{ t *time.Timer }
 
 func (t realTimer) C() <-chan time.Time { return t.t.C }
 func (t realTimer) Stop() bool          { return t.t.Stop() }
-
-// sleep waits d on clock c or until done closes; it reports whether the full wait elapsed.
-func sleep(c Clock, d time.Duration, done <-chan struct{}, wake <-chan struct{}) bool {
-	if d <= 0 {
-		return true
-	}
-	t := c.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C():
-		return true
-	case <-done:
-		return false
-	case <-wake:
-		return false
-	}
-}

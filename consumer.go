@@ -60,7 +60,7 @@ type Consumer struct {
 	leases *leaseTable
 	state  map[string]*streamState // owned by the loop goroutine
 	heartbeatControl
-	stats  stats
+	stats stats
 
 	wake    chan struct{}
 	dirtyMu sync.Mutex
@@ -71,7 +71,6 @@ type Consumer struct {
 	stopped bool
 	cancel  context.CancelFunc
 	done    chan struct{}
-	runErr  error
 }
 
 // streamState is the loop's view of one project stream.
