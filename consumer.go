@@ -457,7 +457,12 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 func (c *Consumer) checkPosition(ctx context.Context, st *streamState, head Head) error {
 	switch {
 	case st.acked < 0 && c.cfg.NewCursor == NewCursorOldest && head.PrunedThrough == 0:
-		return c.startAtOldest(ctx, st)
+		// Start before the first event; the position is written with the next acknowledgement
+		// batch, so many new cursors cost one statement.
+		if st.position == 0 {
+			c.log.Debug("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
+		}
+		return nil
 	case st.acked < 0:
 		return c.reconcile(ctx, st, ReasonMissingCursor)
 	case st.acked > head.LastSequence:

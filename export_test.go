@@ -10,3 +10,10 @@ func PauseHeartbeat(c *Consumer, paused bool) { c.heartbeatPaused.Store(paused) 
 
 // HeartbeatNow runs one heartbeat round synchronously.
 func HeartbeatNow(ctx context.Context, c *Consumer) { c.heartbeat(ctx) }
+
+// The retention batch's statements, so a test can hold one batch open and show that a delete
+// transaction does not wait for it.
+const (
+	PruneBatchSQL  = pruneBatchSQL
+	RecordFloorSQL = recordFloorSQL
+)

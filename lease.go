@@ -281,6 +281,28 @@ func (c *Consumer) heartbeat(ctx context.Context) {
 	if len(taken) > 0 {
 		c.requestScan(taken...)
 	}
+	if len(taken) < len(missing) {
+		c.noteRetired(ctx, missing)
+	}
+}
+
+// noteRetired logs, once per project, that an operator retired this identity while it ran:
+// it stops advancing there and is never silently reinstated.
+func (c *Consumer) noteRetired(ctx context.Context, projects []string) {
+	rows, err := c.pool.Query(ctx, retiredSQL, c.id, projects)
+	if err != nil {
+		return
+	}
+	retired, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return
+	}
+	for _, p := range retired {
+		if _, seen := c.retiredSeen.LoadOrStore(p, true); !seen {
+			c.log.Error("consumer identity retired by an operator; it no longer observes this project",
+				zap.String("project_id", p), zap.Error(ErrConsumerRetired))
+		}
+	}
 }
 
 // dropUnobserved releases the leases of projects no longer observed.
@@ -305,4 +327,7 @@ func (c *Consumer) dropUnobserved(ctx context.Context, held map[string]lease, ob
 
 // heartbeatControl lets tests freeze a consumer's heartbeat, standing in for a process stopped
 // past its lease.
-type heartbeatControl struct{ heartbeatPaused atomic.Bool }
+type heartbeatControl struct {
+	heartbeatPaused atomic.Bool
+	retiredSeen     sync.Map // project -> true, once its retirement was logged
+}

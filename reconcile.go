@@ -89,23 +89,6 @@ func (c *Consumer) snapshot(ctx context.Context, project string) (int64, []strin
 	return head, live, nil
 }
 
-const startAtOldestSQL = `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 0, acked_at = now()
-WHERE project_id = $1 AND consumer_id = $2 AND last_acked_sequence IS NULL`
-
-// startAtOldest positions a never-read cursor before the first event, when nothing was pruned.
-func (c *Consumer) startAtOldest(ctx context.Context, st *streamState) error {
-	err := c.fencedTx(ctx, st, func(tx pgx.Tx) error {
-		_, err := tx.Exec(ctx, startAtOldestSQL, st.project, c.id)
-		return err
-	})
-	if err != nil {
-		return fmt.Errorf("start cursor at oldest: %w", err)
-	}
-	st.acked, st.position = 0, 0
-	c.log.Info("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
-	return nil
-}
-
 const fenceSQL = `
 SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
 WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch = $4

@@ -1,0 +1,265 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+)
+
+// Retention prunes what no one needs any more. It is run by the host's self-healing sweep
+// (see Task), never by a consumer:
+//
+//   - an outbox row goes once it is older than the retention window AND every non-retired
+//     consumer of its project has acknowledged it, unless an unresolved delivery of a
+//     non-retired consumer still points at it (a dead letter must stay replayable);
+//   - each batch records the project's pruned floor in the same transaction, so a cursor left
+//     below it (a new or reinstated consumer) reconciles instead of silently skipping;
+//   - a resolved dead letter goes after DeadLetterRetention; an unresolved one stays until an
+//     operator resolves it or retires its consumer.
+//
+// Pruning never blocks writers: the delete transaction only inserts, and the rows pruned are
+// old rows no writer touches. The heads row (which sequencers lock) is updated last in each
+// batch, so a sequencer waits at most for one batch's commit.
+type Retention struct {
+	pool    *pgxpool.Pool
+	cfg     Config
+	log     *zap.Logger
+	metrics *Metrics
+}
+
+// NewRetention builds the retention sweep.
+func NewRetention(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metrics) (*Retention, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = zap.NewNop()
+	}
+	return &Retention{pool: pool, cfg: cfg, log: log.Named("outbox.retention"), metrics: metrics}, nil
+}
+
+// RetentionResult is what one sweep did.
+type RetentionResult struct {
+	PrunedByProject   map[string]int64 // outbox rows pruned, per project
+	DeadLettersPruned int64            // resolved (or orphaned by retirement) deliveries pruned
+	BudgetExhausted   bool             // the sweep stopped at its row budget; the next one goes on
+	Batches           int
+	LongestBatch      time.Duration
+	Elapsed           time.Duration
+}
+
+// Pruned is the total of rows pruned across projects.
+func (r RetentionResult) Pruned() int64 {
+	var n int64
+	for _, v := range r.PrunedByProject {
+		n += v
+	}
+	return n
+}
+
+// String summarises the result for the sweep's log line.
+func (r RetentionResult) String() string {
+	return fmt.Sprintf("pruned %d outbox rows in %d projects and %d dead letters in %d batches (longest %s, budget exhausted: %t)",
+		r.Pruned(), len(r.PrunedByProject), r.DeadLettersPruned, r.Batches, r.LongestBatch.Round(time.Millisecond), r.BudgetExhausted)
+}
+
+// PrunePlan is, for one project, what a sweep may prune now.
+type PrunePlan struct {
+	ProjectID     string `json:"projectId"`
+	Head          int64  `json:"head"`
+	PrunedThrough int64  `json:"prunedThrough"`
+	// Through is the highest sequence every non-retired consumer acknowledged.
+	Through int64 `json:"through"`
+	// Prunable rows are at or below Through, older than the window, and no open delivery of a
+	// non-retired consumer points at them.
+	Prunable int64 `json:"prunable"`
+	// HeldBy names the slowest non-retired consumer, the one holding pruning back.
+	HeldBy string `json:"heldBy,omitempty"`
+}
+
+// planSQL computes, per project, the highest sequence that every non-retired consumer has
+// acknowledged. A cursor never positioned counts as zero: it holds pruning until it reads or
+// is retired. A project with no active consumer may be pruned up to its head.
+const planSQL = `
+SELECT h.project_id, h.last_sequence, h.pruned_through,
+       coalesce(min(coalesce(c.last_acked_sequence, 0)) FILTER (WHERE c.consumer_id IS NOT NULL), h.last_sequence) AS through,
+       coalesce((array_agg(c.consumer_id ORDER BY coalesce(c.last_acked_sequence, 0), c.consumer_id)
+                 FILTER (WHERE c.consumer_id IS NOT NULL))[1], '') AS held_by
+FROM lifecycle_outbox_heads h
+LEFT JOIN lifecycle_consumer_cursors c ON c.project_id = h.project_id AND c.retired_at IS NULL
+GROUP BY h.project_id, h.last_sequence, h.pruned_through
+ORDER BY h.project_id`
+
+// prunableWhere selects the rows of project $1 that may go: at or below $2, older than the
+// window ($4 before now shifted by $3), not pointed at by an open delivery of a live consumer.
+const prunableWhere = `
+o.project_id = $1 AND o.sequence IS NOT NULL AND o.sequence <= $2
+AND o.occurred_at < now() + $3::interval - $4::interval
+AND NOT EXISTS (
+    SELECT 1 FROM lifecycle_consumer_deliveries d
+    JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
+    WHERE d.project_id = o.project_id AND d.sequence = o.sequence
+      AND d.state <> 'resolved' AND c.retired_at IS NULL)`
+
+const countPrunableSQL = `SELECT count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
+
+const pruneBatchSQL = `
+WITH doomed AS (
+    SELECT o.ctid AS row_id FROM lifecycle_outbox o WHERE ` + prunableWhere + `
+    ORDER BY o.sequence
+    LIMIT $5
+), gone AS (
+    DELETE FROM lifecycle_outbox o USING doomed WHERE o.ctid = doomed.row_id
+    RETURNING o.sequence
+)
+SELECT count(*), coalesce(max(sequence), 0) FROM gone`
+
+const recordFloorSQL = `
+UPDATE lifecycle_outbox_heads
+SET pruned_through = greatest(pruned_through, $2), pruned_at = now() + $3::interval
+WHERE project_id = $1`
+
+const pruneDeadLettersSQL = `
+WITH doomed AS (
+    SELECT d.ctid AS row_id FROM lifecycle_consumer_deliveries d
+    JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
+    WHERE (d.state = 'resolved' AND d.resolved_at < now() + $1::interval - $2::interval)
+       OR (d.state <> 'resolved' AND c.retired_at IS NOT NULL)
+    LIMIT $3
+)
+DELETE FROM lifecycle_consumer_deliveries d USING doomed WHERE d.ctid = doomed.row_id`
+
+// Plan reports, per project, what a sweep would prune now: a dry run that changes nothing.
+func (r *Retention) Plan(ctx context.Context) ([]PrunePlan, error) {
+	plans, err := r.plan(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for i := range plans {
+		p := &plans[i]
+		if p.Through <= p.PrunedThrough {
+			continue
+		}
+		if err := r.pool.QueryRow(ctx, countPrunableSQL, p.ProjectID, p.Through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow).Scan(&p.Prunable); err != nil {
+			return nil, fmt.Errorf("retention plan: %w", err)
+		}
+	}
+	return plans, nil
+}
+
+func (r *Retention) plan(ctx context.Context) ([]PrunePlan, error) {
+	rows, err := r.pool.Query(ctx, planSQL)
+	if err != nil {
+		return nil, fmt.Errorf("retention plan: %w", err)
+	}
+	var plans []PrunePlan
+	for rows.Next() {
+		var p PrunePlan
+		if err := rows.Scan(&p.ProjectID, &p.Head, &p.PrunedThrough, &p.Through, &p.HeldBy); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("retention plan: %w", err)
+		}
+		plans = append(plans, p)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("retention plan: %w", err)
+	}
+	return plans, nil
+}
+
+// Sweep prunes in bounded batches until nothing is left or the budget is spent.
+func (r *Retention) Sweep(ctx context.Context) (RetentionResult, error) {
+	started := time.Now()
+	res := RetentionResult{PrunedByProject: map[string]int64{}}
+	plans, err := r.plan(ctx)
+	if err != nil {
+		return res, err
+	}
+	budget := int64(r.cfg.RetentionBudget)
+	for _, p := range plans {
+		for budget > 0 {
+			n, err := r.pruneBatch(ctx, p, min(int64(r.cfg.RetentionBatchSize), budget), &res)
+			if err != nil {
+				return res, err
+			}
+			budget -= n
+			if n < int64(r.cfg.RetentionBatchSize) {
+				break
+			}
+		}
+		if budget <= 0 {
+			res.BudgetExhausted = true
+			break
+		}
+	}
+	for budget > 0 {
+		tag, err := r.pool.Exec(ctx, pruneDeadLettersSQL, r.cfg.Clock.Offset(), r.cfg.DeadLetterRetention, min(int64(r.cfg.RetentionBatchSize), budget))
+		if err != nil {
+			return res, fmt.Errorf("prune dead letters: %w", err)
+		}
+		n := tag.RowsAffected()
+		res.DeadLettersPruned += n
+		budget -= n
+		if n < int64(r.cfg.RetentionBatchSize) {
+			break
+		}
+	}
+	if budget <= 0 {
+		res.BudgetExhausted = true
+	}
+	r.metrics.prunedDeadLetters(res.DeadLettersPruned)
+	res.Elapsed = time.Since(started)
+	r.log.Info("retention sweep", zap.Int64("pruned_rows", res.Pruned()), zap.Int("projects", len(res.PrunedByProject)),
+		zap.Int64("dead_letters_pruned", res.DeadLettersPruned), zap.Int("batches", res.Batches),
+		zap.Duration("longest_batch", res.LongestBatch), zap.Bool("budget_exhausted", res.BudgetExhausted), zap.Duration("elapsed", res.Elapsed))
+	return res, nil
+}
+
+// pruneBatch deletes up to limit rows of one project and raises its floor, in one transaction.
+func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, res *RetentionResult) (int64, error) {
+	if p.Through <= 0 {
+		return 0, nil
+	}
+	started := time.Now()
+	var n, maxSeq int64
+	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, p.Through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow, limit).Scan(&n, &maxSeq); err != nil {
+			return err
+		}
+		if n == 0 {
+			return nil
+		}
+		_, err := tx.Exec(ctx, recordFloorSQL, p.ProjectID, maxSeq, r.cfg.Clock.Offset())
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("prune project %s: %w", p.ProjectID, err)
+	}
+	if n > 0 {
+		res.Batches++
+		res.PrunedByProject[p.ProjectID] += n
+		res.LongestBatch = max(res.LongestBatch, time.Since(started))
+		r.metrics.pruned(p.ProjectID, n)
+	}
+	return n, nil
+}
+
+// MaintenanceTask is one unit of the host's self-healing sweep, run at store open and on the
+// host's schedule. The module contributes its retention sweep as one.
+type MaintenanceTask struct {
+	Name string
+	Run  func(ctx context.Context) (fmt.Stringer, error)
+}
+
+// Task returns the retention sweep as a maintenance task.
+func (r *Retention) Task() MaintenanceTask {
+	return MaintenanceTask{Name: "outbox-retention", Run: func(ctx context.Context) (fmt.Stringer, error) {
+		res, err := r.Sweep(ctx)
+		return res, err
+	}}
+}
