@@ -1,0 +1,52 @@
+# The two commands a newcomer needs: `make demo` (the main job) and `make test`.
+SHELL := /bin/bash
+export PATH := /usr/local/go/bin:$(PATH)
+GO ?= go
+GOBIN := $(shell $(GO) env GOPATH)/bin
+STATICCHECK := $(GOBIN)/staticcheck
+STATICCHECK_VERSION := v0.8.2
+
+.PHONY: test demo bench soak fuzz lint deps postgres staticcheck
+
+test: deps lint
+	CI=$${CI:-false} $(GO) test -race -count=1 -timeout 25m ./...
+
+demo: postgres
+	$(GO) run ./cmd/outbox-demo
+
+bench: postgres
+	$(GO) run ./cmd/outbox-bench all
+
+soak: postgres
+	OUTBOX_SOAK=10m $(GO) test -race -count=1 -timeout 30m -run TestFaultSuite -v ./internal/faultsuite
+
+# Each fuzz target for FUZZTIME (default 1m); `make test` already runs their seed corpora.
+FUZZTIME ?= 1m
+fuzz:
+	$(GO) test -run '^$$' -fuzz '^FuzzParseConsumerID$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzConfigValidate$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzParseEventID$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzParseWakePayload$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeEvent$$' -fuzztime $(FUZZTIME) .
+
+lint: staticcheck
+	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	  if [ -n "$$unformatted" ]; then echo "gofmt would change: $$unformatted"; exit 1; fi
+	$(GO) vet ./...
+	$(STATICCHECK) ./...
+
+deps: postgres staticcheck
+
+staticcheck:
+	@[ -x $(STATICCHECK) ] || $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+
+# The tests, the demo and the benchmarks start their own throwaway PostgreSQL from the
+# installed server binaries; install them when they are missing.
+postgres:
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "installing the PostgreSQL server binaries"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null; \
+	else \
+	  echo "the PostgreSQL server binaries are missing: sudo apt-get install postgresql (or set TEST_DATABASE_URL)"; exit 1; \
+	fi
