@@ -1,0 +1,202 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.uber.org/fx"
+	"go.uber.org/zap"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+)
+
+// The child processes are engine binaries in miniature: each builds its fx app from
+// outbox.Module and the reference host's module, exactly as a real deployment would.
+
+// demoOutbox is the demo's deployment configuration: a short backoff so that a poison event is
+// parked in seconds, not hours.
+func demoOutbox() outbox.Config {
+	return outbox.Config{
+		PollInterval:      250 * time.Millisecond,
+		LeaseTTL:          3 * time.Second,
+		HeartbeatInterval: time.Second,
+		RetrySchedule:     []time.Duration{200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond},
+		MaxAttempts:       4,
+	}
+}
+
+func runChild(args []string) error {
+	if len(args) == 0 {
+		return errors.New("child: missing role")
+	}
+	fs := flag.NewFlagSet("child", flag.ContinueOnError)
+	dsn := fs.String("dsn", "", "database")
+	projects := fs.String("projects", "alpha,beta", "projects")
+	scope := fs.String("scope", "", "settings scope (holds this node's persisted identity)")
+	httpAddr := fs.String("http", "", "serve /events and /metrics here")
+	applied := fs.String("applied-log", "", "observer: durable log of applied events")
+	poison := fs.String("poison", "", "observer: project/task whose event fails until -fixed exists")
+	fixed := fs.String("fixed", "", "observer: marker file that means the failing listener was fixed")
+	count := fs.Int("count", 300, "writer: tasks to delete per project")
+	rate := fs.Float64("rate", 20, "writer: deletes per second")
+	if err := fs.Parse(args[1:]); err != nil {
+		return err
+	}
+	log, err := zap.NewDevelopment()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = log.Sync() }()
+	host := taskstore.HostConfig{DSN: *dsn, Projects: strings.Split(*projects, ","), SettingsScope: *scope,
+		HTTPAddr: *httpAddr, Actor: args[0] + ":" + *scope, Outbox: demoOutbox()}
+
+	switch args[0] {
+	case "writer":
+		return runWriter(host, log, *count, *rate)
+	case "observer":
+		al, err := openAppliedLog(*applied, *poison, *fixed)
+		if err != nil {
+			return err
+		}
+		defer al.close()
+		return runObserver(host, log, al)
+	}
+	return fmt.Errorf("child: unknown role %q", args[0])
+}
+
+func runObserver(host taskstore.HostConfig, log *zap.Logger, al *appliedLog) error {
+	var runner *outbox.Runner
+	app := fx.New(
+		outbox.Module,
+		taskstore.Module,
+		fx.Supply(host, log),
+		fx.Provide(outbox.AsListener(func() outbox.Listener { return al })),
+		fx.Populate(&runner),
+		fx.NopLogger,
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := app.Start(ctx); err != nil {
+		return err
+	}
+	fmt.Printf("ready: observing as %s (state %s)\n", host.SettingsScope, runner.State())
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+	<-sig
+	stopCtx, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancelStop()
+	return app.Stop(stopCtx)
+}
+
+func runWriter(host taskstore.HostConfig, log *zap.Logger, count int, rate float64) error {
+	var store *taskstore.Store
+	var runner *outbox.Runner
+	app := fx.New(outbox.Module, taskstore.Module, fx.Supply(host, log), fx.Populate(&store, &runner), fx.NopLogger)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := app.Start(ctx); err != nil {
+		return err
+	}
+	fmt.Printf("ready: writing (consumer state %s)\n", runner.State())
+	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
+	defer tick.Stop()
+	total := count * len(host.Projects)
+	done := 0
+	for i := 1; i <= count; i++ {
+		for _, p := range host.Projects {
+			<-tick.C
+			if _, err := store.Delete(context.Background(), p, fmt.Sprintf("t-%d", i)); err != nil {
+				return fmt.Errorf("delete %s/t-%d: %w", p, i, err)
+			}
+			if done++; done%100 == 0 || done == total {
+				fmt.Printf("deleted %d/%d\n", done, total)
+			}
+		}
+	}
+	stopCtx, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancelStop()
+	return app.Stop(stopCtx)
+}
+
+// appliedLog is the demo observer's idempotent listener. It applies each deletion once and
+// records it in an append-only file that survives SIGKILL (one write per line, no buffering);
+// a re-delivered event already in the log is counted as a suppressed duplicate instead.
+type appliedLog struct {
+	mu      sync.Mutex
+	f       *os.File
+	seen    map[string]bool
+	applied int
+	poison  string
+	fixed   string
+}
+
+type logLine struct {
+	Kind     string `json:"kind"` // "applied" or "duplicate"
+	EventID  string `json:"eventId"`
+	Project  string `json:"project"`
+	Sequence int64  `json:"sequence"`
+	Replay   bool   `json:"replay,omitempty"`
+}
+
+func openAppliedLog(path, poison, fixed string) (*appliedLog, error) {
+	al := &appliedLog{seen: map[string]bool{}, poison: poison, fixed: fixed}
+	if f, err := os.Open(path); err == nil {
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			var l logLine
+			if json.Unmarshal(sc.Bytes(), &l) == nil && l.Kind == "applied" {
+				al.seen[l.EventID] = true
+				al.applied++
+			}
+		}
+		_ = f.Close()
+	}
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("open applied log: %w", err)
+	}
+	al.f = f
+	return al, nil
+}
+
+func (a *appliedLog) close() { _ = a.f.Close() }
+
+func (a *appliedLog) Name() string { return "applied-log" }
+
+var errPoison = errors.New("this listener cannot handle the event yet")
+
+func (a *appliedLog) HandleObserved(_ context.Context, ev outbox.ObservedEvent) error {
+	if a.poison == ev.ProjectID+"/"+ev.TaskID {
+		if _, err := os.Stat(a.fixed); err != nil {
+			return errPoison
+		}
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	kind := "applied"
+	if a.seen[ev.EventID] {
+		kind = "duplicate"
+	}
+	b, _ := json.Marshal(logLine{Kind: kind, EventID: ev.EventID, Project: ev.ProjectID, Sequence: ev.Sequence, Replay: ev.Replay})
+	if _, err := a.f.Write(append(b, '\n')); err != nil {
+		return fmt.Errorf("append applied log: %w", err)
+	}
+	if kind == "applied" {
+		a.seen[ev.EventID] = true
+		if a.applied++; a.applied%100 == 0 {
+			fmt.Printf("applied %d\n", a.applied)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,395 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+	"fusion/outbox/example/taskstore/schema"
+	"fusion/outbox/internal/pgcluster"
+)
+
+const (
+	tasksPerProject = 300
+	writeRate       = 20 // deletes per second
+	poisonTask      = "beta/t-150"
+)
+
+var projects = []string{"alpha", "beta"}
+
+// observerSpec is one observer process and its persisted identity.
+type observerSpec struct {
+	name     string // process label, and the consumer ID stored in its settings
+	scope    string // settings scope of its node
+	logPath  string
+	extra    []string
+	proc     *child
+	consumer string
+}
+
+func runDemo(ctx context.Context) (int, error) {
+	started := time.Now()
+	say("starting a throwaway PostgreSQL (initdb, pg_ctl, a unix socket in a private directory)")
+	cluster, err := pgcluster.Start(ctx, pgcluster.Options{})
+	if err != nil {
+		return 1, err
+	}
+	defer cluster.Stop()
+	dir, err := os.MkdirTemp("", "outbox-demo-")
+	if err != nil {
+		return 1, err
+	}
+	defer os.RemoveAll(dir)
+
+	if err := createDatabase(ctx, cluster.DSN("postgres"), "demo"); err != nil {
+		return 1, err
+	}
+	dsn := cluster.DSN("demo")
+	pool, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		return 1, err
+	}
+	defer pool.Close()
+	if _, err := outbox.Migrate(ctx, pool); err != nil {
+		return 1, err
+	}
+	if err := schema.Migrate(ctx, pool); err != nil {
+		return 1, err
+	}
+	say("applied the outbox migrations (version %d) and the task store's own schema", outbox.SchemaVersion)
+
+	host := taskstore.New(pool, taskstore.Options{Actor: "demo"})
+	for _, p := range projects {
+		if _, err := host.CreateMany(ctx, p, "t", tasksPerProject); err != nil {
+			return 1, err
+		}
+	}
+	observers := []*observerSpec{
+		{name: "dashboard", scope: "dashboard-node", consumer: "dashboard"},
+		{name: "engine-eu", scope: "engine-node", consumer: "engine-eu",
+			extra: []string{"-poison", poisonTask, "-fixed", filepath.Join(dir, "listener-fixed")}},
+	}
+	for _, o := range observers {
+		if err := taskstore.NewSettings(pool, o.scope).Set(ctx, "outbox.consumer_id", o.consumer); err != nil {
+			return 1, err
+		}
+		o.logPath = filepath.Join(dir, o.name+".applied.jsonl")
+	}
+	say("created %d tasks in projects %s; persisted identities: dashboard-node -> dashboard, engine-node -> engine-eu; the writer node has none",
+		tasksPerProject*len(projects), strings.Join(projects, ", "))
+
+	addr, err := freePort()
+	if err != nil {
+		return 1, err
+	}
+	observers[0].extra = []string{"-http", addr}
+	startObserver := func(o *observerSpec) error {
+		args := append([]string{"observer", "-dsn", dsn, "-scope", o.scope, "-applied-log", o.logPath}, o.extra...)
+		c, err := startChild(o.name, dir, args...)
+		if err != nil {
+			return err
+		}
+		o.proc = c
+		readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		return c.waitReady(readyCtx)
+	}
+	for _, o := range observers {
+		if err := startObserver(o); err != nil {
+			return 1, err
+		}
+	}
+	defer func() {
+		for _, o := range observers {
+			if o.proc != nil && o.proc.cmd.ProcessState == nil {
+				o.proc.kill()
+			}
+		}
+	}()
+
+	var streamed atomic.Int64
+	sseCtx, stopSSE := context.WithCancel(ctx)
+	defer stopSSE()
+	go sseClient(sseCtx, "http://"+addr+"/events", &streamed)
+	say("a browser-style client follows http://%s/events (server-sent events)", addr)
+
+	writer, err := startChild("writer", dir, "writer", "-dsn", dsn, "-scope", "writer-node",
+		"-count", fmt.Sprint(tasksPerProject), "-rate", fmt.Sprint(writeRate))
+	if err != nil {
+		return 1, err
+	}
+	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	err = writer.waitReady(readyCtx)
+	cancel()
+	if err != nil {
+		return 1, err
+	}
+	admin := outbox.NewAdmin(pool, outbox.AdminOptions{Audit: host})
+
+	// Fault: kill the dashboard mid-stream, leave it down a moment, start it again.
+	if err := waitFor(ctx, 60*time.Second, "the dashboard to get a third of the way", func() (bool, error) {
+		return ackedAtLeast(ctx, admin, "dashboard", tasksPerProject*len(projects)/3)
+	}); err != nil {
+		return 1, err
+	}
+	say("SIGKILL dashboard (pid %d): no shutdown, acknowledgements in flight are lost", observers[0].proc.cmd.Process.Pid)
+	observers[0].proc.kill()
+	select {
+	case <-time.After(2 * time.Second):
+	case <-ctx.Done():
+		return 1, ctx.Err()
+	}
+	say("restarting dashboard with the same persisted identity; it waits out the dead process's lease, then resumes from its cursor")
+	if err := startObserver(observers[0]); err != nil {
+		return 1, err
+	}
+
+	if err := waitFor(ctx, 90*time.Second, "the poison event to be parked", func() (bool, error) {
+		dl, err := admin.DeadLetters(ctx, outbox.StatusFilter{ConsumerID: "engine-eu"})
+		return len(dl) == 1, err
+	}); err != nil {
+		return 1, err
+	}
+	dl, _ := admin.DeadLetters(ctx, outbox.StatusFilter{ConsumerID: "engine-eu"})
+	say("engine-eu parked %s (sequence %d of %s) as a dead letter after %d attempts (%s); its stream moved on",
+		dl[0].EventID, dl[0].Sequence, dl[0].ProjectID, dl[0].Attempts, dl[0].LastFailureClass)
+
+	if err := <-writer.exit; err != nil {
+		return 1, fmt.Errorf("writer: %w", err)
+	}
+	say("writer finished")
+
+	if err := os.WriteFile(filepath.Join(dir, "listener-fixed"), nil, 0o644); err != nil {
+		return 1, err
+	}
+	if _, err := admin.RequestReplay(ctx, outbox.ReplayRequest{ProjectID: dl[0].ProjectID, ConsumerID: "engine-eu", Sequence: dl[0].Sequence,
+		Operator: outbox.Operator{Actor: "demo", Reason: "DEMO-1"}}); err != nil {
+		return 1, err
+	}
+	say("the listener is fixed; an operator requested a replay of the dead letter (actor demo, reason DEMO-1)")
+
+	if err := waitFor(ctx, 90*time.Second, "every consumer to catch up", func() (bool, error) {
+		st, err := admin.Status(ctx, outbox.StatusFilter{})
+		if err != nil {
+			return false, err
+		}
+		open, err := admin.DeadLetters(ctx, outbox.StatusFilter{})
+		if err != nil || len(open) > 0 {
+			return false, err
+		}
+		for _, s := range st {
+			if s.LagEvents > 0 || s.Head < tasksPerProject {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		return 1, err
+	}
+	stopSSE()
+	printMetrics(ctx, "http://"+addr+"/metrics")
+	for _, o := range observers {
+		stopCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		err := o.proc.stop(stopCtx)
+		cancel()
+		if err != nil {
+			return 1, fmt.Errorf("stop %s: %w", o.name, err)
+		}
+	}
+	return report(ctx, pool, admin, observers, streamed.Load(), time.Since(started))
+}
+
+func createDatabase(ctx context.Context, adminDSN, name string) error {
+	conn, err := pgx.Connect(ctx, adminDSN)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
+	return err
+}
+
+func ackedAtLeast(ctx context.Context, admin *outbox.Admin, consumer string, n int) (bool, error) {
+	st, err := admin.Status(ctx, outbox.StatusFilter{ConsumerID: consumer})
+	if err != nil {
+		return false, err
+	}
+	var total int64
+	for _, s := range st {
+		if s.Cursor != nil {
+			total += *s.Cursor
+		}
+	}
+	return total >= int64(n), nil
+}
+
+// waitFor polls cond until it holds, with a deadline.
+func waitFor(ctx context.Context, limit time.Duration, what string, cond func() (bool, error)) error {
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	for {
+		ok, err := cond()
+		if err != nil {
+			return fmt.Errorf("waiting for %s: %w", what, err)
+		}
+		if ok {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// consumerReport is what one observer's own log and the database say about it.
+type consumerReport struct {
+	name       string
+	applied    map[string]bool
+	duplicates int
+	inOrder    bool
+	parked     int
+	replayed   int
+	lag        int64
+	lost       int
+}
+
+func report(ctx context.Context, pool *pgxpool.Pool, admin *outbox.Admin, observers []*observerSpec, streamed int64, elapsed time.Duration) (int, error) {
+	rows, err := pool.Query(ctx, `SELECT event_id FROM lifecycle_outbox`)
+	if err != nil {
+		return 1, err
+	}
+	written, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return 1, err
+	}
+	var deleted int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM tasks WHERE deleted_at IS NOT NULL`).Scan(&deleted); err != nil {
+		return 1, err
+	}
+	if deleted != len(written) {
+		return 1, fmt.Errorf("%d tasks deleted but %d events written", deleted, len(written))
+	}
+	status, err := admin.Status(ctx, outbox.StatusFilter{})
+	if err != nil {
+		return 1, err
+	}
+	var reports []consumerReport
+	lostTotal := 0
+	for _, o := range observers {
+		r, err := readAppliedLog(o.logPath)
+		if err != nil {
+			return 1, err
+		}
+		r.name = o.consumer
+		for _, id := range written {
+			if !r.applied[id] {
+				r.lost++
+			}
+		}
+		for _, s := range status {
+			if s.ConsumerID == o.consumer {
+				r.lag += s.LagEvents
+			}
+		}
+		if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE parked_at IS NOT NULL), count(*) FILTER (WHERE state = 'resolved' AND replay_requested_at IS NOT NULL)
+			FROM lifecycle_consumer_deliveries WHERE consumer_id = $1`, o.consumer).Scan(&r.parked, &r.replayed); err != nil {
+			return 1, err
+		}
+		lostTotal += r.lost
+		reports = append(reports, r)
+	}
+	var audits int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM run_audit WHERE action LIKE 'lifecycle-observation:%'`).Scan(&audits); err != nil {
+		return 1, err
+	}
+
+	fmt.Println()
+	tw := tabwriter.NewWriter(os.Stdout, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "CONSUMER\tOBSERVED\tDUPLICATES SUPPRESSED\tDEAD LETTERS (PARKED/REPLAYED)\tLAG\tIN SEQUENCE ORDER\tLOST")
+	var observed []string
+	for _, r := range reports {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d/%d\t%d\t%t\t%d\n", r.name, len(r.applied), r.duplicates, r.parked, r.replayed, r.lag, r.inOrder, r.lost)
+		observed = append(observed, fmt.Sprintf("%s:%d", r.name, len(r.applied)))
+	}
+	_ = tw.Flush()
+	fmt.Printf("\nrun-audit rows written by observers: %d (poisoned + replayed); events streamed to the SSE client: %d (ephemeral, at-most-once)\n", audits, streamed)
+	fmt.Printf("demo: written=%d observed=%s lost=%d (%s)\n", len(written), strings.Join(observed, ","), lostTotal, elapsed.Round(time.Second))
+	if lostTotal > 0 {
+		return 1, errLost
+	}
+	for _, r := range reports {
+		if !r.inOrder {
+			return 1, errors.New("an observer applied events out of sequence order")
+		}
+	}
+	return 0, nil
+}
+
+// readAppliedLog reads an observer's log: what it applied, what it suppressed as duplicates,
+// and whether first applications came in sequence order per project (a replayed dead letter
+// is the one legitimate exception).
+func readAppliedLog(path string) (consumerReport, error) {
+	r := consumerReport{applied: map[string]bool{}, inOrder: true}
+	f, err := os.Open(path)
+	if err != nil {
+		return r, err
+	}
+	defer f.Close()
+	last := map[string]int64{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		var l logLine
+		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+			return r, fmt.Errorf("%s: %w", path, err)
+		}
+		if l.Kind == "duplicate" {
+			r.duplicates++
+			continue
+		}
+		r.applied[l.EventID] = true
+		if !l.Replay {
+			if l.Sequence <= last[l.Project] {
+				r.inOrder = false
+			}
+			last[l.Project] = l.Sequence
+		}
+	}
+	return r, sc.Err()
+}
+
+// printMetrics shows the dashboard's lag and dead-letter gauges as Prometheus serves them.
+func printMetrics(ctx context.Context, url string) {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		say("metrics unavailable: %v", err)
+		return
+	}
+	defer resp.Body.Close()
+	say("from the dashboard's /metrics:")
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		for _, name := range []string{"outbox_consumer_lag_events{", "outbox_dead_letters_outstanding{", "outbox_events_dispatched_total{"} {
+			if strings.HasPrefix(line, name) {
+				fmt.Println("    " + line)
+			}
+		}
+	}
+}
