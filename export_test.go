@@ -17,3 +17,6 @@ const (
 	PruneBatchSQL  = pruneBatchSQL
 	RecordFloorSQL = recordFloorSQL
 )
+
+// ValidateEvent exposes the check the consumer applies to every row it decodes.
+func ValidateEvent(e Event) error { return e.validate() }

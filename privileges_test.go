@@ -1,0 +1,173 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap/zaptest"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+	"fusion/outbox/example/taskstore/schema"
+	"fusion/outbox/internal/pgtest"
+)
+
+// leastPrivilege sets up a database the way a careful deployment does: an owner role that
+// is not a superuser runs the migrations, and runtime roles get only the module's runtime
+// grants (plus the host's own), each scoped to its projects.
+type leastPrivilege struct {
+	db    pgtest.DB
+	owner *pgxpool.Pool
+	name  string
+}
+
+func newLeastPrivilege(t *testing.T) *leastPrivilege {
+	t.Helper()
+	ctx := ctxT(t)
+	db := pgtest.NewEmptyDB(t)
+	admin := pgtest.Pool(t, db.URL)
+	lp := &leastPrivilege{db: db, name: fmt.Sprintf("%s_%d", db.Name, roleCounter.Add(1))}
+	owner := lp.name + "_owner"
+	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{owner}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
+	require.NoError(t, err)
+	_, err = admin.Exec(ctx, `GRANT CREATE, USAGE ON SCHEMA public TO `+pgx.Identifier{owner}.Sanitize())
+	require.NoError(t, err)
+	t.Cleanup(func() { dropRole(admin, owner) })
+	lp.owner = pgtest.Pool(t, db.As(owner))
+	_, err = outbox.Migrate(ctx, lp.owner)
+	require.NoError(t, err, "the owner role migrates without superuser")
+	require.NoError(t, schema.Migrate(ctx, lp.owner))
+	return lp
+}
+
+func dropRole(admin *pgxpool.Pool, role string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, _ = admin.Exec(ctx, `DROP OWNED BY `+pgx.Identifier{role}.Sanitize())
+}
+
+// runtime creates a runtime role scoped to projects and returns a pool logged in as it.
+func (lp *leastPrivilege) runtime(t *testing.T, suffix string, projects ...string) *pgxpool.Pool {
+	t.Helper()
+	ctx := ctxT(t)
+	role := lp.name + "_" + suffix
+	admin := pgtest.Pool(t, lp.db.URL)
+	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
+	require.NoError(t, err)
+	t.Cleanup(func() { dropRole(admin, role) })
+	require.NoError(t, outbox.GrantRuntimeRole(ctx, lp.owner, role, projects...))
+	// The reference host's own tables: its business, granted by its owner.
+	_, err = lp.owner.Exec(ctx, `GRANT SELECT, INSERT, UPDATE ON tasks, run_audit, mailbox_notices, settings TO `+pgx.Identifier{role}.Sanitize())
+	require.NoError(t, err)
+	return pgtest.Pool(t, lp.db.As(role))
+}
+
+func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilege(t)
+	// Tasks exist in both projects (created by the owner, say by an import job).
+	seed := taskstore.New(lp.owner, taskstore.Options{})
+	for _, p := range []string{"proj-a", "proj-b"} {
+		_, err := seed.CreateMany(ctx, p, "t", 5)
+		require.NoError(t, err)
+	}
+	rtA := lp.runtime(t, "a", "proj-a")
+	var super, bypass bool
+	require.NoError(t, rtA.QueryRow(ctx, `SELECT rolsuper, rolbypassrls FROM pg_roles WHERE rolname = current_user`).Scan(&super, &bypass))
+	require.False(t, super)
+	require.False(t, bypass)
+
+	t.Run("no DDL and no migrations", func(t *testing.T) {
+		_, err := rtA.Exec(ctx, `CREATE TABLE sneaky (id int)`)
+		requireSQLState(t, err, "42501")
+		_, err = outbox.Migrate(ctx, rtA)
+		require.Error(t, err, "migrations need the owner role")
+		require.NoError(t, outbox.VerifySchema(ctx, rtA), "but the runtime role can verify the schema")
+	})
+
+	// Writer, consumer and retention, all as the project-A runtime role.
+	w, err := outbox.NewWriter(rtA, outbox.Config{}, zaptest.NewLogger(t))
+	require.NoError(t, err)
+	defer w.Close()
+	store := taskstore.New(rtA, taskstore.Options{Writer: w})
+	require.NoError(t, store.LoadCache(ctx, "proj-a"))
+	for _, id := range []string{"t-1", "t-2"} {
+		_, err := store.Delete(ctx, "proj-a", id)
+		require.NoError(t, err)
+	}
+
+	t.Run("a delete in a foreign project fails whole", func(t *testing.T) {
+		_, err := store.Delete(ctx, "proj-b", "t-1")
+		requireSQLState(t, err, "42501") // the outbox row violates the role's policy
+		task, err := seed.Get(ctx, "proj-b", "t-1")
+		require.NoError(t, err)
+		require.Nil(t, task.DeletedAt, "the task delete rolled back with its event")
+	})
+
+	cfg := fastConfig()
+	rec := newRecorder()
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache()})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: rtA, Config: cfg, Projects: outbox.StaticProjects{"proj-a"},
+		Dispatcher: d, LiveTasks: store, Cache: store.Cache(), Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	rec.waitCount(t, ctx, 2)
+	require.NoError(t, c.Stop(ctx))
+
+	r, err := outbox.NewRetention(rtA, outbox.Config{RetentionWindow: time.Hour}, zaptest.NewLogger(t), nil)
+	require.NoError(t, err)
+	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
+	require.NoError(t, err)
+	res, err := r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int64{"proj-a": 2}, res.PrunedByProject, "retention runs under the runtime role")
+
+	t.Run("project B's outbox, cursors and deliveries are invisible and untouchable", func(t *testing.T) {
+		// Project B's state, made by its own runtime role.
+		rtB := lp.runtime(t, "b", "proj-b")
+		wb, err := outbox.NewWriter(rtB, outbox.Config{NotifyDisabled: true}, zaptest.NewLogger(t))
+		require.NoError(t, err)
+		_, err = taskstore.New(rtB, taskstore.Options{Writer: wb}).Delete(ctx, "proj-b", "t-3")
+		require.NoError(t, err)
+		_, err = outbox.Sequence(ctx, rtB, nil, 100)
+		require.NoError(t, err)
+		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('proj-b', 'dash', 0)`)
+		require.NoError(t, err)
+		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at)
+			SELECT 'proj-b', 'dash', 1, event_id, 'dead', 10, now() FROM lifecycle_outbox WHERE project_id = 'proj-b'`)
+		require.NoError(t, err)
+
+		for _, table := range []string{"lifecycle_outbox", "lifecycle_outbox_heads", "lifecycle_consumer_cursors", "lifecycle_consumer_deliveries"} {
+			require.Zero(t, countRows(t, rtA, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s read across projects", table)
+			require.Positive(t, countRows(t, rtB, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s is there for B", table)
+		}
+		for _, stmt := range []string{
+			`UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 99 WHERE project_id = 'proj-b'`,
+			`UPDATE lifecycle_consumer_deliveries SET state = 'resolved', resolved_at = now() WHERE project_id = 'proj-b'`,
+			`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-b'`,
+			`UPDATE lifecycle_outbox_heads SET pruned_through = 1 WHERE project_id = 'proj-b'`,
+		} {
+			tag, err := rtA.Exec(ctx, stmt)
+			require.NoError(t, err)
+			require.Zero(t, tag.RowsAffected(), stmt)
+		}
+		for _, stmt := range []string{
+			`INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('proj-b', 'intruder')`,
+			`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at) VALUES ('proj-b', 'dash', 9, 'x', 'dead', 1, now())`,
+			`INSERT INTO lifecycle_project_access (role_name, project_id) VALUES (current_user, 'proj-b')`,
+		} {
+			_, err := rtA.Exec(ctx, stmt)
+			requireSQLState(t, err, "42501")
+		}
+		heads, err := outbox.Sequence(ctx, rtA, nil, 100)
+		require.NoError(t, err)
+		_, seesB := heads["proj-b"]
+		require.False(t, seesB, "the sequencer, run by A, neither sees nor numbers B")
+	})
+}
