@@ -126,6 +126,11 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 // ID is the consumer's durable identity.
 func (c *Consumer) ID() ConsumerID { return c.id }
 
+// LeaseOwner is this instance's lease token, as lifecycle_consumer_cursors.lease_owner shows
+// it: the identity and a per-boot suffix, so operators can tell two processes of one identity
+// apart.
+func (c *Consumer) LeaseOwner() string { return c.owner }
+
 // Start checks the database, takes the leases it can and starts the consumer's goroutines. It
 // does not block on event delivery. It fails fast when the database is unreachable or when the
 // identity was retired for any observed project (ErrConsumerRetired).

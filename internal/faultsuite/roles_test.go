@@ -1,0 +1,287 @@
+package faultsuite
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/url"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/fx"
+	"go.uber.org/zap"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+)
+
+// The child processes. The suite re-executes its own test binary with FAULTSUITE_ROLE set;
+// each child builds an fx app from outbox.Module and the reference host's module, like an
+// engine binary, and reports through stdout lines and an append-only log file.
+
+// roleArgs is passed to a child as JSON in FAULTSUITE_ARGS.
+type roleArgs struct {
+	Name     string   `json:"name"`     // process label, also its application_name
+	DSN      string   `json:"dsn"`      // superuser DSN of the test database
+	Scope    string   `json:"scope"`    // settings scope holding its identity (observers)
+	Projects []string `json:"projects"` // projects to observe or delete in
+	Tasks    []string `json:"tasks"`    // writer: "project/task" to delete, in order
+	Rate     float64  `json:"rate"`     // writer: deletes per second
+	Log      string   `json:"log"`      // append-only log of what it applied (observers) or deleted (writers)
+	Failing  []string `json:"failing"`  // observer: task IDs whose events always fail
+}
+
+// faultConfig is the deployment config of every child: short leases and a short backoff so
+// that faults play out within the run, and the default ten attempts.
+func faultConfig() outbox.Config {
+	return outbox.Config{
+		PollInterval:      200 * time.Millisecond,
+		LeaseTTL:          2 * time.Second,
+		HeartbeatInterval: 500 * time.Millisecond,
+		RetrySchedule:     []time.Duration{20 * time.Millisecond, 40 * time.Millisecond, 80 * time.Millisecond, 160 * time.Millisecond, 200 * time.Millisecond},
+		ListenerTimeout:   5 * time.Second,
+	}
+}
+
+func runRole(role string) int {
+	var args roleArgs
+	if err := json.Unmarshal([]byte(os.Getenv("FAULTSUITE_ARGS")), &args); err != nil {
+		fmt.Fprintln(os.Stderr, "faultsuite child: bad FAULTSUITE_ARGS:", err)
+		return 2
+	}
+	log, _ := zap.NewDevelopment(zap.IncreaseLevel(zap.InfoLevel))
+	var err error
+	switch role {
+	case "writer":
+		err = runWriter(args, log)
+	case "observer":
+		err = runObserver(args, log)
+	default:
+		err = fmt.Errorf("unknown role %q", role)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "faultsuite child %s: %v\n", args.Name, err)
+		return 1
+	}
+	return 0
+}
+
+// withAppName tags a DSN (URL or keyword form) with application_name, so the suite can find
+// a process's backends in pg_stat_activity.
+func withAppName(dsn, name string) string {
+	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		q := u.Query()
+		q.Set("application_name", name)
+		u.RawQuery = q.Encode()
+		return u.String()
+	}
+	return dsn + " application_name=" + name
+}
+
+func hostConfig(a roleArgs) taskstore.HostConfig {
+	return taskstore.HostConfig{DSN: withAppName(a.DSN, a.Name), Projects: a.Projects, SettingsScope: a.Scope,
+		Actor: a.Name, Outbox: faultConfig(), SweepInterval: time.Hour}
+}
+
+// startApp starts app, retrying while the database is restarting: a child that happens to
+// boot during a PostgreSQL restart waits for it rather than dying.
+func startApp(newApp func() *fx.App) (*fx.App, error) {
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		app := newApp()
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		err := app.Start(ctx)
+		cancel()
+		if err == nil {
+			return app, nil
+		}
+		stopCtx, cancelStop := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = app.Stop(stopCtx)
+		cancelStop()
+		var connErr *pgconn.ConnectError
+		if !errors.As(err, &connErr) || time.Now().After(deadline) {
+			return nil, err
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+func waitForSignal() {
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+	<-sig
+}
+
+func stopApp(app *fx.App) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	return app.Stop(ctx)
+}
+
+// runWriter deletes its tasks at its rate, retrying a delete until it is known to be done:
+// a delete whose commit raced a dropped connection is simply found already deleted.
+func runWriter(a roleArgs, log *zap.Logger) error {
+	var store *taskstore.Store
+	app, err := startApp(func() *fx.App {
+		return fx.New(outbox.Module, taskstore.Module, fx.Supply(hostConfig(a), log), fx.Populate(&store), fx.NopLogger)
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	stop := make(chan os.Signal, 1)
+	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
+	tick := time.NewTicker(time.Duration(float64(time.Second) / a.Rate))
+	defer tick.Stop()
+	for _, pt := range a.Tasks {
+		project, task := splitTask(pt)
+		for {
+			select {
+			case <-stop:
+				return stopApp(app)
+			case <-tick.C:
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			_, err := store.Delete(ctx, project, task)
+			cancel()
+			if err == nil {
+				break
+			}
+			fmt.Printf("retry %s: %v\n", pt, err)
+		}
+	}
+	fmt.Println("done")
+	waitForSignal()
+	return stopApp(app)
+}
+
+func splitTask(pt string) (string, string) {
+	for i := range len(pt) {
+		if pt[i] == '/' {
+			return pt[:i], pt[i+1:]
+		}
+	}
+	return pt, ""
+}
+
+// applyLog is an observer's idempotent application of deletions, kept in an append-only file
+// that survives SIGKILL. Each line is one JSON record.
+type applyLog struct {
+	mu      sync.Mutex
+	f       *os.File
+	seen    map[string]bool
+	failing map[string]bool
+	store   *taskstore.Store
+}
+
+type applyRecord struct {
+	Kind     string `json:"kind"` // applied, duplicate, fence-refused, fence-violated
+	EventID  string `json:"eventId"`
+	Project  string `json:"project"`
+	Sequence int64  `json:"sequence"`
+}
+
+func openApplyLog(path string, failing []string) (*applyLog, error) {
+	l := &applyLog{seen: map[string]bool{}, failing: map[string]bool{}}
+	for _, t := range failing {
+		l.failing[t] = true
+	}
+	if f, err := os.Open(path); err == nil {
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			var r applyRecord
+			if json.Unmarshal(sc.Bytes(), &r) == nil && r.Kind == "applied" {
+				l.seen[r.EventID] = true
+			}
+		}
+		_ = f.Close()
+	}
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	l.f = f
+	return l, nil
+}
+
+func (l *applyLog) Name() string { return "fault-apply-log" }
+
+var errChosenFailure = errors.New("chosen to fail")
+
+func (l *applyLog) HandleObserved(ctx context.Context, ev outbox.ObservedEvent) error {
+	if l.failing[ev.TaskID] {
+		return errChosenFailure
+	}
+	// An observer must never be able to perform the writer's side effects.
+	fence := "fence-refused"
+	if err := l.store.SendDeleteNotice(ctx, taskstore.Task{ProjectID: ev.ProjectID, ID: ev.TaskID}); !errors.Is(err, outbox.ErrObservedContext) {
+		fence = "fence-violated"
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	kind := "applied"
+	if l.seen[ev.EventID] {
+		kind = "duplicate"
+	}
+	for _, k := range []string{fence, kind} {
+		b, _ := json.Marshal(applyRecord{Kind: k, EventID: ev.EventID, Project: ev.ProjectID, Sequence: ev.Sequence})
+		if _, err := l.f.Write(append(b, '\n')); err != nil {
+			return err
+		}
+	}
+	l.seen[ev.EventID] = true
+	return nil
+}
+
+// runObserver runs a consumer whose listener is the apply log, and prints its stats.
+func runObserver(a roleArgs, log *zap.Logger) error {
+	al, err := openApplyLog(a.Log, a.Failing)
+	if err != nil {
+		return err
+	}
+	var runner *outbox.Runner
+	var store *taskstore.Store
+	app, err := startApp(func() *fx.App {
+		return fx.New(outbox.Module, taskstore.Module, fx.Supply(hostConfig(a), log),
+			fx.Provide(outbox.AsListener(func() outbox.Listener { return al })),
+			fx.Populate(&runner, &store), fx.NopLogger)
+	})
+	if err != nil {
+		return err
+	}
+	al.store = store
+	c := runner.Consumer()
+	if c == nil {
+		return fmt.Errorf("observer has no consumer (state %s)", runner.State())
+	}
+	fmt.Printf("ready %s\n", c.LeaseOwner())
+	done := make(chan struct{})
+	go func() {
+		t := time.NewTicker(250 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				b, _ := json.Marshal(c.Stats())
+				fmt.Printf("stats %s\n", b)
+			}
+		}
+	}()
+	waitForSignal()
+	close(done)
+	return stopApp(app)
+}
+
+// shuffle is deterministic for a seed.
+func shuffle(r *rand.Rand, s []string) {
+	r.Shuffle(len(s), func(i, j int) { s[i], s[j] = s[j], s[i] })
+}
