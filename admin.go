@@ -74,13 +74,22 @@ type ConsumerStatus struct {
 	ReconcileReason string     `json:"reconcileReason,omitempty"`
 }
 
-const statusSQL = `
+const statusSQL = statusSelect + `
+WHERE ($2 = '' OR c.project_id = $2) AND ($3 = '' OR c.consumer_id = $3)
+ORDER BY c.project_id, c.consumer_id`
+
+// projectsStatusSQL is the status of every consumer of the given projects.
+const projectsStatusSQL = statusSelect + `
+WHERE c.project_id = ANY ($2)
+ORDER BY c.project_id, c.consumer_id`
+
+const statusSelect = `
 SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
        coalesce(h.last_sequence, 0), coalesce(h.pruned_through, 0),
        greatest(coalesce(h.last_sequence, 0) - coalesce(c.last_acked_sequence, 0), 0),
-       coalesce(greatest(extract(epoch FROM (now() + $3::interval) - o.occurred_at), 0), 0)::float8,
+       coalesce(greatest(extract(epoch FROM (now() + $1::interval) - o.occurred_at), 0), 0)::float8,
        coalesce(c.lease_owner, ''), c.lease_epoch, c.lease_expires_at,
-       coalesce(c.lease_owner IS NOT NULL AND c.lease_expires_at > now() + $3::interval, false),
+       coalesce(c.lease_owner IS NOT NULL AND c.lease_expires_at > now() + $1::interval, false),
        c.heartbeat_at, c.retired_at IS NOT NULL, c.retired_at, coalesce(c.retired_by, ''), coalesce(c.retired_reason, ''),
        coalesce(d.retrying, 0), coalesce(d.dead, 0), coalesce(d.replay, 0),
        c.reconciled_at, coalesce(c.reconcile_reason, '')
@@ -93,9 +102,7 @@ LEFT JOIN LATERAL (
            count(*) FILTER (WHERE state = 'replay_requested')::int AS replay
     FROM lifecycle_consumer_deliveries d
     WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
-) d ON true
-WHERE ($1 = '' OR c.project_id = $1) AND ($2 = '' OR c.consumer_id = $2)
-ORDER BY c.project_id, c.consumer_id`
+) d ON true`
 
 // Status reports every matching cursor: position, head, lag, lease and open deliveries.
 func (a *Admin) Status(ctx context.Context, f StatusFilter) ([]ConsumerStatus, error) {
@@ -103,7 +110,11 @@ func (a *Admin) Status(ctx context.Context, f StatusFilter) ([]ConsumerStatus, e
 }
 
 func consumerStatus(ctx context.Context, db DBTX, clock Clock, f StatusFilter) ([]ConsumerStatus, error) {
-	rows, err := db.Query(ctx, statusSQL, f.ProjectID, f.ConsumerID, clock.Offset())
+	return queryStatus(ctx, db, statusSQL, clock.Offset(), f.ProjectID, f.ConsumerID)
+}
+
+func queryStatus(ctx context.Context, db DBTX, sql string, args ...any) ([]ConsumerStatus, error) {
+	rows, err := db.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, fmt.Errorf("status: %w", err)
 	}
@@ -162,7 +173,8 @@ type Operator struct {
 	Reason string // a ticket reference or a short code such as "listener-fixed", not prose
 }
 
-func (o Operator) validate() error {
+// Validate checks that the actor and the reason are identifiers, as audit rows require.
+func (o Operator) Validate() error {
 	if !actorPattern.MatchString(o.Actor) {
 		return invalid("actor", "must be an identifier of 1 to 128 characters from [A-Za-z0-9._@:/-] (got %q)", o.Actor)
 	}
@@ -197,7 +209,7 @@ SELECT EXISTS (SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = $1 A
 // naming this operator. It returns ErrUnknownConsumer or ErrNotDeadLetter when there is
 // nothing to replay.
 func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID string, err error) {
-	if err := r.validate(); err != nil {
+	if err := r.Validate(); err != nil {
 		return "", err
 	}
 	if err := ValidateProjectID(r.ProjectID); err != nil {
@@ -273,7 +285,7 @@ func (a *Admin) ReinstateConsumer(ctx context.Context, r RetireRequest) ([]strin
 }
 
 func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql, action string) ([]string, error) {
-	if err := r.validate(); err != nil {
+	if err := r.Validate(); err != nil {
 		return nil, err
 	}
 	if _, err := ParseConsumerID(r.ConsumerID); err != nil {

@@ -224,6 +224,7 @@ func (c *Consumer) shutdown() {
 	defer cancel()
 	c.flushAcks(ctx, c.pendingAcks())
 	c.release(ctx)
+	c.metrics.unwatch(c)
 	c.log.Info("consumer stopped", zap.Int64("delivered", c.stats.delivered.Load()))
 }
 

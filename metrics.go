@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -65,6 +66,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		"Dead letters not yet resolved (dead or awaiting replay).", pc, nil)
 	m.status.retrying = prometheus.NewDesc("outbox_deliveries_retrying",
 		"Events waiting for their next attempt.", pc, nil)
+	m.status.errors = prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_status_errors_total",
+		Help: "Scrapes whose lag and dead-letter gauges could not be read from the database."})
 	for _, c := range []prometheus.Collector{m.dispatched, m.duration, m.failures, m.parkedTotal, m.replayedTotal,
 		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects, m.status} {
 		if err := reg.Register(c); err != nil {
@@ -149,17 +152,29 @@ func (m *Metrics) listenReconnect(consumer string) {
 	}
 }
 
-// watch makes the status gauges report consumer c.
+// watch makes the status gauges cover the projects consumer c observes; unwatch stops it.
 func (m *Metrics) watch(c *Consumer) {
 	if m != nil {
 		m.status.add(c)
 	}
 }
 
+func (m *Metrics) unwatch(c *Consumer) {
+	if m != nil {
+		m.status.remove(c)
+	}
+}
+
 // statusCollector reads lag and dead-letter counts from the database at scrape time, so the
-// gauges are exact whenever they are read and cost nothing between scrapes.
+// gauges are exact whenever they are read and cost nothing between scrapes. It reports every
+// consumer of the projects its process observes, not only the process's own: the lag of a
+// consumer whose process is down is what an operator most needs to see, and only a live
+// process can show it. Several processes observing one project report the same series; alert
+// on max by (project, consumer). A failed read skips the gauges for that scrape (and counts
+// in outbox_status_errors_total) rather than failing the whole /metrics page.
 type statusCollector struct {
 	lagEvents, lagSeconds, deadOutstanding, retrying *prometheus.Desc
+	errors                                           prometheus.Counter
 
 	mu        sync.Mutex
 	consumers []*Consumer
@@ -171,31 +186,52 @@ func (s *statusCollector) add(c *Consumer) {
 	s.consumers = append(s.consumers, c)
 }
 
+func (s *statusCollector) remove(c *Consumer) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.consumers = slices.DeleteFunc(s.consumers, func(x *Consumer) bool { return x == c })
+}
+
 func (s *statusCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- s.lagEvents
 	ch <- s.lagSeconds
 	ch <- s.deadOutstanding
 	ch <- s.retrying
+	s.errors.Describe(ch)
 }
 
 func (s *statusCollector) Collect(ch chan<- prometheus.Metric) {
+	defer s.errors.Collect(ch)
 	s.mu.Lock()
-	consumers := append([]*Consumer(nil), s.consumers...)
+	consumers := slices.Clone(s.consumers)
 	s.mu.Unlock()
+	if len(consumers) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var projects []string
 	for _, c := range consumers {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		rows, err := consumerStatus(ctx, c.pool, c.clock, StatusFilter{ConsumerID: string(c.id)})
-		cancel()
+		ps, err := c.observedProjects(ctx)
 		if err != nil {
-			ch <- prometheus.NewInvalidMetric(s.lagEvents, err)
+			s.errors.Inc()
 			continue
 		}
-		for _, r := range rows {
-			lv := []string{r.ProjectID, r.ConsumerID}
-			ch <- prometheus.MustNewConstMetric(s.lagEvents, prometheus.GaugeValue, float64(r.LagEvents), lv...)
-			ch <- prometheus.MustNewConstMetric(s.lagSeconds, prometheus.GaugeValue, r.LagSeconds, lv...)
-			ch <- prometheus.MustNewConstMetric(s.deadOutstanding, prometheus.GaugeValue, float64(r.Dead+r.ReplayRequested), lv...)
-			ch <- prometheus.MustNewConstMetric(s.retrying, prometheus.GaugeValue, float64(r.Retrying), lv...)
-		}
+		projects = append(projects, ps...)
+	}
+	slices.Sort(projects)
+	projects = slices.Compact(projects)
+	c := consumers[0]
+	rows, err := queryStatus(ctx, c.pool, projectsStatusSQL, c.clock.Offset(), projects)
+	if err != nil {
+		s.errors.Inc()
+		return
+	}
+	for _, r := range rows {
+		lv := []string{r.ProjectID, r.ConsumerID}
+		ch <- prometheus.MustNewConstMetric(s.lagEvents, prometheus.GaugeValue, float64(r.LagEvents), lv...)
+		ch <- prometheus.MustNewConstMetric(s.lagSeconds, prometheus.GaugeValue, r.LagSeconds, lv...)
+		ch <- prometheus.MustNewConstMetric(s.deadOutstanding, prometheus.GaugeValue, float64(r.Dead+r.ReplayRequested), lv...)
+		ch <- prometheus.MustNewConstMetric(s.retrying, prometheus.GaugeValue, float64(r.Retrying), lv...)
 	}
 }

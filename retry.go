@@ -167,6 +167,10 @@ SET state = 'resolved', attempts = attempts + 1, resolved_at = now() + $4::inter
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'
 RETURNING attempts, coalesce(replay_requested_by, ''), coalesce(replay_reason, '')`
 
+const replayMissingSQL = `
+UPDATE lifecycle_consumer_deliveries SET state = 'dead', parked_at = now() + $4::interval
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
+
 const replayFailedSQL = `
 UPDATE lifecycle_consumer_deliveries
 SET state = 'dead', attempts = attempts + 1, last_failure_class = $5,
@@ -186,12 +190,19 @@ func (c *Consumer) replay(ctx context.Context, st *streamState, d delivery) erro
 		return fmt.Errorf("read replayed event: %w", err)
 	}
 	if len(evs) == 0 {
-		c.log.Error("replay requested for an event that is no longer stored", zap.String("project_id", st.project),
+		// Retention keeps the events of unresolved dead letters, so this takes a manual delete;
+		// put the request back to dead rather than trying on every scan.
+		c.log.Error("replay requested for an event that is no longer stored; left as a dead letter", zap.String("project_id", st.project),
 			zap.Int64("sequence", d.sequence), zap.String("event_id", d.eventID))
-		return nil
+		return c.fencedTx(ctx, st, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, replayMissingSQL, st.project, c.id, d.sequence, c.offset())
+			return err
+		})
 	}
 	ev := evs[0]
+	started := time.Now()
 	outcome, class := c.dispatch.Dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: d.attempts + 1, Replay: true})
+	c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
 	if outcome == Interrupted {
 		return nil
 	}
