@@ -1,0 +1,157 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/spf13/cobra"
+
+	"fusion/outbox"
+)
+
+func (a *app) statusCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "status",
+		Short: "Show each consumer's cursor, lag, lease and open deliveries",
+		Long: `status shows one row per (project, consumer) cursor:
+
+  CURSOR        the last acknowledged sequence ("-": never positioned yet)
+  HEAD          the project's last sequenced event
+  LAG_EVENTS    HEAD - CURSOR: events the consumer has not acknowledged
+  LAG_SECONDS   age of the oldest unacknowledged event (0 when caught up)
+  LEASE_HOLDER  the process instance holding the lease ("(expired)" when it lapsed)
+  LEASE_EXPIRES when the lease runs out unless renewed (database clock, UTC)
+  RETIRED       whether an operator retired this identity here
+  RETRYING      events waiting for their next attempt
+  DEAD          dead letters; REPLAYING: dead letters waiting for a requested replay
+
+--project and --consumer narrow the list; an unknown --consumer is an error.`,
+		Example: `  outboxctl status
+  outboxctl status --project alpha --consumer dashboard
+  outboxctl status --json | jq '.[] | select(.lagEvents > 1000)'`,
+		Args: cobra.NoArgs,
+		RunE: a.action(a.runStatus),
+	}
+}
+
+func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, _ []string) error {
+	if err := a.checkFilters(cmd, false, false, true, true); err != nil {
+		return err
+	}
+	ctx, cancel := a.phase(ctx)
+	defer cancel()
+	if err := a.open(ctx); err != nil {
+		return err
+	}
+	rows, err := a.admin().Status(ctx, a.filter())
+	if err != nil {
+		return err
+	}
+	if len(rows) == 0 && a.consumer != "" {
+		return a.unknownConsumer()
+	}
+	if a.json {
+		return a.printJSON(nonNil(rows))
+	}
+	if len(rows) == 0 {
+		a.note("no consumer cursors match")
+		return nil
+	}
+	t := newTable(a.stdout, "PROJECT", "CONSUMER", "CURSOR", "HEAD", "LAG_EVENTS", "LAG_SECONDS",
+		"LEASE_HOLDER", "LEASE_EXPIRES", "RETIRED", "RETRYING", "DEAD", "REPLAYING")
+	for _, r := range rows {
+		holder := orDash(r.LeaseOwner)
+		if r.LeaseOwner != "" && !r.LeaseHeld {
+			holder += " (expired)"
+		}
+		t.row(r.ProjectID, r.ConsumerID, cursorText(r.Cursor), itoa(r.Head), itoa(r.LagEvents),
+			strconv.FormatFloat(r.LagSeconds, 'f', 1, 64), holder, timeText(r.LeaseExpiresAt),
+			yesNo(r.Retired), itoa(r.Retrying), itoa(r.Dead), itoa(r.ReplayRequested))
+	}
+	return t.flush()
+}
+
+func (a *app) deadLettersCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "dead-letters",
+		Short: "List unresolved dead letters (parked, or waiting for a requested replay)",
+		Long: `dead-letters lists the deliveries a consumer parked after its last attempt, and those an
+operator asked to replay that the consumer has not re-delivered yet. The failure class is a
+fixed code (listener_error, listener_panic, listener_timeout, cache_error,
+unsupported_event); the error text itself is only in the consumer's log.
+
+After fixing the cause, replay one with:
+  outboxctl replay --project P --consumer C --reason TICKET SEQUENCE`,
+		Example: `  outboxctl dead-letters
+  outboxctl dead-letters --consumer engine --json`,
+		Args: cobra.NoArgs,
+		RunE: a.action(a.runDeadLetters),
+	}
+}
+
+func (a *app) runDeadLetters(ctx context.Context, cmd *cobra.Command, _ []string) error {
+	if err := a.checkFilters(cmd, false, false, true, true); err != nil {
+		return err
+	}
+	ctx, cancel := a.phase(ctx)
+	defer cancel()
+	if err := a.open(ctx); err != nil {
+		return err
+	}
+	if err := a.requireKnownConsumer(ctx); err != nil {
+		return err
+	}
+	dead, err := a.admin().DeadLetters(ctx, a.filter())
+	if err != nil {
+		return err
+	}
+	if a.json {
+		return a.printJSON(nonNil(dead))
+	}
+	if len(dead) == 0 {
+		a.note("no dead letters")
+		return nil
+	}
+	t := newTable(a.stdout, "PROJECT", "CONSUMER", "SEQUENCE", "EVENT_ID", "STATE", "ATTEMPTS", "FAILURE", "PARKED_AT", "REPLAY_REQUESTED_BY")
+	for _, d := range dead {
+		t.row(d.ProjectID, d.ConsumerID, itoa(d.Sequence), d.EventID, d.State, itoa(d.Attempts),
+			orDash(d.LastFailureClass), timeText(d.ParkedAt), orDash(d.ReplayRequestedBy))
+	}
+	return t.flush()
+}
+
+// requireKnownConsumer fails when --consumer is set and has no cursor (in --project, if set).
+func (a *app) requireKnownConsumer(ctx context.Context) error {
+	if a.consumer == "" {
+		return nil
+	}
+	_, err := a.statusOf(ctx)
+	return err
+}
+
+// nonNil makes an empty result encode as [] rather than null.
+func nonNil[T any](s []T) []T {
+	if s == nil {
+		return []T{}
+	}
+	return s
+}
+
+// statusOf returns the matching cursors, or an unknown-consumer error when there are none.
+func (a *app) statusOf(ctx context.Context) ([]outbox.ConsumerStatus, error) {
+	rows, err := a.admin().Status(ctx, a.filter())
+	if err != nil {
+		return nil, err
+	}
+	if len(rows) == 0 {
+		return nil, a.unknownConsumer()
+	}
+	return rows, nil
+}
+
+// fmtDead summarises a cursor's open deliveries for a plan.
+func fmtDead(r outbox.ConsumerStatus) string {
+	return fmt.Sprintf("%s, %s", plural(r.Dead+r.ReplayRequested, "unresolved dead letter", "unresolved dead letters"),
+		plural(r.Retrying, "retrying delivery", "retrying deliveries"))
+}
