@@ -1,0 +1,73 @@
+// Package outbox gives a multi-process task store durable, ordered, cross-process observation
+// of task deletions through PostgreSQL.
+//
+// # The problem
+//
+// A task store soft-deletes a task by setting deleted_at, writes one task:deleted audit row and,
+// after commit, sends an operator mailbox notice and tells its in-process listeners. Nothing
+// tells the other processes sharing the database: a dashboard, a CLI or an engine on another
+// node keeps showing the task. NOTIFY alone is at-most-once (a process that is restarting or
+// disconnected misses it), so it cannot be the record.
+//
+// # The outbox
+//
+// The writer hook, Writer.RecordTaskDeletedTx, runs inside the host's delete transaction and
+// inserts one row into lifecycle_outbox for the first deleted_at transition only: its identity
+// is "task-deleted:<taskId>:<deletedAt>" with deletedAt in canonical UTC at the database's
+// microsecond precision, unique per project, so a repeated or concurrent delete records nothing
+// new and a rolled-back delete leaves nothing. The delete and its event commit together.
+//
+// Ordering is assigned after commit. A bigserial would be wrong: a transaction holding sequence
+// 10 can commit after one holding 11, and a reader that acknowledged 11 would never see 10. A
+// per-project counter row locked until commit would serialise every delete of a project. So the
+// writer inserts with a NULL sequence, and a sequencer (the database function
+// lifecycle_outbox_sequence, run by consumers) numbers the committed rows it can see, per
+// project, contiguously, under a row lock writers never take. A row that commits later is
+// numbered later, so readers of "sequence > cursor" cannot skip one, and an open transaction
+// anywhere in the database holds nothing back. After commit the writer sends a coalesced NOTIFY
+// naming the project; it is only a hint, and a lost one costs a poll interval.
+//
+// # Consumers
+//
+// A process observes only with a durable identity read from a named persisted setting (see
+// ResolveConsumerID); without one, observation stays off and the log says which setting to
+// set. A Consumer keeps one cursor per (project, consumer) in lifecycle_consumer_cursors, holds
+// each under a lease with a fencing epoch judged by the database clock, LISTENs on a dedicated
+// connection first and then catches up from its cursor in batches. Every cursor write names the
+// epoch it was granted: a process frozen past its lease, or replaced by another process with the
+// same identity, writes nothing. No transaction stays open while listeners run; acknowledgements
+// are batched, so delivery is at-least-once and listeners must be idempotent.
+//
+// The Dispatcher applies each deletion to the host's cache and hands it to the observed
+// listeners with a context marked observed (see WithObserved). The writer hook and the host's
+// writer-owned paths (the delete, its audit row, its mailbox notice) refuse such a context with
+// a *FenceError, so an observer can never repeat the writer's side effects. A process never
+// re-delivers its own writes to its own listeners: its local emitter already told them.
+//
+// A failing event is not acknowledged: the stream waits for it while its delivery row records
+// attempts, the next attempt time and a failure class (never error text), with a backoff of 1s,
+// 5s, 30s, 5m, then 15m. After the tenth attempt one fenced transaction parks it as a dead
+// letter, writes a consumer-poisoned audit row and moves the cursor on. An operator can replay
+// it (Admin.RequestReplay) once the cause is fixed; only the owning consumer re-delivers it.
+//
+// When history is gone (a cursor never positioned, ahead of the head, or below the pruned
+// floor) the consumer reconciles: in one REPEATABLE READ snapshot it reads the head and the
+// live task IDs, replaces its cache's live set and restarts its cursor at that head.
+//
+// # Operations
+//
+// Retention is a MaintenanceTask the host's self-healing sweep runs: it prunes events older
+// than the window and acknowledged by every non-retired consumer, in bounded batches, recording
+// the project's pruned floor. Retirement of a consumer is explicit and audited, never inferred
+// from a missed heartbeat. Admin and cmd/outboxctl show status and lag, list dead letters,
+// request replays, retire consumers and preview pruning; Metrics exports them to Prometheus.
+// Migrations are numbered, embedded and applied under an advisory lock (Migrate); VerifySchema
+// checks a database against SchemaVersion.
+//
+// # Wiring
+//
+// Every piece has a plain constructor (NewWriter, NewDispatcher, NewConsumer, NewRetention,
+// NewAdmin). Module wires them into an fx graph from what the host owns: the pool, the logger,
+// the Config and the seams (Settings, TaskCache, LiveTasks, AuditSink, Projects). The reference
+// host in example/taskstore shows a complete host.
+package outbox
