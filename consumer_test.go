@@ -406,6 +406,64 @@ func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
 		require.Len(t, evs, 20, "the first deletion and the 19 made while LISTEN was down")
 		waitCursor(t, ctx, obs.pool, "p", "poller", 20)
 	})
+
+	t.Run("a separate LISTEN DSN, and payloads that are not ours, are handled", func(t *testing.T) {
+		_, err := writer.store.CreateMany(ctx, "p", "u", 3)
+		require.NoError(t, err)
+		cfg := fastConfig()
+		cfg.PollInterval = time.Hour
+		cfg.ListenDSN = db.URL
+		obs := startProcess(t, db.URL, processOpts{id: "own-listen", projects: []string{"p"}, cfg: cfg})
+		waitCursor(t, ctx, obs.pool, "p", "own-listen", 20)
+		// Garbage on our channel: skipped with a log line, nothing lost or stuck.
+		for _, payload := range []string{"", "not ours!", `{"project":"p"}`, strings.Repeat("x", 300), "other-project"} {
+			_, err := writer.pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', $1)`, payload)
+			require.NoError(t, err)
+		}
+		for i := 1; i <= 3; i++ {
+			_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("u-%d", i))
+			require.NoError(t, err)
+		}
+		prompt, cancel := context.WithTimeout(ctx, 20*time.Second) // far below the hour
+		defer cancel()
+		evs := obs.rec.waitCount(t, prompt, 23) // the 20 it replayed from the oldest, then the new ones
+		require.Len(t, evs, 23)
+		require.Equal(t, []int64{21, 22, 23}, []int64{evs[20].Sequence, evs[21].Sequence, evs[22].Sequence})
+	})
+}
+
+// TestConsumerWithoutPreparedStatementCache runs writer and consumer on pools that keep no
+// prepared statements, as a transaction-pooling proxy needs: the module holds no session
+// state outside its LISTEN connection.
+func TestConsumerWithoutPreparedStatementCache(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	cfg.MaxConns = 8
+	pool := pgtest.PoolConfig(t, cfg)
+
+	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
+	require.NoError(t, err)
+	defer w.Close()
+	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	_, err = store.CreateMany(ctx, "p", "t", 5)
+	require.NoError(t, err)
+	rec := newRecorder()
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "proxied", Pool: pool, Config: fastConfig(), Projects: outbox.StaticProjects{"p"},
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}}), Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	defer func() { require.NoError(t, c.Stop(context.Background())) }()
+	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
+	for i := 1; i <= 5; i++ {
+		_, err := other.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		require.NoError(t, err)
+	}
+	rec.waitCount(t, ctx, 5)
+	waitCursor(t, ctx, pool, "p", "proxied", 5)
 }
 
 func TestReconciliation(t *testing.T) {
