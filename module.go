@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -143,12 +144,15 @@ type Runner struct {
 	projects Projects
 	opts     ConsumerOptions
 
+	mu       sync.Mutex // guards state and consumer: health handlers read them
 	state    RunnerState
 	consumer *Consumer
 }
 
 // State is the runner's decision.
 func (r *Runner) State() RunnerState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	if r.state == "" {
 		return StateNotStarted
 	}
@@ -156,13 +160,23 @@ func (r *Runner) State() RunnerState {
 }
 
 // Consumer is the running consumer, or nil when observation is off.
-func (r *Runner) Consumer() *Consumer { return r.consumer }
+func (r *Runner) Consumer() *Consumer {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.consumer
+}
+
+func (r *Runner) set(state RunnerState, c *Consumer) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.state, r.consumer = state, c
+}
 
 // Start verifies (or, with AutoMigrate, applies) the schema, resolves the identity and starts
 // the consumer. It returns quickly: delivery runs on the consumer's own goroutines.
 func (r *Runner) Start(ctx context.Context) error {
 	if r.cfg.Disabled {
-		r.state = StateDisabled
+		r.set(StateDisabled, nil)
 		r.log.Info("outbox disabled by configuration: the writer hook records nothing and no consumer runs")
 		return nil
 	}
@@ -179,11 +193,11 @@ func (r *Runner) Start(ctx context.Context) error {
 	}
 	switch {
 	case r.cfg.ConsumerDisabled:
-		r.state = StateConsumerDisabled
+		r.set(StateConsumerDisabled, nil)
 		r.log.Info("outbox consumer disabled by configuration; the writer hook records events")
 		return nil
 	case r.projects == nil:
-		r.state = StateNoProjects
+		r.set(StateNoProjects, nil)
 		r.log.Info("observation disabled: the host provides no project set to observe")
 		return nil
 	}
@@ -192,7 +206,7 @@ func (r *Runner) Start(ctx context.Context) error {
 		return err
 	}
 	if !ok {
-		r.state = StateNoIdentity
+		r.set(StateNoIdentity, nil)
 		r.log.Info("observation disabled: no durable consumer identity; set the persisted setting to enable it",
 			zap.String("setting", r.cfg.IdentityField))
 		return nil
@@ -206,15 +220,16 @@ func (r *Runner) Start(ctx context.Context) error {
 	if err := c.Start(ctx); err != nil {
 		return err
 	}
-	r.consumer, r.state = c, StateRunning
+	r.set(StateRunning, c)
 	return nil
 }
 
 // Stop stops the consumer, bounded by ctx.
 func (r *Runner) Stop(ctx context.Context) error {
-	if r.consumer == nil {
+	c := r.Consumer()
+	if c == nil {
 		return nil
 	}
-	r.state = StateStopped
-	return r.consumer.Stop(ctx)
+	r.set(StateStopped, c)
+	return c.Stop(ctx)
 }
