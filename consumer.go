@@ -80,8 +80,10 @@ type streamState struct {
 	acked     int64 // durable cursor; -1 when the cursor is NULL (never positioned)
 	position  int64 // dispatched through; position > acked means acknowledgements are pending
 	delivered int64 // highest sequence this instance delivered: re-deliveries below are suppressed
-	retryWait time.Duration
-	blocked   bool // the head-of-line event waits for its next attempt
+	// retryAt is when the blocked head-of-line event falls due, on the consumer's shifted
+	// clock (see now). An absolute time, so a timer re-armed later waits only what is left.
+	retryAt time.Time
+	blocked bool // the head-of-line event waits for its next attempt
 }
 
 // NewConsumer validates opts and builds a consumer. It does not touch the database.
@@ -274,33 +276,41 @@ func (c *Consumer) takeDirty() (map[string]struct{}, bool) {
 	return d, all
 }
 
-// loop is the consumer's single dispatching goroutine.
+// loop is the consumer's single dispatching goroutine. It scans on a notification (the
+// notified projects), on the poll interval (every project), when a blocked retry falls due
+// (on the injected clock), and soon after a step failed.
 func (c *Consumer) loop(ctx context.Context) {
 	poll := time.NewTimer(0)
 	defer poll.Stop()
+	resetPoll := func(d time.Duration) {
+		if !poll.Stop() {
+			select {
+			case <-poll.C:
+			default:
+			}
+		}
+		poll.Reset(d)
+	}
 	full := true
 	for {
 		dirty, all := c.takeDirty()
 		full = full || all
-		wait := c.iterate(ctx, dirty, full)
+		failed := c.iterate(ctx, dirty, full)
 		if ctx.Err() != nil {
 			return
 		}
-		if full {
-			if !poll.Stop() {
-				select {
-				case <-poll.C:
-				default:
-				}
-			}
-			poll.Reset(c.cfg.PollInterval)
+		switch {
+		case failed:
+			resetPoll(min(c.cfg.PollInterval, time.Second))
+		case full:
+			resetPoll(c.cfg.PollInterval)
 		}
 		full = false
 
 		var retry Timer
 		var retryC <-chan time.Time
-		if wait > 0 {
-			retry = c.clock.NewTimer(wait)
+		if wait, ok := c.nextRetry(); ok {
+			retry = c.clock.NewTimer(wait) // fires at once when the retry is already due
 			retryC = retry.C()
 		}
 		select {
@@ -321,8 +331,8 @@ func (c *Consumer) loop(ctx context.Context) {
 }
 
 // iterate runs one scan over the held leases of the dirty projects (all of them on a full
-// scan) and returns how long until a blocked retry falls due (0 when none is blocked).
-func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full bool) time.Duration {
+// scan). It reports whether a step failed, in which case the loop scans again soon.
+func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full bool) (failed bool) {
 	held := c.syncStates()
 	if !full {
 		scoped := held[:0:0]
@@ -334,17 +344,17 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 		held = scoped
 	}
 	if len(held) == 0 {
-		return c.nextRetry()
+		return false
 	}
 	heads, err := Sequence(ctx, c.pool, held, c.cfg.SequenceBatchSize)
 	if err != nil {
 		c.logTransient("sequence", err)
-		return c.nextRetry()
+		return true
 	}
 	open, err := c.openDeliveries(ctx, held)
 	if err != nil {
 		c.logTransient("read open deliveries", err)
-		return c.nextRetry()
+		return true
 	}
 	for _, p := range held {
 		if ctx.Err() != nil {
@@ -352,16 +362,17 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 		}
 		st := c.state[p]
 		if err := c.scanProject(ctx, st, heads[p], open[p]); err != nil {
+			failed = failed || !errors.Is(err, ErrLeaseLost)
 			c.handleStreamError(st, err)
 		}
 	}
 	c.flushAcks(ctx, c.pendingAcks())
-	return c.nextRetry()
+	return failed
 }
 
 // scanProject brings one project's stream up to its head, or to its first blocked event.
 func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, open []delivery) error {
-	st.blocked, st.retryWait = false, 0
+	st.blocked = false
 	for _, d := range open {
 		if d.state == stateReplayRequested {
 			if err := c.replay(ctx, st, d); err != nil {
@@ -387,7 +398,7 @@ func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, 
 			return nil
 		}
 		if retrying != nil && retrying.sequence == st.position+1 && !retrying.due {
-			st.blocked, st.retryWait = true, retrying.wait
+			st.blocked, st.retryAt = true, c.now().Add(retrying.wait)
 			return nil
 		}
 		batch, err := c.readEvents(ctx, st.project, st.position, c.cfg.BatchSize)
@@ -526,15 +537,19 @@ func (c *Consumer) syncStates() []string {
 	return out
 }
 
-// nextRetry is the shortest wait among blocked streams (0 when none).
-func (c *Consumer) nextRetry() time.Duration {
-	var wait time.Duration
+// nextRetry is the wait until the earliest blocked stream falls due; ok is false when no
+// stream is blocked. The wait may be zero or negative: the retry is due now.
+func (c *Consumer) nextRetry() (wait time.Duration, ok bool) {
+	var earliest time.Time
 	for _, st := range c.state {
-		if st.blocked && (wait == 0 || st.retryWait < wait) {
-			wait = max(st.retryWait, time.Millisecond)
+		if st.blocked && (earliest.IsZero() || st.retryAt.Before(earliest)) {
+			earliest = st.retryAt
 		}
 	}
-	return wait
+	if earliest.IsZero() {
+		return 0, false
+	}
+	return earliest.Sub(c.now()), true
 }
 
 // now is the local clock shifted like the database clock, for lease deadlines.

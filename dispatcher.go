@@ -181,24 +181,44 @@ func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent) (Out
 	}()
 	select {
 	case f := <-done:
-		switch {
-		case f == nil:
-			return Delivered, ""
-		case parent.Err() != nil:
-			return Interrupted, ""
-		case f.class == FailureListenerError && ctx.Err() != nil:
-			f.class = FailureListenerTimeout
-		}
-		if f.err != nil {
-			d.log.Warn("observed listener failed", zap.String("listener", f.listener), zap.String("event_id", ev.EventID),
-				zap.String("class", string(f.class)), zap.Error(f.err))
-		}
-		return Failed, f.class
+		return d.outcome(parent, ctx, ev, f)
 	case <-ctx.Done():
-		if parent.Err() != nil {
-			return Interrupted, ""
+	}
+	if parent.Err() == nil {
+		select {
+		case f := <-done: // it finished just as time ran out
+			return d.outcome(parent, ctx, ev, f)
+		default:
 		}
 		d.log.Warn("observed listener timed out", zap.String("event_id", ev.EventID), zap.Duration("timeout", d.timeout))
 		return Failed, FailureListenerTimeout
 	}
+	// The consumer is stopping and the listener's context is cancelled: give the listener the
+	// rest of its time to return, so that an event it did handle is acknowledged.
+	deadline, _ := ctx.Deadline()
+	wait := time.NewTimer(time.Until(deadline))
+	defer wait.Stop()
+	select {
+	case f := <-done:
+		return d.outcome(parent, ctx, ev, f)
+	case <-wait.C:
+		return Interrupted, ""
+	}
+}
+
+// outcome interprets what the listener goroutine reported.
+func (d *Dispatcher) outcome(parent, ctx context.Context, ev ObservedEvent, f *listenerFailure) (Outcome, FailureClass) {
+	switch {
+	case f == nil:
+		return Delivered, ""
+	case parent.Err() != nil:
+		return Interrupted, "" // a failure while stopping is not an attempt
+	case f.class == FailureListenerError && ctx.Err() != nil:
+		f.class = FailureListenerTimeout
+	}
+	if f.err != nil {
+		d.log.Warn("observed listener failed", zap.String("listener", f.listener), zap.String("event_id", ev.EventID),
+			zap.String("class", string(f.class)), zap.Error(f.err))
+	}
+	return Failed, f.class
 }

@@ -36,7 +36,7 @@ type delivery struct {
 
 const openDeliveriesSQL = `
 SELECT project_id, sequence, event_id, state, attempts,
-       coalesce(next_attempt_at <= now() + $3::interval, true),
+       coalesce(next_attempt_at <= now() + $3::interval + interval '1 millisecond', true),
        coalesce(greatest(0, extract(epoch FROM next_attempt_at - (now() + $3::interval))), 0)::float8
 FROM lifecycle_consumer_deliveries
 WHERE consumer_id = $1 AND project_id = ANY ($2) AND state IN ('retrying', 'replay_requested')
@@ -121,8 +121,9 @@ func (c *Consumer) recordFailure(ctx context.Context, st *streamState, ev Event,
 	fields := []zap.Field{zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence),
 		zap.String("event_id", ev.EventID), zap.String("class", string(class)), zap.Int("attempts", attempts)}
 	if !parked {
-		st.blocked, st.retryWait = true, c.cfg.retryDelay(attempts)
-		c.log.Warn("delivery failed; the stream waits for the retry", append(fields, zap.Duration("retry_in", st.retryWait))...)
+		delay := c.cfg.retryDelay(attempts)
+		st.blocked, st.retryAt = true, c.now().Add(delay)
+		c.log.Warn("delivery failed; the stream waits for the retry", append(fields, zap.Duration("retry_in", delay))...)
 		return false, nil
 	}
 	st.acked, st.position = ev.Sequence, ev.Sequence
