@@ -558,9 +558,11 @@ func (c *Consumer) now() time.Time { return time.Now().Add(c.clock.Offset()) }
 // offset is the clock offset passed to every time comparison in SQL.
 func (c *Consumer) offset() time.Duration { return c.clock.Offset() }
 
-const readEventsSQL = `
-SELECT project_id, sequence, event_id, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version
+// eventColumns is what scanEvents decodes, in its order.
+const eventColumns = `project_id, sequence, event_id, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+       writer_process_id, occurred_at, payload_version`
+
+const readEventsSQL = `SELECT ` + eventColumns + `
 FROM lifecycle_outbox
 WHERE project_id = $1 AND sequence > $2
 ORDER BY sequence

@@ -228,8 +228,8 @@ func TestWriterAndObserverProcesses(t *testing.T) {
 		require.Empty(t, observer.store.Cache().Live(p), "the observer's cache dropped every deleted task")
 		waitCursor(t, ctx, observer.pool, p, "dashboard", 30)
 	}
-	require.Zero(t, countRows(t, writer.pool, `SELECT count(*) FROM run_audit WHERE actor <> 'taskstore'`), "the observer wrote no audit row")
-	require.Equal(t, 60, countRows(t, writer.pool, `SELECT count(*) FROM mailbox_notices`), "one notice per delete, all from the writer")
+	require.Zero(t, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM run_audit WHERE actor <> 'taskstore'`), "the observer wrote no audit row")
+	require.Equal(t, 60, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM mailbox_notices`), "one notice per delete, all from the writer")
 }
 
 func TestOwnEventsAreNotDeliveredTwiceToOwnListeners(t *testing.T) {
@@ -622,9 +622,9 @@ func TestObservedListenerCannotPerformWriterOwnedEffects(t *testing.T) {
 		require.ErrorAs(t, err, &fence)
 		require.True(t, errors.Is(err, outbox.ErrObservedContext))
 	}
-	require.Equal(t, 1, countRows(t, writer.pool, `SELECT count(*) FROM mailbox_notices`))
-	require.Equal(t, 1, countRows(t, writer.pool, `SELECT count(*) FROM run_audit`))
-	require.Equal(t, 1, countRows(t, writer.pool, `SELECT count(*) FROM lifecycle_outbox`))
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM mailbox_notices`))
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM run_audit`))
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM lifecycle_outbox`))
 	task, err := writer.store.Get(ctx, "p", "t-3")
 	require.NoError(t, err)
 	require.Nil(t, task.DeletedAt, "the observer's delete was refused")

@@ -144,8 +144,8 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 		require.NoError(t, err)
 
 		for _, table := range []string{"lifecycle_outbox", "lifecycle_outbox_heads", "lifecycle_consumer_cursors", "lifecycle_consumer_deliveries"} {
-			require.Zero(t, countRows(t, rtA, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s read across projects", table)
-			require.Positive(t, countRows(t, rtB, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s is there for B", table)
+			require.Zero(t, pgtest.QueryInt(t, rtA, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s read across projects", table)
+			require.Positive(t, pgtest.QueryInt(t, rtB, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s is there for B", table)
 		}
 		for _, stmt := range []string{
 			`UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 99 WHERE project_id = 'proj-b'`,

@@ -94,7 +94,7 @@ func TestRetentionKeepsWhatAnyoneStillNeeds(t *testing.T) {
 	retired, err := admin.RetireConsumer(ctx, outbox.RetireRequest{ConsumerID: "slow", Operator: outbox.Operator{Actor: "oncall", Reason: "FN-77"}})
 	require.NoError(t, err)
 	require.Equal(t, []string{"p"}, retired)
-	require.Equal(t, 1, countRows(t, w.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall'`, outbox.AuditConsumerRetired))
+	require.Equal(t, 1, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall'`, outbox.AuditConsumerRetired))
 	res, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(6), res.Pruned(), "retiring the laggard lets its rows go")

@@ -156,9 +156,7 @@ func (c *Consumer) resolveRetried(ctx context.Context, st *streamState, ev Event
 	return nil
 }
 
-const readEventSQL = `
-SELECT project_id, sequence, event_id, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version
+const readEventSQL = `SELECT ` + eventColumns + `
 FROM lifecycle_outbox
 WHERE project_id = $1 AND sequence = $2`
 

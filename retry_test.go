@@ -341,7 +341,7 @@ func TestReplayReachesOnlyTheOwningConsumer(t *testing.T) {
 	var m map[string]any
 	require.NoError(t, json.Unmarshal(meta, &m))
 	require.Equal(t, map[string]any{"consumerId": "broken", "eventId": eventID, "sequence": float64(1), "attempts": float64(2), "reason": "FN-8690"}, m)
-	require.Equal(t, 1, countRows(t, w.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerReplayed))
+	require.Equal(t, 1, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerReplayed))
 
 	h := healthy.rec.snapshot()
 	require.Len(t, h, 2, "the other consumer saw each event once, and not the replay")

@@ -281,13 +281,6 @@ func hostWithOutbox(t *testing.T, pool *pgxpool.Pool) (*taskstore.Store, *outbox
 	return taskstore.New(pool, taskstore.Options{Writer: w, Logger: zaptest.NewLogger(t)}), w
 }
 
-func countRows(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	require.NoError(t, pool.QueryRow(context.Background(), sql, args...).Scan(&n))
-	return n
-}
-
 func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
@@ -308,8 +301,8 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		again, err := store.Delete(ctx, "p1", "t1")
 		require.NoError(t, err)
 		require.False(t, again.Deleted)
-		require.Equal(t, 1, countRows(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't1'`))
-		require.Equal(t, 1, countRows(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't1' AND action = 'task:deleted'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't1'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't1' AND action = 'task:deleted'`))
 	})
 
 	t.Run("the hook called twice for one deletion inserts once", func(t *testing.T) {
@@ -344,8 +337,8 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 			}
 		}
 		require.Equal(t, 1, deleted)
-		require.Equal(t, 1, countRows(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't2'`))
-		require.Equal(t, 1, countRows(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't2'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't2'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't2'`))
 	})
 
 	t.Run("a rolled-back delete leaves nothing", func(t *testing.T) {
@@ -359,7 +352,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, inserted)
 		require.NoError(t, tx.Rollback(ctx))
-		require.Zero(t, countRows(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't3'`))
+		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't3'`))
 		task, err := store.Get(ctx, "p1", "t3")
 		require.NoError(t, err)
 		require.Nil(t, task.DeletedAt)
@@ -370,7 +363,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, err)
 		_, err = store.Archive(ctx, "p1", "t4")
 		require.NoError(t, err)
-		require.Zero(t, countRows(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't4'`), "archiving is not a deletion")
+		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't4'`), "archiving is not a deletion")
 		res, err := store.Delete(ctx, "p1", "t4")
 		require.NoError(t, err)
 		require.True(t, res.Event.Archived)
@@ -380,7 +373,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, pool.QueryRow(ctx, `SELECT archived, prior_column FROM lifecycle_outbox WHERE task_id = 't4'`).Scan(&archived, &prior))
 		require.True(t, archived)
 		require.Equal(t, "done", prior)
-		require.Equal(t, 1, countRows(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't4'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't4'`))
 	})
 }
 
@@ -422,7 +415,7 @@ func TestWriterRefusesObservedContextAndBadInput(t *testing.T) {
 		require.Equal(t, strings.TrimSpace(name), verr.Field)
 	}
 	require.NoError(t, tx.Commit(ctx))
-	require.Zero(t, countRows(t, pool, `SELECT count(*) FROM lifecycle_outbox`), "nothing was written")
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox`), "nothing was written")
 }
 
 func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
@@ -473,6 +466,6 @@ func TestDisabledWriterRecordsNothing(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res.Deleted)
 	require.False(t, res.EventRecorded)
-	require.Zero(t, countRows(t, pool, `SELECT count(*) FROM lifecycle_outbox`))
-	require.Equal(t, 1, countRows(t, pool, `SELECT count(*) FROM run_audit`), "the host's own delete path is unchanged")
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox`))
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`), "the host's own delete path is unchanged")
 }

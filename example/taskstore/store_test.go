@@ -26,13 +26,6 @@ func setup(t *testing.T) (context.Context, *pgxpool.Pool, *taskstore.Store) {
 	return ctx, pool, taskstore.New(pool, taskstore.Options{Actor: "host-test"})
 }
 
-func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
-	t.Helper()
-	var n int
-	require.NoError(t, pool.QueryRow(context.Background(), sql, args...).Scan(&n))
-	return n
-}
-
 func TestDeleteIsOneTransactionWithItsAuditRow(t *testing.T) {
 	t.Parallel()
 	ctx, pool, store := setup(t)
@@ -47,7 +40,7 @@ func TestDeleteIsOneTransactionWithItsAuditRow(t *testing.T) {
 	task, err := store.Get(ctx, "p", "t1")
 	require.NoError(t, err)
 	require.Nil(t, task.DeletedAt, "no soft delete without its audit row")
-	require.Zero(t, count(t, pool, `SELECT count(*) FROM mailbox_notices`), "no notice for a delete that did not happen")
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM mailbox_notices`), "no notice for a delete that did not happen")
 
 	_, err = pool.Exec(ctx, `ALTER TABLE run_audit DROP CONSTRAINT no_deletes`)
 	require.NoError(t, err)
@@ -60,8 +53,8 @@ func TestDeleteIsOneTransactionWithItsAuditRow(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res.Deleted)
 	require.Equal(t, "doing", res.Task.Column, "the result holds the pre-delete snapshot")
-	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't1' AND action = 'task:deleted'`))
-	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM mailbox_notices WHERE task_id = 't1'`))
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't1' AND action = 'task:deleted'`))
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM mailbox_notices WHERE task_id = 't1'`))
 	require.Equal(t, 1, heard)
 	require.False(t, store.Cache().Has("p", "t1"))
 
@@ -69,8 +62,8 @@ func TestDeleteIsOneTransactionWithItsAuditRow(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, again.Deleted, "deleting a deleted task changes nothing")
 	require.Equal(t, res.Task.DeletedAt.UTC(), again.Task.DeletedAt.UTC(), "deleted_at keeps the first transition")
-	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM run_audit`))
-	require.Equal(t, 1, count(t, pool, `SELECT count(*) FROM mailbox_notices`))
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`))
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM mailbox_notices`))
 	require.Equal(t, 1, heard)
 
 	_, err = store.Delete(ctx, "p", "missing")
@@ -86,7 +79,7 @@ func TestArchiveIsNotADeletion(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, archived.Archived)
 	require.Nil(t, archived.DeletedAt)
-	require.Zero(t, count(t, pool, `SELECT count(*) FROM run_audit`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`))
 	res, err := store.Delete(ctx, "p", "t1")
 	require.NoError(t, err)
 	require.True(t, res.Task.Archived, "the delete keeps the archived snapshot")
@@ -111,8 +104,8 @@ func TestWriterOwnedPathsRefuseAnObservedContext(t *testing.T) {
 	task, err := store.Get(ctx, "p", "t1")
 	require.NoError(t, err)
 	require.Nil(t, task.DeletedAt)
-	require.Zero(t, count(t, pool, `SELECT count(*) FROM run_audit`))
-	require.Zero(t, count(t, pool, `SELECT count(*) FROM mailbox_notices`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM mailbox_notices`))
 }
 
 func TestSettingsAndCache(t *testing.T) {

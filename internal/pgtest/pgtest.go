@@ -294,3 +294,17 @@ func (db DB) As(role string) string {
 	}
 	return db.URL + " user=" + role
 }
+
+// QueryInt runs a query that returns one integer (a count, usually) and fails t on error.
+func QueryInt(t testing.TB, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, sql string, args ...any) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var n int
+	if err := db.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
+		t.Fatalf("pgtest: %s: %v", sql, err)
+	}
+	return n
+}
