@@ -59,6 +59,12 @@ type Config struct {
 	// Defaults to "lifecycle_outbox".
 	NotifyChannel string
 
+	// NotifyGap is the shortest time between two wake-up notifications sent by one writer
+	// process. A commit after a quiet spell is announced at once; commits within the gap
+	// share the next notification. Each notification is a transaction of its own, so the gap
+	// bounds their cost under load. Defaults to 1ms; at most 1s.
+	NotifyGap time.Duration
+
 	// ListenDSN, when set, is used for the consumer's dedicated LISTEN connection instead of
 	// a connection taken from the pool, for pools behind a transaction-pooling proxy.
 	// Defaults to empty (use the pool's configuration).
@@ -139,6 +145,7 @@ func (c Config) WithDefaults() Config {
 	if c.NotifyChannel == "" {
 		c.NotifyChannel = "lifecycle_outbox"
 	}
+	def(&c.NotifyGap, time.Millisecond)
 	if len(c.RetrySchedule) == 0 {
 		c.RetrySchedule = append([]time.Duration(nil), DefaultRetrySchedule...)
 	}
@@ -186,6 +193,9 @@ func (c Config) Validate() error {
 	}
 	if !channelPattern.MatchString(c.NotifyChannel) {
 		bad("NotifyChannel", "must be a lower-case identifier of at most 63 characters (got %q)", c.NotifyChannel)
+	}
+	if c.NotifyGap <= 0 || c.NotifyGap > time.Second {
+		bad("NotifyGap", "must be between 0 and 1s (got %s)", c.NotifyGap)
 	}
 	for i, d := range c.RetrySchedule {
 		if d <= 0 || d > 24*time.Hour {

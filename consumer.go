@@ -559,7 +559,7 @@ func (c *Consumer) now() time.Time { return time.Now().Add(c.clock.Offset()) }
 func (c *Consumer) offset() time.Duration { return c.clock.Offset() }
 
 // eventColumns is what scanEvents decodes, in its order.
-const eventColumns = `project_id, sequence, event_id, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
        writer_process_id, occurred_at, payload_version`
 
 const readEventsSQL = `SELECT ` + eventColumns + `
@@ -576,18 +576,20 @@ func (c *Consumer) readEvents(ctx context.Context, project string, after int64, 
 	return scanEvents(rows, limit)
 }
 
-// scanEvents decodes outbox rows without reflection: the drain path reads many of them.
+// scanEvents decodes outbox rows without reflection (the drain path reads many of them) and
+// formats each event's ID from its identity columns.
 func scanEvents(rows pgx.Rows, capacity int) ([]Event, error) {
 	defer rows.Close()
 	out := make([]Event, 0, capacity)
 	for rows.Next() {
 		var e Event
 		var version int16
-		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventID, &e.EventType, &e.TaskID, &e.DeletedAt,
+		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &e.DeletedAt,
 			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &e.OccurredAt, &version); err != nil {
 			return nil, fmt.Errorf("decode event: %w", err)
 		}
 		e.PayloadVersion = int(version)
+		e.EventID = TaskDeletedEventID(e.TaskID, e.DeletedAt)
 		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {

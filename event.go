@@ -39,7 +39,9 @@ type Event struct {
 // TaskDeletedEventID is the identity of the first deletion of taskID at deletedAt:
 // "task-deleted:<taskId>:<deletedAt>", deletedAt in canonical UTC with microseconds.
 func TaskDeletedEventID(taskID string, deletedAt time.Time) string {
-	return eventIDPrefix + taskID + ":" + deletedAt.UTC().Format(eventIDTime)
+	b := make([]byte, 0, len(eventIDPrefix)+len(taskID)+1+len(eventIDTime))
+	b = append(append(append(b, eventIDPrefix...), taskID...), ':')
+	return string(deletedAt.UTC().AppendFormat(b, eventIDTime))
 }
 
 // ParseEventID splits a task:deleted event ID into its task ID and deletedAt.
@@ -78,11 +80,13 @@ func (e Event) validate() error {
 	if e.PayloadVersion < 1 || e.PayloadVersion > PayloadVersion {
 		return invalid("payload_version", "%d is not a version this build understands (up to %d)", e.PayloadVersion, PayloadVersion)
 	}
-	taskID, deletedAt, err := ParseEventID(e.EventID)
-	if err != nil {
-		return invalid("event_id", "%v", err)
+	if err := validateTaskID(e.TaskID); err != nil {
+		return invalid("task_id", "%v", err)
 	}
-	if taskID != e.TaskID || !deletedAt.Equal(e.DeletedAt) {
+	if e.DeletedAt.Nanosecond()%1000 != 0 {
+		return invalid("deleted_at", "%s has sub-microsecond precision", e.DeletedAt.Format(time.RFC3339Nano))
+	}
+	if e.EventID != TaskDeletedEventID(e.TaskID, e.DeletedAt) {
 		return invalid("event_id", "%q does not match task %q deleted at %s", e.EventID, e.TaskID, e.DeletedAt.UTC().Format(eventIDTime))
 	}
 	if e.WriterProcessID == "" {

@@ -178,7 +178,7 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 
 	// Labels stay bounded: identifiers of projects and consumers and fixed codes, never an
 	// event ID (nor error text).
-	rows, err := w.pool.Query(ctx, `SELECT event_id FROM lifecycle_outbox`)
+	rows, err := w.pool.Query(ctx, `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox`)
 	require.NoError(t, err)
 	eventIDs := map[string]bool{}
 	for rows.Next() {

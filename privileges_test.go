@@ -140,7 +140,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('proj-b', 'dash', 0)`)
 		require.NoError(t, err)
 		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at)
-			SELECT 'proj-b', 'dash', 1, event_id, 'dead', 10, now() FROM lifecycle_outbox WHERE project_id = 'proj-b'`)
+			SELECT 'proj-b', 'dash', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, now() FROM lifecycle_outbox WHERE project_id = 'proj-b'`)
 		require.NoError(t, err)
 
 		for _, table := range []string{"lifecycle_outbox", "lifecycle_outbox_heads", "lifecycle_consumer_cursors", "lifecycle_consumer_deliveries"} {

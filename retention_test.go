@@ -179,8 +179,8 @@ func TestRetentionWorksInBoundedBatchesBesideWriters(t *testing.T) {
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	const old = 50000
-	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, sequence, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version, occurred_at)
-		SELECT 'p', i, 'task-deleted:old-' || i || ':2026-01-01T00:00:00.000000Z', 'task:deleted', 'old-' || i, '2026-01-01T00:00:00Z', 'w', 1, now() - interval '40 days'
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
+		SELECT 'p', i, 'task:deleted', 'old-' || i, '2026-01-01T00:00:00Z', false, 'w', 1, now() - interval '40 days'
 		FROM generate_series(1, $1) AS i`, old)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id, last_sequence) VALUES ('p', $1)`, old)

@@ -58,8 +58,7 @@ func TestMigrateUpgradePathIsIdempotent(t *testing.T) {
 	require.ErrorIs(t, outbox.VerifySchema(ctx, pool), outbox.ErrSchemaBehind)
 
 	// The writer's table works at version 1 already.
-	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
-		VALUES ('p1', 'task-deleted:t1:2026-01-02T03:04:05.000006Z', 'task:deleted', 't1', '2026-01-02T03:04:05.000006Z', 'w', 1)`)
+	_, err = pool.Exec(ctx, insertRow, "p1", "t1")
 	require.NoError(t, err)
 
 	applied, err = outbox.Migrate(ctx, pool)
@@ -153,17 +152,36 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 }
 
+// insertRow is a raw outbox insert, as the writer makes it, for project $1 and task $2.
+const insertRow = `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
+
 func TestDatabaseRefusesUnknownEventType(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
-		VALUES ('p1', 'task-archived:t1', 'task:archived', 't1', now(), 'w', 1)`)
-	requireSQLState(t, err, "23514") // check_violation
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		VALUES ('p1', 't1', now(), 'task:archived', false, 1, now(), 'w')`)
+	requireSQLState(t, err, "22P02") // invalid_text_representation: not a value of the enum
 
-	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
-		VALUES ('p1', 'task-deleted:t1:not-the-stored-time', 'task:deleted', 't1', now(), 'w', 1)`)
-	requireSQLState(t, err, "23514")
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		VALUES ('p1', 't1', now(), 'task:deleted', false, 0, now(), 'w')`)
+	requireSQLState(t, err, "23514") // check_violation
+}
+
+func TestEventIDInSQLMatchesGo(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	for _, at := range []time.Time{
+		time.Date(2026, 1, 2, 3, 4, 5, 6000, time.UTC),
+		time.Date(1999, 12, 31, 23, 59, 59, 999999000, time.FixedZone("x", 5*3600+1800)),
+		time.Date(2026, 11, 30, 0, 0, 0, 0, time.UTC),
+	} {
+		var got string
+		require.NoError(t, pool.QueryRow(ctx, `SELECT lifecycle_event_id($1, $2)`, "task:1", at).Scan(&got))
+		require.Equal(t, outbox.TaskDeletedEventID("task:1", at), got)
+	}
 }
 
 func requireSQLState(t *testing.T, err error, code string) {
@@ -200,8 +218,7 @@ func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 	db := pgtest.NewDB(t)
 	admin := pgtest.Pool(t, db.URL)
 	for _, p := range []string{"proj-a", "proj-b"} {
-		_, err := admin.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
-			VALUES ($1, 'task-deleted:t1:2026-01-02T03:04:05.000000Z', 'task:deleted', 't1', '2026-01-02T03:04:05Z', 'w', 1)`, p)
+		_, err := admin.Exec(ctx, insertRow, p, "t1")
 		require.NoError(t, err)
 		_, err = admin.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ($1, 'dash', 0)`, p)
 		require.NoError(t, err)
@@ -219,8 +236,7 @@ func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 		require.Equal(t, []string{"proj-a"}, projects, table)
 	}
 
-	_, err := rolePool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
-		VALUES ('proj-b', 'task-deleted:t2:2026-01-02T03:04:05.000000Z', 'task:deleted', 't2', '2026-01-02T03:04:05Z', 'w', 1)`)
+	_, err := rolePool.Exec(ctx, insertRow, "proj-b", "t2")
 	requireSQLState(t, err, "42501") // insufficient_privilege: row violates the policy
 
 	tag, err := rolePool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 99 WHERE project_id = 'proj-b'`)
@@ -228,8 +244,7 @@ func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 	require.Zero(t, tag.RowsAffected(), "project B's cursor is invisible, so nothing is updated")
 
 	// Project A still works for the role: the writer's insert and the sequencer.
-	_, err = rolePool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_id, event_type, task_id, deleted_at, writer_process_id, payload_version)
-		VALUES ('proj-a', 'task-deleted:t2:2026-01-02T03:04:05.000000Z', 'task:deleted', 't2', '2026-01-02T03:04:05Z', 'w', 1)`)
+	_, err = rolePool.Exec(ctx, insertRow, "proj-a", "t2")
 	require.NoError(t, err)
 	rows, err := rolePool.Query(ctx, `SELECT project_id, last_sequence FROM lifecycle_outbox_sequence(NULL, 100)`)
 	require.NoError(t, err)

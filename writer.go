@@ -60,7 +60,7 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 		if db == nil {
 			return nil, errors.New("outbox writer: a database is needed for notifications (or set NotifyDisabled)")
 		}
-		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, log: w.log, pending: map[string]struct{}{}}
+		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, gap: cfg.NotifyGap, log: w.log, pending: map[string]struct{}{}}
 	}
 	return w, nil
 }
@@ -70,14 +70,14 @@ func (w *Writer) ProcessID() string { return w.processID }
 
 const insertEventSQL = `
 INSERT INTO lifecycle_outbox
-    (project_id, event_id, event_type, task_id, deleted_at, prior_column, archived, writer_process_id, payload_version, occurred_at)
-VALUES ($1, $2, 'task:deleted', $3, $4, $5, $6, $7, $8, now() + $9::interval)
-ON CONFLICT (project_id, event_id) DO NOTHING
+    (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
+VALUES ($1, $2, $3, 'task:deleted', $4, $5, now() + $6::interval, $7, $8)
+ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
 const selectEventByIDSQL = `
 SELECT writer_process_id, occurred_at, coalesce(sequence, 0)
-FROM lifecycle_outbox WHERE project_id = $1 AND event_id = $2`
+FROM lifecycle_outbox WHERE project_id = $1 AND task_id = $2 AND deleted_at = $3`
 
 // RecordTaskDeletedTx records the first deletion of a task inside the caller's delete
 // transaction, so that the delete and its event commit or roll back together. It returns the
@@ -112,8 +112,8 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 	if d.PriorColumn != "" {
 		prior = &d.PriorColumn
 	}
-	err := tx.QueryRow(ctx, insertEventSQL, ev.ProjectID, ev.EventID, ev.TaskID, ev.DeletedAt, prior,
-		ev.Archived, ev.WriterProcessID, ev.PayloadVersion, w.clock.Offset()).Scan(&ev.OccurredAt)
+	err := tx.QueryRow(ctx, insertEventSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion,
+		w.clock.Offset(), ev.WriterProcessID, prior).Scan(&ev.OccurredAt)
 	if err == nil {
 		return ev, true, nil
 	}
@@ -121,7 +121,7 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 		return Event{}, false, fmt.Errorf("record task:deleted: %w", err)
 	}
 	// Already recorded: return the stored event.
-	if err := tx.QueryRow(ctx, selectEventByIDSQL, ev.ProjectID, ev.EventID).
+	if err := tx.QueryRow(ctx, selectEventByIDSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt).
 		Scan(&ev.WriterProcessID, &ev.OccurredAt, &ev.Sequence); err != nil {
 		return Event{}, false, fmt.Errorf("read recorded task:deleted: %w", err)
 	}
@@ -166,21 +166,27 @@ func (w *Writer) Close() {
 	}
 }
 
-// notifier sends post-commit wake-ups. Projects committed while a send is in flight are
-// gathered and sent together by the same goroutine, so a burst of deletes costs one NOTIFY per
-// project per round trip, not one per delete. No goroutine runs while nothing is pending.
+// notifier sends post-commit wake-ups. The first commit after a quiet spell is announced at
+// once; commits that arrive within gap of the last notification, or while one is being sent,
+// are gathered and announced together by the same goroutine, one notification per project.
+// No goroutine runs while nothing is pending.
 type notifier struct {
 	db      DBTX
 	channel string
+	gap     time.Duration
 	log     *zap.Logger
 
-	mu      sync.Mutex
-	pending map[string]struct{}
-	running bool
-	wg      sync.WaitGroup
+	mu       sync.Mutex
+	pending  map[string]struct{}
+	running  bool
+	lastSent time.Time
+	wg       sync.WaitGroup
 }
 
-const notifySQL = `SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p`
+// notifySQL sends the wake-ups in a transaction of their own that does not wait for its commit
+// record to reach disk: a notifying transaction gets a transaction ID and a commit record, and
+// a hint has no need to be durable, so it should not add a WAL flush beside the deletes.
+const notifySQL = `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, p) FROM unnest($2::text[]) AS p`
 
 func (n *notifier) enqueue(projects []string) {
 	n.mu.Lock()
@@ -205,11 +211,17 @@ func (n *notifier) flush() {
 			n.mu.Unlock()
 			return
 		}
+		if wait := time.Until(n.lastSent.Add(n.gap)); wait > 0 {
+			n.mu.Unlock()
+			time.Sleep(wait) // commits meanwhile join this notification
+			continue
+		}
 		batch := make([]string, 0, len(n.pending))
 		for p := range n.pending {
 			batch = append(batch, p)
 		}
 		clear(n.pending)
+		n.lastSent = time.Now()
 		n.mu.Unlock()
 
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

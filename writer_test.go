@@ -51,7 +51,7 @@ func (r *streamReader) poll(ctx context.Context, projects []string) error {
 	}
 	for _, p := range projects {
 		for {
-			rows, err := r.pool.Query(ctx, `SELECT sequence, event_id FROM lifecycle_outbox
+			rows, err := r.pool.Query(ctx, `SELECT sequence, lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox
 				WHERE project_id = $1 AND sequence > $2 ORDER BY sequence LIMIT 500`, p, r.cursors[p])
 			if err != nil {
 				return err

@@ -6,36 +6,44 @@
 -- serialised per project by a row lock on lifecycle_outbox_heads that writers never take. A row
 -- that commits later is sequenced later, so a reader of "sequence > cursor" never skips one.
 
+-- The allowed event types. An enum makes the database itself refuse any other value; adding a
+-- lifecycle event is a deliberate migration (ALTER TYPE ... ADD VALUE).
+CREATE TYPE lifecycle_event_type AS ENUM ('task:deleted');
+
+-- The row is kept small on purpose: it is written inside every delete transaction, so each byte,
+-- index entry and check costs every delete. The event identity is (project, task, deletedAt):
+-- the event ID "task-deleted:<taskId>:<deletedAt>" is formatted from it when read, not stored.
+-- Identifiers are validated by the writer before it inserts.
 CREATE TABLE lifecycle_outbox (
-    -- Insertion order among rows that are not sequenced yet; never read as a position.
-    id                bigint GENERATED ALWAYS AS IDENTITY,
-    project_id        text        NOT NULL CHECK (project_id ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$'),
+    project_id        text                 NOT NULL,
+    task_id           text                 NOT NULL,
+    -- The stored deleted_at of the first transition: the deletion's identity.
+    deleted_at        timestamptz          NOT NULL,
     -- NULL until the sequencer assigns it; then 1, 2, 3, ... per project with no gap.
-    sequence          bigint      CHECK (sequence > 0),
-    event_id          text        NOT NULL,
-    event_type        text        NOT NULL CHECK (event_type IN ('task:deleted')),
-    task_id           text        NOT NULL CHECK (length(task_id) BETWEEN 1 AND 256),
-    deleted_at        timestamptz NOT NULL,
-    prior_column      text        CHECK (length(prior_column) <= 128),
-    archived          boolean     NOT NULL DEFAULT false,
-    writer_process_id text        NOT NULL CHECK (length(writer_process_id) BETWEEN 1 AND 128),
-    occurred_at       timestamptz NOT NULL DEFAULT now(),
-    payload_version   smallint    NOT NULL CHECK (payload_version > 0),
-    PRIMARY KEY (project_id, event_id),
-    -- The event identity is derived from the stored deletedAt, canonical UTC at microseconds.
-    CONSTRAINT lifecycle_outbox_event_id_form CHECK (
-        event_type <> 'task:deleted'
-        OR event_id = 'task-deleted:' || task_id || ':'
-                      || to_char(deleted_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
+    sequence          bigint               CHECK (sequence > 0),
+    event_type        lifecycle_event_type NOT NULL,
+    archived          boolean              NOT NULL,
+    payload_version   smallint             NOT NULL CHECK (payload_version > 0),
+    occurred_at       timestamptz          NOT NULL,
+    writer_process_id text                 NOT NULL,
+    prior_column      text,
+    PRIMARY KEY (project_id, task_id, deleted_at)
 );
 
 -- Readers walk a project's stream by sequence. Partial, so a writer's insert does not touch it.
 CREATE UNIQUE INDEX lifecycle_outbox_project_sequence
     ON lifecycle_outbox (project_id, sequence) WHERE sequence IS NOT NULL;
 
--- The sequencer's work list. It only holds rows not sequenced yet, so it stays small.
+-- The sequencer's work list, in the order it numbers them. It only holds rows not sequenced
+-- yet, so it stays small.
 CREATE INDEX lifecycle_outbox_unsequenced
-    ON lifecycle_outbox (project_id, id) WHERE sequence IS NULL;
+    ON lifecycle_outbox (project_id, occurred_at) WHERE sequence IS NULL;
+
+-- The event ID of a task:deleted event, for queries and operators: the outbox stores its parts.
+CREATE FUNCTION lifecycle_event_id(p_task_id text, p_deleted_at timestamptz) RETURNS text
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN 'task-deleted:' || p_task_id || ':'
+       || to_char(p_deleted_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"');
 
 CREATE TABLE lifecycle_outbox_heads (
     project_id     text        PRIMARY KEY CHECK (project_id ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$'),
@@ -54,9 +62,14 @@ CREATE TABLE lifecycle_outbox_heads (
 -- Correctness rests on READ COMMITTED: each statement below takes a fresh snapshot, so the
 -- UPDATE that assigns sequences sees every row and every earlier sequencing that committed
 -- before this call took the heads row lock.
+--
+-- The UPDATE joins its batch back to the table by ctid; a nested loop of TID lookups is right at
+-- any batch size, while a hash join would read every unsequenced row of the table per call.
 CREATE FUNCTION lifecycle_outbox_sequence(p_projects text[], p_limit integer)
 RETURNS TABLE (project_id text, last_sequence bigint, pruned_through bigint, assigned integer)
 LANGUAGE plpgsql VOLATILE
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -92,10 +105,10 @@ BEGIN
         FOR UPDATE;
 
         WITH pending AS (
-            SELECT o.ctid AS row_id, row_number() OVER (ORDER BY o.id) AS rn
+            SELECT o.ctid AS row_id, row_number() OVER (ORDER BY o.occurred_at) AS rn
             FROM lifecycle_outbox o
             WHERE o.project_id = v_project AND o.sequence IS NULL
-            ORDER BY o.id
+            ORDER BY o.occurred_at
             LIMIT p_limit
         ), numbered AS (
             UPDATE lifecycle_outbox o

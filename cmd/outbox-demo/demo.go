@@ -270,7 +270,7 @@ type consumerReport struct {
 }
 
 func report(ctx context.Context, pool *pgxpool.Pool, admin *outbox.Admin, observers []*observerSpec, streamed int64, elapsed time.Duration) (int, error) {
-	rows, err := pool.Query(ctx, `SELECT event_id FROM lifecycle_outbox`)
+	rows, err := pool.Query(ctx, `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox`)
 	if err != nil {
 		return 1, err
 	}

@@ -295,7 +295,7 @@ func (f *fixture) ctl(t *testing.T, args ...string) result {
 func (f *fixture) eventID(t *testing.T, project string, seq int64) string {
 	t.Helper()
 	var id string
-	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT event_id FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`,
+	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`,
 		project, seq).Scan(&id))
 	return id
 }
