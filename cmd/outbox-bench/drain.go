@@ -1,0 +1,263 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"sync"
+	"time"
+
+	"fusion/outbox"
+)
+
+func init() {
+	register(benchCase{name: "sequence", usage: "sequencer rate over an unsequenced backlog",
+		flags: func(fs *flag.FlagSet) runner {
+			o := sequenceOpts{events: 200000, projects: 1}
+			fs.IntVar(&o.events, "events", o.events, "unsequenced events in the backlog")
+			fs.IntVar(&o.projects, "projects", o.projects, "projects the backlog spreads over")
+			return one(func(ctx context.Context, env *Env) (sequenceResult, error) { return runSequence(ctx, env, o) })
+		}})
+	register(benchCase{name: "drain", usage: "one fresh consumer drains a sequenced backlog",
+		flags: func(fs *flag.FlagSet) runner {
+			o := drainOpts{events: 200000, batch: 1000, poll: time.Second}
+			fs.IntVar(&o.events, "events", o.events, "events in the backlog")
+			fs.IntVar(&o.batch, "batch", o.batch, "consumer BatchSize")
+			fs.DurationVar(&o.poll, "poll", o.poll, "consumer PollInterval")
+			return one(func(ctx context.Context, env *Env) (drainResult, error) { return runDrain(ctx, env, o) })
+		}})
+	register(benchCase{name: "fanout", usage: "K durable consumers each drain the same backlog",
+		flags: func(fs *flag.FlagSet) runner {
+			o := fanoutOpts{consumers: 4, events: 20000}
+			fs.IntVar(&o.consumers, "consumers", o.consumers, "consumers (distinct identities)")
+			fs.IntVar(&o.events, "events", o.events, "events in the backlog")
+			return one(func(ctx context.Context, env *Env) (fanoutResult, error) { return runFanout(ctx, env, o) })
+		}})
+}
+
+type sequenceOpts struct{ events, projects int }
+
+type sequenceResult struct {
+	Header
+	Events    int     `json:"events"`
+	Projects  int     `json:"projects"`
+	BatchSize int     `json:"batch_size"`
+	Assigned  int     `json:"assigned"`
+	Seconds   float64 `json:"seconds"`
+	RowsPerS  float64 `json:"rows_per_s"`
+}
+
+// runSequence times outbox.Sequence, as a consumer calls it, over an unsequenced backlog.
+func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult, error) {
+	batch := outbox.Config{}.WithDefaults().SequenceBatchSize
+	res := sequenceResult{Header: env.Header("sequence"), Events: o.events, Projects: o.projects, BatchSize: batch}
+	if o.events < 1 || o.projects < 1 {
+		return res, errors.New("sequence: need events >= 1 and projects >= 1")
+	}
+	db, err := env.NewDB(ctx, "sequence")
+	if err != nil {
+		return res, err
+	}
+	defer db.Drop()
+	pool, err := db.Pool(ctx, 4, nil)
+	if err != nil {
+		return res, err
+	}
+	defer pool.Close()
+	projects := make([]string, o.projects)
+	for p := range projects {
+		projects[p] = projectName(p)
+		n := o.events / o.projects
+		if p < o.events%o.projects {
+			n++
+		}
+		if err := insertBacklog(ctx, pool, projects[p], "s", n, false, 0); err != nil {
+			return res, err
+		}
+	}
+	env.Logf("sequence: %d unsequenced events in %d project(s)", o.events, o.projects)
+	started := time.Now()
+	heads, err := outbox.Sequence(ctx, pool, projects, batch)
+	elapsed := time.Since(started)
+	if err != nil {
+		return res, err
+	}
+	for _, h := range heads {
+		res.Assigned += h.Assigned
+	}
+	res.Seconds, res.RowsPerS = seconds(elapsed), perSecond(int64(res.Assigned), elapsed)
+	if res.Assigned != o.events {
+		return res, fmt.Errorf("sequence: assigned %d of %d events", res.Assigned, o.events)
+	}
+	return res, nil
+}
+
+type drainOpts struct {
+	events, batch int
+	poll          time.Duration
+}
+
+type drainResult struct {
+	Header
+	Events               int     `json:"events"`
+	BatchSize            int     `json:"batch_size"`
+	PollIntervalMS       int64   `json:"poll_interval_ms"`
+	PrewriteSeconds      float64 `json:"prewrite_seconds"`
+	Received             int     `json:"received"`
+	Duplicates           int     `json:"duplicates"`
+	Missing              int     `json:"missing"`
+	Seconds              float64 `json:"seconds"`
+	EventsPerS           float64 `json:"events_per_s"`
+	CursorDurableSeconds float64 `json:"cursor_durable_seconds"`
+	// ClientCPUSeconds is the CPU this process used from Start to the last event: the
+	// consumer's own cost, which the database's share of the 2 cores does not blur.
+	ClientCPUSeconds float64 `json:"client_cpu_seconds"`
+	RSSBeforeMB      float64 `json:"rss_before_mb"`
+	PeakRSSMB        float64 `json:"peak_rss_mb"`
+	TimedOut         bool    `json:"timed_out,omitempty"`
+}
+
+// drainTimeout leaves a slow machine room while still ending a run that lost events.
+func drainTimeout(events int) time.Duration {
+	return 30*time.Second + time.Duration(events)*50*time.Microsecond
+}
+
+// runDrain prewrites a sequenced backlog and times one fresh consumer (cursor "oldest",
+// durable acknowledgements) from Start until its listener has every event, and until its
+// cursor row says so.
+func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
+	res := drainResult{Header: env.Header("drain"), Events: o.events, BatchSize: o.batch, PollIntervalMS: o.poll.Milliseconds()}
+	if o.events < 1 {
+		return res, errors.New("drain: need events >= 1")
+	}
+	db, err := env.NewDB(ctx, "drain")
+	if err != nil {
+		return res, err
+	}
+	defer db.Drop()
+	admin, err := db.Pool(ctx, 2, nil)
+	if err != nil {
+		return res, err
+	}
+	defer admin.Close()
+	const project, consumer = "drain", "bench-drain"
+	env.Logf("drain: prewriting %d events", o.events)
+	t0 := time.Now()
+	if err := insertBacklog(ctx, admin, project, "d", o.events, true, 0); err != nil {
+		return res, err
+	}
+	res.PrewriteSeconds = seconds(time.Since(t0))
+
+	tr := newIndexTracker("d", o.events)
+	rss := startPeakRSS()
+	env.Logf("drain: consuming")
+	cpu0, started := processCPU(), time.Now()
+	c, err := startConsumer(ctx, db, consumerSpec{id: consumer, projects: []string{project},
+		cfg:       outbox.Config{NewCursor: outbox.NewCursorOldest, BatchSize: o.batch, PollInterval: o.poll},
+		listeners: []outbox.Listener{tr.listener()}})
+	if err != nil {
+		rss.Stop()
+		return res, err
+	}
+	defer c.Close()
+	complete := tr.wait(ctx, drainTimeout(o.events))
+	drained, cpu := time.Since(started), processCPU()-cpu0
+	durableAt, durable := waitCursor(ctx, admin, consumer, project, int64(o.events), 30*time.Second)
+	res.RSSBeforeMB, res.PeakRSSMB = rss.Stop()
+	res.Received, res.Duplicates, res.Missing, _ = tr.Counts()
+	res.Seconds, res.TimedOut, res.ClientCPUSeconds = seconds(drained), !complete || !durable, seconds(cpu)
+	res.EventsPerS = perSecond(int64(o.events-res.Missing), drained)
+	if durable {
+		res.CursorDurableSeconds = seconds(durableAt.Sub(started))
+	}
+	return res, ctx.Err()
+}
+
+type fanoutOpts struct{ consumers, events int }
+
+type fanoutResult struct {
+	Header
+	Consumers      int     `json:"consumers"`
+	Events         int     `json:"events"`
+	PrewriteSecs   float64 `json:"prewrite_seconds"`
+	ReceivedTotal  int     `json:"received_total"`
+	Duplicates     int     `json:"duplicates"`
+	Missing        int     `json:"missing"`
+	Seconds        float64 `json:"seconds"`
+	DeliveriesPerS float64 `json:"deliveries_per_s"`
+	// ClientCPUSeconds is the CPU this process (all K consumers) used until the last event.
+	ClientCPUSeconds float64 `json:"client_cpu_seconds"`
+	TimedOut         bool    `json:"timed_out,omitempty"`
+}
+
+// runFanout starts K consumers with distinct identities (each with its own pool, as separate
+// processes would) at once and times until every one of them has every event.
+func runFanout(ctx context.Context, env *Env, o fanoutOpts) (fanoutResult, error) {
+	res := fanoutResult{Header: env.Header("fanout"), Consumers: o.consumers, Events: o.events}
+	if o.consumers < 1 || o.events < 1 {
+		return res, errors.New("fanout: need consumers >= 1 and events >= 1")
+	}
+	db, err := env.NewDB(ctx, "fanout")
+	if err != nil {
+		return res, err
+	}
+	defer db.Drop()
+	admin, err := db.Pool(ctx, 2, nil)
+	if err != nil {
+		return res, err
+	}
+	defer admin.Close()
+	const project = "fan"
+	t0 := time.Now()
+	if err := insertBacklog(ctx, admin, project, "f", o.events, true, 0); err != nil {
+		return res, err
+	}
+	res.PrewriteSecs = seconds(time.Since(t0))
+
+	trackers := make([]*indexTracker, o.consumers)
+	running := make([]*runningConsumer, o.consumers)
+	errs := make([]error, o.consumers)
+	defer func() {
+		for _, c := range running {
+			if c != nil {
+				c.Close()
+			}
+		}
+	}()
+	env.Logf("fanout: %d consumers x %d events", o.consumers, o.events)
+	var wg sync.WaitGroup
+	cpu0, started := processCPU(), time.Now()
+	for i := range o.consumers {
+		trackers[i] = newIndexTracker("f", o.events)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			running[i], errs[i] = startConsumer(ctx, db, consumerSpec{id: fmt.Sprintf("bench-fanout-%d", i),
+				projects: []string{project}, cfg: outbox.Config{NewCursor: outbox.NewCursorOldest},
+				listeners: []outbox.Listener{trackers[i].listener()}})
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return res, err
+	}
+	deadline := drainTimeout(o.events * o.consumers)
+	for _, tr := range trackers {
+		if !tr.wait(ctx, deadline-time.Since(started)) {
+			res.TimedOut = true
+			break
+		}
+	}
+	elapsed, cpu := time.Since(started), processCPU()-cpu0
+	res.ClientCPUSeconds = seconds(cpu)
+	for _, tr := range trackers {
+		r, d, m, _ := tr.Counts()
+		res.ReceivedTotal += r
+		res.Duplicates += d
+		res.Missing += m
+	}
+	res.Seconds = seconds(elapsed)
+	res.DeliveriesPerS = perSecond(int64(o.consumers*o.events-res.Missing), elapsed)
+	return res, ctx.Err()
+}

@@ -1,0 +1,248 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"runtime"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore/schema"
+	"fusion/outbox/internal/pgcluster"
+)
+
+// Header starts every JSON line.
+type Header struct {
+	Bench      string `json:"bench"`
+	Lib        string `json:"lib"`
+	LibVersion string `json:"lib_version"`
+	Driver     string `json:"driver"`
+	Go         string `json:"go"`
+	PG         string `json:"pg"`
+	// Durable is true when the server runs with fsync, synchronous_commit and
+	// full_page_writes on; figures from a server without them are not comparable.
+	Durable bool `json:"durable"`
+	// Load1m is the machine's one-minute load average when the case started: the machine is
+	// shared, and a busy neighbour shows here.
+	Load1m float64 `json:"load_1m"`
+}
+
+// Env is where cases run: a server on which each case gets fresh, migrated databases.
+type Env struct {
+	header Header
+	logf   func(format string, a ...any)
+	newDB  func(ctx context.Context, label string) (*DB, error)
+	close  func()
+}
+
+// DB is one fresh database with the outbox and reference host schemas.
+type DB struct {
+	Name string
+	cfg  *pgxpool.Config
+	drop func()
+}
+
+// Header returns the line header for a case.
+func (e *Env) Header(bench string) Header {
+	h := e.header
+	h.Bench = bench
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			h.Load1m, _ = strconv.ParseFloat(f[0], 64)
+		}
+	}
+	return h
+}
+
+// Logf reports progress on stderr.
+func (e *Env) Logf(format string, a ...any) { e.logf(format, a...) }
+
+// Close stops the throwaway cluster, if any.
+func (e *Env) Close() {
+	if e.close != nil {
+		e.close()
+	}
+}
+
+// NewDB creates a fresh migrated database; Drop removes it.
+func (e *Env) NewDB(ctx context.Context, label string) (*DB, error) { return e.newDB(ctx, label) }
+
+// Drop removes the database (a no-op for databases the test harness owns).
+func (d *DB) Drop() {
+	if d.drop != nil {
+		d.drop()
+	}
+}
+
+// Pool opens a pool of at most maxConns connections on the database. tracer may be nil.
+func (d *DB) Pool(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
+	cfg := d.cfg.Copy()
+	cfg.MaxConns = maxConns
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("open pool on %s: %w", d.Name, err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("ping %s: %w", d.Name, err)
+	}
+	return pool, nil
+}
+
+// libVersion is what lib_version reports when the build carries no module version: a build
+// from the module's own tree ("go run ./cmd/outbox-bench") is "(devel)" in debug.ReadBuildInfo,
+// so the schema version it was built with is added to make the line traceable.
+var libVersionFallback = fmt.Sprintf("(devel)+schema.%d", outbox.SchemaVersion)
+
+// versions reads lib_version and driver from the build information.
+func versions() (lib, driver string) {
+	lib, driver = libVersionFallback, "pgx/v5"
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return lib, driver
+	}
+	if v := bi.Main.Version; v != "" && v != "(devel)" {
+		lib = v
+	} else {
+		var rev, dirty string
+		for _, s := range bi.Settings {
+			switch s.Key {
+			case "vcs.revision":
+				rev = s.Value
+			case "vcs.modified":
+				if s.Value == "true" {
+					dirty = "-dirty"
+				}
+			}
+		}
+		if len(rev) > 12 {
+			rev = rev[:12]
+		}
+		if rev != "" {
+			lib = "(devel)+" + rev + dirty
+		}
+	}
+	for _, d := range bi.Deps {
+		if d.Path == "github.com/jackc/pgx/v5" {
+			v := d.Version
+			if d.Replace != nil {
+				v = d.Replace.Version
+			}
+			driver = "pgx/v5 " + v
+		}
+	}
+	return lib, driver
+}
+
+// newHeader reads the server's version and durability settings.
+func newHeader(ctx context.Context, cfg *pgx.ConnConfig) (Header, error) {
+	lib, driver := versions()
+	h := Header{Lib: "outbox", LibVersion: lib, Driver: driver, Go: runtime.Version()}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return h, fmt.Errorf("connect: %w", err)
+	}
+	defer conn.Close(ctx)
+	var fsync, syncCommit, fpw string
+	err = conn.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'),
+		current_setting('synchronous_commit'), current_setting('full_page_writes')`).Scan(&h.PG, &fsync, &syncCommit, &fpw)
+	if err != nil {
+		return h, fmt.Errorf("read server settings: %w", err)
+	}
+	h.Durable = fsync == "on" && syncCommit != "off" && fpw == "on"
+	return h, nil
+}
+
+// NewServerEnv runs cases on dsn, or on a throwaway durable cluster when dsn is empty.
+func NewServerEnv(ctx context.Context, dsn string, logf func(string, ...any)) (*Env, error) {
+	env := &Env{logf: logf}
+	if dsn == "" {
+		logf("starting a throwaway PostgreSQL cluster (durable settings)")
+		c, err := pgcluster.Start(ctx, pgcluster.Options{Durable: true})
+		if err != nil {
+			return nil, fmt.Errorf("start cluster: %w", err)
+		}
+		env.close = c.Stop
+		dsn = c.URL("postgres")
+	}
+	admin, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		env.Close()
+		return nil, fmt.Errorf("parse -dsn: %w", err)
+	}
+	if env.header, err = newHeader(ctx, admin); err != nil {
+		env.Close()
+		return nil, err
+	}
+	var counter atomic.Int64
+	env.newDB = func(ctx context.Context, label string) (*DB, error) {
+		name := fmt.Sprintf("bench_%s_%d_%d", strings.ReplaceAll(label, "-", "_"), os.Getpid(), counter.Add(1))
+		return createDB(ctx, dsn, admin, name)
+	}
+	logf("server %s (durable: %t)", env.header.PG, env.header.Durable)
+	return env, nil
+}
+
+// createDB creates and migrates database name on the server admin points at.
+func createDB(ctx context.Context, dsn string, admin *pgx.ConnConfig, name string) (*DB, error) {
+	ident := pgx.Identifier{name}.Sanitize()
+	adminExec := func(ctx context.Context, sql string) error {
+		conn, err := pgx.ConnectConfig(ctx, admin)
+		if err != nil {
+			return err
+		}
+		defer conn.Close(ctx)
+		_, err = conn.Exec(ctx, sql)
+		return err
+	}
+	if err := adminExec(ctx, "CREATE DATABASE "+ident); err != nil {
+		return nil, fmt.Errorf("create database %s: %w", name, err)
+	}
+	db := &DB{Name: name, drop: func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_ = adminExec(ctx, "DROP DATABASE IF EXISTS "+ident+" WITH (FORCE)")
+	}}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		db.Drop()
+		return nil, fmt.Errorf("parse dsn: %w", err)
+	}
+	cfg.ConnConfig.Database = name
+	db.cfg = cfg
+	if err := migrateDB(ctx, cfg.ConnConfig); err != nil {
+		db.Drop()
+		return nil, fmt.Errorf("migrate %s: %w", name, err)
+	}
+	return db, nil
+}
+
+func migrateDB(ctx context.Context, cfg *pgx.ConnConfig) error {
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if _, err := outbox.Migrate(ctx, conn); err != nil {
+		return err
+	}
+	return schema.Migrate(ctx, conn)
+}
+
+// existingDB wraps a database someone else created and migrated (the tests' pgtest database).
+func existingDB(url string) (*DB, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("parse database URL: %w", err)
+	}
+	return &DB{Name: cfg.ConnConfig.Database, cfg: cfg}, nil
+}

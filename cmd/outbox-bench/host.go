@@ -1,0 +1,264 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+)
+
+// txStamps holds when a delete transaction sent BEGIN and when its COMMIT returned, as seen
+// by stampTracer on the context the transaction ran with.
+type txStamps struct{ begin, commit time.Time }
+
+type stampKey struct{}
+
+func withStamps(ctx context.Context) (context.Context, *txStamps) {
+	s := &txStamps{}
+	return context.WithValue(ctx, stampKey{}, s), s
+}
+
+// stampTracer timestamps BEGIN and COMMIT of transactions whose context carries txStamps:
+// pgx sends both as plain statements on the transaction's context, so the commit instant is
+// taken right after the server acknowledged it, before the host's post-commit work. It also
+// counts the statements its pool sent, and among them the wake-ups (pg_notify).
+type stampTracer struct {
+	statements, notifies atomic.Int64
+}
+
+func (t *stampTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	t.statements.Add(1)
+	if strings.Contains(d.SQL, "pg_notify") {
+		t.notifies.Add(1)
+	}
+	if s, ok := ctx.Value(stampKey{}).(*txStamps); ok && s.begin.IsZero() && strings.HasPrefix(strings.ToLower(d.SQL), "begin") {
+		s.begin = time.Now()
+	}
+	return ctx
+}
+
+func (*stampTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryEndData) {
+	if s, ok := ctx.Value(stampKey{}).(*txStamps); ok && d.Err == nil && s.commit.IsZero() && d.CommandTag.String() == "COMMIT" {
+		s.commit = time.Now()
+	}
+}
+
+// createTasksSQL inserts live tasks "<prefix>-<i>" for i in generate_series($3, $4, $5).
+const createTasksSQL = `
+INSERT INTO tasks (project_id, id, title)
+SELECT $1, $2::text || '-' || i, 'task ' || i FROM generate_series($3::bigint, $4::bigint, $5::bigint) AS i`
+
+func createTasks(ctx context.Context, db outbox.DBTX, project, prefix string, from, to, step int) error {
+	if _, err := db.Exec(ctx, createTasksSQL, project, prefix, from, to, step); err != nil {
+		return fmt.Errorf("create tasks: %w", err)
+	}
+	return nil
+}
+
+// backlogSQL inserts n task:deleted events of project $1 for tasks "<prefix>-1" .. "-n", each
+// deleted at its own microsecond and occurred $5 ago; sequenced 1..n when $4, else unsequenced.
+const backlogSQL = `
+INSERT INTO lifecycle_outbox
+    (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
+SELECT $1, CASE WHEN $4::boolean THEN i END,
+       'task:deleted', x.t, x.d, false, 'bench-prewrite', 1, now() - $5::interval
+FROM generate_series(1, $3::bigint) AS i,
+     LATERAL (SELECT $2::text || '-' || i AS t,
+                     timestamptz '2024-01-01 00:00:00+00' + i * interval '1 microsecond' AS d) AS x`
+
+const backlogHeadSQL = `
+INSERT INTO lifecycle_outbox_heads (project_id, last_sequence, sequenced_at) VALUES ($1, $2, now())
+ON CONFLICT (project_id) DO UPDATE SET last_sequence = excluded.last_sequence, sequenced_at = excluded.sequenced_at`
+
+// insertBacklog bulk-loads n events into an empty project. Sequenced rows get 1..n and the
+// heads row, the state the sequencer leaves; the table is then vacuumed and analysed, as
+// autovacuum would have done by the time an observer restarts onto such a backlog, and a
+// checkpoint writes the load out so that it does not land inside the measurement.
+func insertBacklog(ctx context.Context, pool *pgxpool.Pool, project, prefix string, n int, sequenced bool, age time.Duration) error {
+	if _, err := pool.Exec(ctx, backlogSQL, project, prefix, n, sequenced, age); err != nil {
+		return fmt.Errorf("insert backlog: %w", err)
+	}
+	if sequenced {
+		if _, err := pool.Exec(ctx, backlogHeadSQL, project, n); err != nil {
+			return fmt.Errorf("insert backlog head: %w", err)
+		}
+	}
+	if _, err := pool.Exec(ctx, "VACUUM ANALYZE lifecycle_outbox"); err != nil {
+		return fmt.Errorf("vacuum backlog: %w", err)
+	}
+	if _, err := pool.Exec(ctx, "CHECKPOINT"); err != nil {
+		return fmt.Errorf("checkpoint backlog: %w", err)
+	}
+	return nil
+}
+
+// newHost builds a reference-host store; withOutbox wires the writer hook, whose post-commit
+// NOTIFY is on unless notify is false.
+func newHost(pool *pgxpool.Pool, withOutbox, notify bool) (*taskstore.Store, *outbox.Writer, error) {
+	if !withOutbox {
+		return taskstore.New(pool, taskstore.Options{}), nil, nil
+	}
+	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("new writer: %w", err)
+	}
+	return taskstore.New(pool, taskstore.Options{Writer: w}), w, nil
+}
+
+// deleteJob is one delete: a task of a project.
+type deleteJob struct{ project, task string }
+
+// deleteRun is what a set of writers measured.
+type deleteRun struct {
+	tx      int64
+	errors  int64
+	elapsed time.Duration
+	calls   []time.Duration // Store.Delete calls, as the host runs them
+	txOnly  []time.Duration // BEGIN sent to COMMIT returned
+	events  []string        // event IDs recorded, when asked for
+	commits []time.Time     // their commit instants
+	firstEr error
+}
+
+// deleteFunc deletes one task and returns the event ID it recorded ("" without the outbox).
+type deleteFunc func(ctx context.Context, j deleteJob) (eventID string, err error)
+
+// hostDelete runs the reference host's Store.Delete, as the host runs it.
+func hostDelete(store *taskstore.Store) deleteFunc {
+	return func(ctx context.Context, j deleteJob) (string, error) {
+		res, err := store.Delete(ctx, j.project, j.task)
+		if err == nil && !res.Deleted {
+			err = fmt.Errorf("task %s/%s was already deleted", j.project, j.task)
+		}
+		return res.Event.EventID, err
+	}
+}
+
+// runDeletes runs every job through del on writers goroutines; writer w takes jobs
+// w, w+writers, ... so projects spread evenly when jobs cycle through them.
+func runDeletes(ctx context.Context, del deleteFunc, writers int, jobs []deleteJob, keepEvents bool) deleteRun {
+	type part struct {
+		calls, txOnly []time.Duration
+		events        []string
+		commits       []time.Time
+		errs          int64
+		first         error
+	}
+	parts := make([]part, writers)
+	var wg sync.WaitGroup
+	started := time.Now()
+	for w := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p := &parts[w]
+			for i := w; i < len(jobs) && ctx.Err() == nil; i += writers {
+				sctx, st := withStamps(ctx)
+				t0 := time.Now()
+				eventID, err := del(sctx, jobs[i])
+				d := time.Since(t0)
+				if err != nil {
+					p.errs++
+					if p.first == nil {
+						p.first = err
+					}
+					continue
+				}
+				p.calls = append(p.calls, d)
+				if !st.begin.IsZero() && !st.commit.IsZero() {
+					p.txOnly = append(p.txOnly, st.commit.Sub(st.begin))
+				}
+				if keepEvents {
+					p.events = append(p.events, eventID)
+					p.commits = append(p.commits, st.commit)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	r := deleteRun{elapsed: time.Since(started)}
+	for _, p := range parts {
+		r.tx += int64(len(p.calls))
+		r.errors += p.errs
+		r.calls = append(r.calls, p.calls...)
+		r.txOnly = append(r.txOnly, p.txOnly...)
+		r.events = append(r.events, p.events...)
+		r.commits = append(r.commits, p.commits...)
+		if r.firstEr == nil {
+			r.firstEr = p.first
+		}
+	}
+	return r
+}
+
+// consumerSpec describes a consumer to start.
+type consumerSpec struct {
+	id        string
+	projects  []string
+	cfg       outbox.Config
+	listeners []outbox.Listener
+	live      outbox.LiveTasks
+	cache     outbox.TaskCache
+}
+
+// runningConsumer is a started consumer with its own pool, as a separate process would have.
+type runningConsumer struct {
+	*outbox.Consumer
+	pool *pgxpool.Pool
+}
+
+func (r *runningConsumer) Close() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_ = r.Stop(ctx)
+	r.pool.Close()
+}
+
+func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsumer, error) {
+	// Two pool connections at most, plus the hijacked LISTEN connection.
+	pool, err := db.Pool(ctx, 4, nil)
+	if err != nil {
+		return nil, err
+	}
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
+		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache}),
+		LiveTasks:  s.live, Cache: s.cache,
+	})
+	if err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("new consumer: %w", err)
+	}
+	if err := c.Start(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("start consumer: %w", err)
+	}
+	return &runningConsumer{Consumer: c, pool: pool}, nil
+}
+
+// waitCursor polls until the consumer's cursor in project is at least seq and returns when
+// that was seen; ok is false on timeout.
+func waitCursor(ctx context.Context, pool *pgxpool.Pool, consumer, project string, seq int64, timeout time.Duration) (time.Time, bool) {
+	deadline := time.Now().Add(timeout)
+	for {
+		var acked int64
+		err := pool.QueryRow(ctx, `SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
+			WHERE project_id = $1 AND consumer_id = $2`, project, consumer).Scan(&acked)
+		now := time.Now()
+		if err == nil && acked >= seq {
+			return now, true
+		}
+		if now.After(deadline) || ctx.Err() != nil {
+			return now, false
+		}
+		time.Sleep(500 * time.Microsecond)
+	}
+}

@@ -1,0 +1,198 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox/internal/pgtest"
+)
+
+// These tests run every case at tiny sizes on the test harness's PostgreSQL: they keep the
+// benchmark compiling and check that what it reports is computed, not assumed. The figures
+// themselves mean nothing here (the test cluster is not durable).
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// testEnv gives each case fresh migrated databases from the test harness.
+func testEnv(t *testing.T) *Env {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(pgtest.NewDB(t).URL)
+	require.NoError(t, err)
+	h, err := newHeader(ctxT(t), cfg)
+	require.NoError(t, err)
+	return &Env{header: h, logf: t.Logf, newDB: func(context.Context, string) (*DB, error) {
+		return existingDB(pgtest.NewDB(t).URL)
+	}}
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+var headerKeys = []string{"bench", "lib", "lib_version", "driver", "go", "pg"}
+
+// line prints v as the program does and parses it back, checking the header comes first.
+func line(t *testing.T, v any, bench string) map[string]any {
+	t.Helper()
+	var buf bytes.Buffer
+	require.NoError(t, printLine(&buf, v))
+	require.Equal(t, 1, strings.Count(buf.String(), "\n"), "one JSON line")
+	dec := json.NewDecoder(bytes.NewReader(buf.Bytes()))
+	_, err := dec.Token() // {
+	require.NoError(t, err)
+	for _, want := range headerKeys {
+		key, err := dec.Token()
+		require.NoError(t, err)
+		require.Equal(t, want, key)
+		_, err = dec.Token()
+		require.NoError(t, err)
+	}
+	var m map[string]any
+	require.NoError(t, json.Unmarshal(buf.Bytes(), &m))
+	require.Equal(t, bench, m["bench"])
+	require.Equal(t, "outbox", m["lib"])
+	require.NotEmpty(t, m["lib_version"])
+	require.True(t, strings.HasPrefix(m["driver"].(string), "pgx/v5 v5."), m["driver"])
+	require.NotEmpty(t, m["pg"])
+	return m
+}
+
+func num(t *testing.T, m map[string]any, key string) float64 {
+	t.Helper()
+	v, ok := m[key].(float64)
+	require.True(t, ok, "field %s missing or not a number: %v", key, m[key])
+	return v
+}
+
+func TestWrite(t *testing.T) {
+	t.Parallel()
+	for _, mailbox := range []string{mailboxExcluded, mailboxIncluded} {
+		r, err := runWrite(ctxT(t), testEnv(t), writeOpts{writers: 2, events: 40, projects: 2, mailbox: mailbox, notify: true})
+		require.NoError(t, err)
+		m := line(t, r, "write")
+		for _, side := range []string{"baseline", "outbox"} {
+			s := m[side].(map[string]any)
+			require.EqualValues(t, 40, num(t, s, "tx"), side)
+			require.Zero(t, num(t, s, "errors"), side)
+			require.Positive(t, num(t, s, "tx_per_s"), side)
+		}
+		require.Positive(t, num(t, m, "outbox_vs_baseline"))
+	}
+}
+
+func TestSequence(t *testing.T) {
+	t.Parallel()
+	r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 1001, projects: 2})
+	require.NoError(t, err)
+	require.EqualValues(t, 1001, num(t, line(t, r, "sequence"), "assigned"))
+}
+
+func TestDrain(t *testing.T) {
+	t.Parallel()
+	r, err := runDrain(ctxT(t), testEnv(t), drainOpts{events: 2500, batch: 1000, poll: time.Second})
+	require.NoError(t, err)
+	m := line(t, r, "drain")
+	require.EqualValues(t, 2500, num(t, m, "received"))
+	require.Zero(t, num(t, m, "duplicates"))
+	require.Zero(t, num(t, m, "missing"))
+	require.Nil(t, m["timed_out"])
+	require.Positive(t, num(t, m, "cursor_durable_seconds"))
+	require.Positive(t, num(t, m, "peak_rss_mb"))
+}
+
+func TestFanout(t *testing.T) {
+	t.Parallel()
+	r, err := runFanout(ctxT(t), testEnv(t), fanoutOpts{consumers: 3, events: 500})
+	require.NoError(t, err)
+	m := line(t, r, "fanout")
+	require.EqualValues(t, 1500, num(t, m, "received_total"))
+	require.Zero(t, num(t, m, "duplicates"))
+	require.Zero(t, num(t, m, "missing"))
+}
+
+func TestLatency(t *testing.T) {
+	t.Parallel()
+	r, err := runLatency(ctxT(t), testEnv(t), latencyOpts{rate: 200, seconds: 0.5, writers: 2})
+	require.NoError(t, err)
+	m := line(t, r, "latency")
+	require.EqualValues(t, 100, num(t, m, "sent"))
+	require.EqualValues(t, 100, num(t, m, "received"))
+	require.Zero(t, num(t, m, "errors"))
+	require.Zero(t, num(t, m, "duplicates"))
+	require.Zero(t, num(t, m, "missing"))
+	require.Positive(t, num(t, m, "p50_ms"))
+}
+
+func TestOOO(t *testing.T) {
+	t.Parallel()
+	for _, c := range []string{oooOutboxTx, oooUnrelatedTx} {
+		r, err := runOOO(ctxT(t), testEnv(t), oooOpts{hold: 300 * time.Millisecond, events: 20, writers: 2}, c)
+		require.NoError(t, err)
+		m := line(t, r, "ooo")
+		events := num(t, m, "events")
+		require.Equal(t, num(t, m, "received"), events, c)
+		require.Zero(t, num(t, m, "duplicates"), c)
+		require.Zero(t, num(t, m, "missing"), c)
+		require.Equal(t, true, m["in_seq_order"], c)
+		require.EqualValues(t, 20, num(t, m, "committed_while_held"), c)
+	}
+}
+
+func TestReconcile(t *testing.T) {
+	t.Parallel()
+	r, err := runReconcile(ctxT(t), testEnv(t), reconcileOpts{tasks: 500})
+	require.NoError(t, err)
+	require.EqualValues(t, 500, num(t, line(t, r, "reconcile"), "live_cached"))
+}
+
+func TestLimits(t *testing.T) {
+	t.Parallel()
+	r, err := runLimits(ctxT(t), testEnv(t), limitsOpts{writers: "1,2", events: "20,20", readEvents: 2500, page: 1000})
+	require.NoError(t, err)
+	m := line(t, r, "limits")
+	require.Len(t, m["delete"], 2)
+	for _, d := range m["delete"].([]any) {
+		for _, side := range []string{"bare", "plus_insert", "plus_outbox_row"} {
+			s := d.(map[string]any)[side].(map[string]any)
+			require.EqualValues(t, 20, num(t, s, "tx"), side)
+			require.Zero(t, num(t, s, "errors"), side)
+		}
+	}
+	require.Positive(t, num(t, m, "read_rows_per_s"))
+	require.Positive(t, num(t, m, "read_commit_rows_per_s"))
+}
+
+func TestRetention(t *testing.T) {
+	t.Parallel()
+	r, err := runRetention(ctxT(t), testEnv(t), retentionOpts{rows: 6000, writers: 2, tasks: 5000, before: 100 * time.Millisecond})
+	require.NoError(t, err)
+	m := line(t, r, "retention")
+	require.EqualValues(t, 6000, num(t, m, "pruned"))
+	require.EqualValues(t, 2, num(t, m, "batches"))
+	require.Zero(t, num(t, m, "delete_errors"))
+}
+
+// TestCommandLine runs a case the way a user does, through -dsn, which creates (and drops)
+// its own database on the server.
+func TestCommandLine(t *testing.T) {
+	t.Parallel()
+	var out bytes.Buffer
+	err := run([]string{"-dsn", pgtest.AdminURL(t), "reconcile", "-tasks", "50"}, &out, io.Discard)
+	require.NoError(t, err)
+	var m map[string]any
+	require.NoError(t, json.Unmarshal(out.Bytes(), &m))
+	require.Equal(t, "reconcile", m["bench"])
+	require.EqualValues(t, 50, m["live_cached"])
+
+	require.Error(t, run([]string{"-dsn", pgtest.AdminURL(t), "nosuchcase"}, io.Discard, io.Discard))
+}
