@@ -20,8 +20,9 @@ import (
 type ConsumerOptions struct {
 	// ID is the durable identity, normally from ResolveConsumerID. Required.
 	ID ConsumerID
-	// Pool is the host's pool. The consumer uses at most two of its connections at a time,
-	// plus one dedicated LISTEN connection (hijacked from the pool unless Config.ListenDSN).
+	// Pool is the host's pool. The consumer uses at most three of its connections at a time
+	// (the loop, one acknowledgement in flight, the heartbeat), plus one dedicated LISTEN
+	// connection (hijacked from the pool unless Config.ListenDSN).
 	Pool *pgxpool.Pool
 	// Config is the deployment configuration (defaults applied by NewConsumer).
 	Config Config
@@ -61,6 +62,9 @@ type Consumer struct {
 	state  map[string]*streamState // owned by the loop goroutine
 	heartbeatControl
 	stats stats
+
+	inflight *inflightAck    // owned by the loop goroutine (and by shutdown, after it)
+	runner   *listenerRunner // the loop's listener goroutine, started on first use
 
 	wake    chan struct{}
 	dirtyMu sync.Mutex
@@ -224,6 +228,7 @@ func (c *Consumer) Done() <-chan struct{} {
 func (c *Consumer) shutdown() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	c.awaitAck()
 	c.flushAcks(ctx, c.pendingAcks())
 	c.release(ctx)
 	c.metrics.unwatch(c)
@@ -282,6 +287,7 @@ func (c *Consumer) takeDirty() (map[string]struct{}, bool) {
 func (c *Consumer) loop(ctx context.Context) {
 	poll := time.NewTimer(0)
 	defer poll.Stop()
+	defer func() { c.runner.close(); c.runner = nil }()
 	resetPoll := func(d time.Duration) {
 		if !poll.Stop() {
 			select {
@@ -366,6 +372,7 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 			c.handleStreamError(st, err)
 		}
 	}
+	c.awaitAck()
 	c.flushAcks(ctx, c.pendingAcks())
 	return failed
 }
@@ -414,7 +421,7 @@ func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, 
 		}
 		retrying = nil
 		if st.position-st.acked >= int64(c.cfg.BatchSize) {
-			c.flushAcks(ctx, []ack{{st.project, st.epoch, st.position}})
+			c.startAck(ctx, ack{st.project, st.epoch, st.position})
 		}
 	}
 	return nil
@@ -441,7 +448,7 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 			attempt = retrying.attempts + 1
 		}
 		started := time.Now()
-		outcome, class := c.dispatch.Dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt})
+		outcome, class := c.dispatch.dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt}, &c.runner)
 		c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
 		switch outcome {
 		case Interrupted:
@@ -625,12 +632,51 @@ WHERE c.consumer_id = $1 AND c.lease_owner = $2
   AND (c.last_acked_sequence IS NULL OR c.last_acked_sequence <= a.sequence)
 RETURNING c.project_id`
 
-// flushAcks writes acknowledgements in one fenced statement. A project whose row did not
-// match lost its lease: nothing was written for it.
+// inflightAck is an acknowledgement written in the background while the loop reads and
+// dispatches the next batch, so that the cursor commit's WAL flush overlaps useful work.
+type inflightAck struct {
+	acks    []ack
+	written []string
+	err     error
+	done    chan struct{}
+}
+
+// startAck writes a in the background, after applying the one still in flight: at most one
+// is in flight, on a second pool connection.
+func (c *Consumer) startAck(ctx context.Context, a ack) {
+	c.awaitAck()
+	p := &inflightAck{acks: []ack{a}, done: make(chan struct{})}
+	c.inflight = p
+	go func() {
+		defer close(p.done)
+		p.written, p.err = c.writeAcks(ctx, p.acks)
+	}()
+}
+
+// awaitAck waits for the acknowledgement in flight, if any, and applies its outcome.
+func (c *Consumer) awaitAck() {
+	p := c.inflight
+	if p == nil {
+		return
+	}
+	c.inflight = nil
+	<-p.done
+	c.applyAcks(p.acks, p.written, p.err)
+}
+
+// flushAcks writes acknowledgements in one fenced statement, after the one in flight. A
+// project whose row did not match lost its lease: nothing was written for it.
 func (c *Consumer) flushAcks(ctx context.Context, acks []ack) {
+	c.awaitAck()
 	if len(acks) == 0 {
 		return
 	}
+	written, err := c.writeAcks(ctx, acks)
+	c.applyAcks(acks, written, err)
+}
+
+// writeAcks runs the fenced acknowledgement statement and returns the projects it wrote.
+func (c *Consumer) writeAcks(ctx context.Context, acks []ack) ([]string, error) {
 	projects := make([]string, len(acks))
 	epochs := make([]int64, len(acks))
 	seqs := make([]int64, len(acks))
@@ -639,10 +685,13 @@ func (c *Consumer) flushAcks(ctx context.Context, acks []ack) {
 	}
 	rows, err := c.pool.Query(ctx, ackSQL, c.id, c.owner, projects, epochs, seqs, c.offset())
 	if err != nil {
-		c.logTransient("acknowledge", err)
-		return
+		return nil, err
 	}
-	ok, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// applyAcks records on the loop's stream states what writeAcks did.
+func (c *Consumer) applyAcks(acks []ack, ok []string, err error) {
 	if err != nil {
 		c.logTransient("acknowledge", err)
 		return

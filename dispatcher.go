@@ -112,6 +112,11 @@ func NewDispatcher(opts DispatcherOptions) *Dispatcher {
 // runs every listener. A cache error, or a listener error, panic or timeout, stops the dispatch
 // and is returned as its class; a retry runs the whole dispatch again.
 func (d *Dispatcher) Dispatch(ctx context.Context, ev ObservedEvent) (Outcome, FailureClass) {
+	return d.dispatch(ctx, ev, nil)
+}
+
+// dispatch is Dispatch on the caller's listener runner (nil: a goroutine for this event).
+func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, runner **listenerRunner) (Outcome, FailureClass) {
 	if ev.WriterProcessID == d.self && d.self != "" && !ev.Replay {
 		return Own, ""
 	}
@@ -130,7 +135,7 @@ func (d *Dispatcher) Dispatch(ctx context.Context, ev ObservedEvent) (Outcome, F
 		}
 	}
 	if len(d.listeners) > 0 {
-		return d.runListeners(octx, ev)
+		return d.runListeners(octx, ev, runner)
 	}
 	return Delivered, ""
 }
@@ -154,31 +159,62 @@ type listenerFailure struct {
 	err      error
 }
 
-// runListeners runs every listener, in order, on one goroutine under the per-event timeout.
-// A listener that ignores its context and keeps running past the timeout is abandoned: its
-// goroutine finishes on its own and the event counts as a timeout.
-func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent) (Outcome, FailureClass) {
+// listenerRunner runs the listeners of one event after another on one long-lived goroutine,
+// so that a consumer draining a backlog does not start a goroutine per event. A runner whose
+// listener overran its time is abandoned: its goroutine ends when that listener returns, and the
+// next event gets a new runner.
+type listenerRunner struct {
+	jobs chan listenerJob
+	done chan *listenerFailure
+}
+
+type listenerJob struct {
+	ctx context.Context
+	ev  ObservedEvent
+}
+
+func (d *Dispatcher) newRunner() *listenerRunner {
+	r := &listenerRunner{jobs: make(chan listenerJob), done: make(chan *listenerFailure, 1)}
+	go func() {
+		for j := range r.jobs {
+			r.done <- d.callListeners(j.ctx, j.ev)
+		}
+	}()
+	return r
+}
+
+// close ends the runner's goroutine once its current event, if any, is done.
+func (r *listenerRunner) close() {
+	if r != nil {
+		close(r.jobs)
+	}
+}
+
+// runListeners runs every listener, in order, on a goroutine of their own (the caller's
+// runner, or one for this event) under the per-event timeout. A listener that ignores its
+// context and keeps running past the timeout is abandoned: its goroutine finishes on its own
+// and the event counts as a timeout.
+func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, runner **listenerRunner) (Outcome, FailureClass) {
 	ctx, cancel := context.WithTimeout(parent, d.timeout)
 	defer cancel()
-	done := make(chan *listenerFailure, 1)
-	go func() {
-		var current Listener
-		defer func() {
-			if r := recover(); r != nil {
-				d.log.Error("observed listener panicked", zap.String("listener", current.Name()),
-					zap.String("event_id", ev.EventID), zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
-				done <- &listenerFailure{listener: current.Name(), class: FailureListenerPanic}
-			}
-		}()
-		for _, l := range d.listeners {
-			current = l
-			if err := l.HandleObserved(ctx, ev); err != nil {
-				done <- &listenerFailure{listener: l.Name(), class: FailureListenerError, err: err}
-				return
-			}
+	var done <-chan *listenerFailure
+	if runner == nil {
+		ch := make(chan *listenerFailure, 1)
+		go func() { ch <- d.callListeners(ctx, ev) }()
+		done = ch
+	} else {
+		if *runner == nil {
+			*runner = d.newRunner()
 		}
-		done <- nil
-	}()
+		(*runner).jobs <- listenerJob{ctx, ev}
+		done = (*runner).done
+	}
+	abandon := func() {
+		if runner != nil {
+			(*runner).close()
+			*runner = nil
+		}
+	}
 	select {
 	case f := <-done:
 		return d.outcome(parent, ctx, ev, f)
@@ -190,6 +226,7 @@ func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent) (Out
 			return d.outcome(parent, ctx, ev, f)
 		default:
 		}
+		abandon()
 		d.log.Warn("observed listener timed out", zap.String("event_id", ev.EventID), zap.Duration("timeout", d.timeout))
 		return Failed, FailureListenerTimeout
 	}
@@ -202,8 +239,29 @@ func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent) (Out
 	case f := <-done:
 		return d.outcome(parent, ctx, ev, f)
 	case <-wait.C:
+		abandon()
 		return Interrupted, ""
 	}
+}
+
+// callListeners runs the listeners for one event and returns the first failure (nil when every
+// listener succeeded), a panic included.
+func (d *Dispatcher) callListeners(ctx context.Context, ev ObservedEvent) (failure *listenerFailure) {
+	var current Listener
+	defer func() {
+		if r := recover(); r != nil {
+			d.log.Error("observed listener panicked", zap.String("listener", current.Name()),
+				zap.String("event_id", ev.EventID), zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+			failure = &listenerFailure{listener: current.Name(), class: FailureListenerPanic}
+		}
+	}()
+	for _, l := range d.listeners {
+		current = l
+		if err := l.HandleObserved(ctx, ev); err != nil {
+			return &listenerFailure{listener: l.Name(), class: FailureListenerError, err: err}
+		}
+	}
+	return nil
 }
 
 // outcome interprets what the listener goroutine reported.
