@@ -120,7 +120,7 @@ func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, runner **li
 	if ev.WriterProcessID == d.self && d.self != "" && !ev.Replay {
 		return Own, ""
 	}
-	if err := ev.Event.validate(); err != nil {
+	if err := ev.Event.supported(); err != nil {
 		d.log.Error("event cannot be interpreted by this build", zap.String("project_id", ev.ProjectID),
 			zap.Int64("sequence", ev.Sequence), zap.String("event_id", ev.EventID), zap.Error(err))
 		return Failed, FailureUnsupportedEvent
@@ -135,7 +135,7 @@ func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, runner **li
 		}
 	}
 	if len(d.listeners) > 0 {
-		return d.runListeners(octx, ev, runner)
+		return d.runListeners(ctx, ev, runner)
 	}
 	return Delivered, ""
 }
@@ -160,12 +160,16 @@ type listenerFailure struct {
 }
 
 // listenerRunner runs the listeners of one event after another on one long-lived goroutine,
-// so that a consumer draining a backlog does not start a goroutine per event. A runner whose
-// listener overran its time is abandoned: its goroutine ends when that listener returns, and the
-// next event gets a new runner.
+// so that a consumer draining a backlog neither starts a goroutine nor builds a timeout context
+// per event: the runner keeps one cancellable context for its listeners and one timer it resets
+// per event. A runner whose listener overran its time is abandoned (its context cancelled) and
+// its goroutine ends when that listener returns; the next event gets a new runner.
 type listenerRunner struct {
-	jobs chan listenerJob
-	done chan *listenerFailure
+	jobs   chan listenerJob
+	done   chan *listenerFailure
+	ctx    context.Context // parent of every listener call; cancelled when the runner is abandoned
+	cancel context.CancelFunc
+	timer  *time.Timer
 }
 
 type listenerJob struct {
@@ -173,8 +177,11 @@ type listenerJob struct {
 	ev  ObservedEvent
 }
 
-func (d *Dispatcher) newRunner() *listenerRunner {
-	r := &listenerRunner{jobs: make(chan listenerJob), done: make(chan *listenerFailure, 1)}
+func (d *Dispatcher) newRunner(parent context.Context) *listenerRunner {
+	ctx, cancel := context.WithCancel(parent)
+	timer := time.NewTimer(d.timeout)
+	timer.Stop()
+	r := &listenerRunner{jobs: make(chan listenerJob), done: make(chan *listenerFailure, 1), ctx: ctx, cancel: cancel, timer: timer}
 	go func() {
 		for j := range r.jobs {
 			r.done <- d.callListeners(j.ctx, j.ev)
@@ -183,62 +190,56 @@ func (d *Dispatcher) newRunner() *listenerRunner {
 	return r
 }
 
-// close ends the runner's goroutine once its current event, if any, is done.
+// close cancels the runner's context and ends its goroutine once its current event is done.
 func (r *listenerRunner) close() {
 	if r != nil {
+		r.timer.Stop()
+		r.cancel()
 		close(r.jobs)
 	}
 }
 
-// runListeners runs every listener, in order, on a goroutine of their own (the caller's
-// runner, or one for this event) under the per-event timeout. A listener that ignores its
-// context and keeps running past the timeout is abandoned: its goroutine finishes on its own
-// and the event counts as a timeout.
-func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, runner **listenerRunner) (Outcome, FailureClass) {
-	ctx, cancel := context.WithTimeout(parent, d.timeout)
-	defer cancel()
-	var done <-chan *listenerFailure
-	if runner == nil {
-		ch := make(chan *listenerFailure, 1)
-		go func() { ch <- d.callListeners(ctx, ev) }()
-		done = ch
-	} else {
-		if *runner == nil {
-			*runner = d.newRunner()
-		}
-		(*runner).jobs <- listenerJob{ctx, ev}
-		done = (*runner).done
+// runListeners runs every listener, in order, on the runner's goroutine (the caller's, or one
+// for this event) under the per-event timeout. A listener that ignores its context and keeps
+// running past the timeout is abandoned: its goroutine finishes on its own and the event
+// counts as a timeout.
+func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, holder **listenerRunner) (Outcome, FailureClass) {
+	var own *listenerRunner
+	if holder == nil {
+		own = d.newRunner(parent)
+		defer own.close()
+		holder = &own
+	} else if *holder == nil {
+		*holder = d.newRunner(parent)
 	}
+	r := *holder
 	abandon := func() {
-		if runner != nil {
-			(*runner).close()
-			*runner = nil
-		}
+		r.close()
+		*holder = nil
 	}
+	r.timer.Reset(d.timeout)
+	defer r.timer.Stop()
+	r.jobs <- listenerJob{WithObserved(r.ctx, Observed{ConsumerID: ev.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID}), ev}
 	select {
-	case f := <-done:
-		return d.outcome(parent, ctx, ev, f)
-	case <-ctx.Done():
-	}
-	if parent.Err() == nil {
+	case f := <-r.done:
+		return d.outcome(parent, ev, f, false)
+	case <-r.timer.C:
 		select {
-		case f := <-done: // it finished just as time ran out
-			return d.outcome(parent, ctx, ev, f)
+		case f := <-r.done: // it finished just as time ran out
+			return d.outcome(parent, ev, f, true)
 		default:
 		}
 		abandon()
 		d.log.Warn("observed listener timed out", zap.String("event_id", ev.EventID), zap.Duration("timeout", d.timeout))
 		return Failed, FailureListenerTimeout
+	case <-parent.Done():
 	}
 	// The consumer is stopping and the listener's context is cancelled: give the listener the
 	// rest of its time to return, so that an event it did handle is acknowledged.
-	deadline, _ := ctx.Deadline()
-	wait := time.NewTimer(time.Until(deadline))
-	defer wait.Stop()
 	select {
-	case f := <-done:
-		return d.outcome(parent, ctx, ev, f)
-	case <-wait.C:
+	case f := <-r.done:
+		return d.outcome(parent, ev, f, false)
+	case <-r.timer.C:
 		abandon()
 		return Interrupted, ""
 	}
@@ -264,14 +265,15 @@ func (d *Dispatcher) callListeners(ctx context.Context, ev ObservedEvent) (failu
 	return nil
 }
 
-// outcome interprets what the listener goroutine reported.
-func (d *Dispatcher) outcome(parent, ctx context.Context, ev ObservedEvent, f *listenerFailure) (Outcome, FailureClass) {
+// outcome interprets what the listener goroutine reported; timedOut says the event's time ran
+// out as it returned.
+func (d *Dispatcher) outcome(parent context.Context, ev ObservedEvent, f *listenerFailure, timedOut bool) (Outcome, FailureClass) {
 	switch {
 	case f == nil:
 		return Delivered, ""
 	case parent.Err() != nil:
 		return Interrupted, "" // a failure while stopping is not an attempt
-	case f.class == FailureListenerError && ctx.Err() != nil:
+	case f.class == FailureListenerError && timedOut:
 		f.class = FailureListenerTimeout
 	}
 	if f.err != nil {

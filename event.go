@@ -65,20 +65,30 @@ func ParseEventID(id string) (taskID string, deletedAt time.Time, err error) {
 	return taskID, deletedAt, nil
 }
 
-// validate checks an event read from the database before it is dispatched: a row this build
-// cannot interpret is reported, not guessed at.
-func (e Event) validate() error {
-	if err := ValidateProjectID(e.ProjectID); err != nil {
-		return invalid("project_id", "%v", err)
-	}
-	if e.Sequence < 1 {
-		return invalid("sequence", "must be positive (got %d)", e.Sequence)
-	}
+// supported checks what can vary in a row decoded from the outbox (its identifiers were
+// checked when it was written, and its ID is formatted from them): an event type or payload
+// version this build does not know is reported, not guessed at.
+func (e Event) supported() error {
 	if e.EventType != EventTypeTaskDeleted {
 		return invalid("event_type", "%q is not a type this build understands", e.EventType)
 	}
 	if e.PayloadVersion < 1 || e.PayloadVersion > PayloadVersion {
 		return invalid("payload_version", "%d is not a version this build understands (up to %d)", e.PayloadVersion, PayloadVersion)
+	}
+	return nil
+}
+
+// validate checks an event in full: supported, plus every identifier and the ID's agreement
+// with the task and deletedAt it names.
+func (e Event) validate() error {
+	if err := e.supported(); err != nil {
+		return err
+	}
+	if err := ValidateProjectID(e.ProjectID); err != nil {
+		return invalid("project_id", "%v", err)
+	}
+	if e.Sequence < 1 {
+		return invalid("sequence", "must be positive (got %d)", e.Sequence)
 	}
 	if err := validateTaskID(e.TaskID); err != nil {
 		return invalid("task_id", "%v", err)
