@@ -52,10 +52,14 @@ type proc struct {
 
 func (p *proc) start(t *testing.T) {
 	t.Helper()
+	// The arguments go through a file: a long run's task list is larger than the kernel lets
+	// one environment string be.
 	b, err := json.Marshal(p.args)
 	require.NoError(t, err)
+	argsFile := filepath.Join(filepath.Dir(p.args.Log), p.name+".args.json")
+	require.NoError(t, os.WriteFile(argsFile, b, 0o644))
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "FAULTSUITE_ROLE="+p.role, "FAULTSUITE_ARGS="+string(b))
+	cmd.Env = append(os.Environ(), "FAULTSUITE_ROLE="+p.role, "FAULTSUITE_ARGS_FILE="+argsFile)
 	logFile, err := os.OpenFile(filepath.Join(filepath.Dir(p.args.Log), p.name+".stderr"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	require.NoError(t, err)
 	cmd.Stderr = logFile

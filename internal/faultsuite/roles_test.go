@@ -22,11 +22,12 @@ import (
 	"fusion/outbox/example/taskstore"
 )
 
-// The child processes. The suite re-executes its own test binary with FAULTSUITE_ROLE set;
+// The child processes. The suite re-executes its own test binary with FAULTSUITE_ROLE set and
+// its arguments in the JSON file FAULTSUITE_ARGS_FILE names;
 // each child builds an fx app from outbox.Module and the reference host's module, like an
 // engine binary, and reports through stdout lines and an append-only log file.
 
-// roleArgs is passed to a child as JSON in FAULTSUITE_ARGS.
+// roleArgs is passed to a child as JSON in the file FAULTSUITE_ARGS_FILE.
 type roleArgs struct {
 	Name     string   `json:"name"`     // process label, also its application_name
 	DSN      string   `json:"dsn"`      // superuser DSN of the test database
@@ -52,12 +53,15 @@ func faultConfig() outbox.Config {
 
 func runRole(role string) int {
 	var args roleArgs
-	if err := json.Unmarshal([]byte(os.Getenv("FAULTSUITE_ARGS")), &args); err != nil {
-		fmt.Fprintln(os.Stderr, "faultsuite child: bad FAULTSUITE_ARGS:", err)
+	b, err := os.ReadFile(os.Getenv("FAULTSUITE_ARGS_FILE"))
+	if err == nil {
+		err = json.Unmarshal(b, &args)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "faultsuite child: bad FAULTSUITE_ARGS_FILE:", err)
 		return 2
 	}
 	log, _ := zap.NewDevelopment(zap.IncreaseLevel(zap.InfoLevel))
-	var err error
 	switch role {
 	case "writer":
 		err = runWriter(args, log)
