@@ -156,12 +156,11 @@ func (c *Consumer) Start(ctx context.Context) error {
 	if err := c.checkRetired(ctx, projects); err != nil {
 		return err
 	}
-	runCtx, cancel := context.WithCancel(context.Background())
-	c.started, c.cancel, c.done = true, cancel, make(chan struct{})
 	if _, err := c.acquire(ctx, projects); err != nil {
-		cancel()
 		return err
 	}
+	runCtx, cancel := context.WithCancel(context.Background())
+	c.started, c.cancel, c.done = true, cancel, make(chan struct{})
 	var wg sync.WaitGroup
 	listening := make(chan struct{})
 	wg.Add(2)
