@@ -129,8 +129,10 @@ func stopApp(app *fx.App) error {
 	return app.Stop(ctx)
 }
 
-// runWriter deletes its tasks at its rate, retrying a delete until it is known to be done:
-// a delete whose commit raced a dropped connection is simply found already deleted.
+// runWriter deletes its tasks at its rate until its list ends or it is told to stop,
+// retrying a delete until it is known to be done: a delete whose commit raced a dropped
+// connection is simply found already deleted. A restarted writer walks past the tasks it
+// already deleted without waiting for its rate.
 func runWriter(a roleArgs, log *zap.Logger) error {
 	var store *taskstore.Store
 	app, err := startApp(func() *fx.App {
@@ -147,18 +149,23 @@ func runWriter(a roleArgs, log *zap.Logger) error {
 	for _, pt := range a.Tasks {
 		project, task := splitTask(pt)
 		for {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			res, err := store.Delete(ctx, project, task)
+			cancel()
+			if err == nil && !res.Deleted {
+				break // deleted before: by this writer before a restart, or by another
+			}
+			if err != nil {
+				fmt.Printf("retry %s: %v\n", pt, err)
+			}
 			select {
 			case <-stop:
 				return stopApp(app)
 			case <-tick.C:
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			_, err := store.Delete(ctx, project, task)
-			cancel()
 			if err == nil {
 				break
 			}
-			fmt.Printf("retry %s: %v\n", pt, err)
 		}
 	}
 	fmt.Println("done")
