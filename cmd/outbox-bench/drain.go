@@ -55,16 +55,11 @@ func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult,
 	if o.events < 1 || o.projects < 1 {
 		return res, errors.New("sequence: need events >= 1 and projects >= 1")
 	}
-	db, err := env.NewDB(ctx, "sequence")
+	_, pool, closeDB, err := env.NewDBPool(ctx, "sequence", 4)
 	if err != nil {
 		return res, err
 	}
-	defer db.Drop()
-	pool, err := db.Pool(ctx, 4, nil)
-	if err != nil {
-		return res, err
-	}
-	defer pool.Close()
+	defer closeDB()
 	projects := make([]string, o.projects)
 	for p := range projects {
 		projects[p] = projectName(p)
@@ -131,16 +126,11 @@ func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
 	if o.events < 1 {
 		return res, errors.New("drain: need events >= 1")
 	}
-	db, err := env.NewDB(ctx, "drain")
+	db, admin, closeDB, err := env.NewDBPool(ctx, "drain", 2)
 	if err != nil {
 		return res, err
 	}
-	defer db.Drop()
-	admin, err := db.Pool(ctx, 2, nil)
-	if err != nil {
-		return res, err
-	}
-	defer admin.Close()
+	defer closeDB()
 	const project, consumer = "drain", "bench-drain"
 	env.Logf("drain: prewriting %d events", o.events)
 	t0 := time.Now()
@@ -198,16 +188,11 @@ func runFanout(ctx context.Context, env *Env, o fanoutOpts) (fanoutResult, error
 	if o.consumers < 1 || o.events < 1 {
 		return res, errors.New("fanout: need consumers >= 1 and events >= 1")
 	}
-	db, err := env.NewDB(ctx, "fanout")
+	db, admin, closeDB, err := env.NewDBPool(ctx, "fanout", 2)
 	if err != nil {
 		return res, err
 	}
-	defer db.Drop()
-	admin, err := db.Pool(ctx, 2, nil)
-	if err != nil {
-		return res, err
-	}
-	defer admin.Close()
+	defer closeDB()
 	const project = "fan"
 	t0 := time.Now()
 	if err := insertBacklog(ctx, admin, project, "f", o.events, true, 0); err != nil {

@@ -75,6 +75,21 @@ func (e *Env) Close() {
 // NewDB creates a fresh migrated database; Drop removes it.
 func (e *Env) NewDB(ctx context.Context, label string) (*DB, error) { return e.newDB(ctx, label) }
 
+// NewDBPool is NewDB with a pool of maxConns on it; closeDB closes the pool and drops the
+// database.
+func (e *Env) NewDBPool(ctx context.Context, label string, maxConns int32) (db *DB, pool *pgxpool.Pool, closeDB func(), err error) {
+	db, err = e.NewDB(ctx, label)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	pool, err = db.Pool(ctx, maxConns, nil)
+	if err != nil {
+		db.Drop()
+		return nil, nil, nil, err
+	}
+	return db, pool, func() { pool.Close(); db.Drop() }, nil
+}
+
 // Drop removes the database (a no-op for databases the test harness owns).
 func (d *DB) Drop() {
 	if d.drop != nil {

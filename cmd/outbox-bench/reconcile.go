@@ -39,16 +39,11 @@ func runReconcile(ctx context.Context, env *Env, o reconcileOpts) (reconcileResu
 	if o.tasks < 1 {
 		return res, errors.New("reconcile: need tasks >= 1")
 	}
-	db, err := env.NewDB(ctx, "reconcile")
+	db, pool, closeDB, err := env.NewDBPool(ctx, "reconcile", 4)
 	if err != nil {
 		return res, err
 	}
-	defer db.Drop()
-	pool, err := db.Pool(ctx, 4, nil)
-	if err != nil {
-		return res, err
-	}
-	defer pool.Close()
+	defer closeDB()
 	const project = "rec"
 	if err := createTasks(ctx, pool, project, "t", 1, o.tasks, 1); err != nil {
 		return res, err
