@@ -106,14 +106,23 @@ func (p *proc) start(t *testing.T) {
 	case <-ready:
 	case err := <-exited:
 		exited <- err
-		tail, _ := os.ReadFile(filepath.Join(filepath.Dir(p.args.Log), p.name+".stderr"))
-		if len(tail) > 3000 {
-			tail = tail[len(tail)-3000:]
-		}
-		t.Fatalf("%s exited before it was ready: %v\n%s", p.name, err, tail)
+		t.Fatalf("%s exited before it was ready: %v\n%s", p.name, err, p.stderrTail())
 	case <-time.After(90 * time.Second):
 		t.Fatalf("%s not ready", p.name)
 	}
+}
+
+// stderrTail is the end of the child's stderr, or its data race report when there is one (the
+// race detector exits with status 66).
+func (p *proc) stderrTail() string {
+	b, _ := os.ReadFile(filepath.Join(filepath.Dir(p.args.Log), p.name+".stderr"))
+	if i := strings.Index(string(b), "WARNING: DATA RACE"); i >= 0 {
+		b = b[i:]
+	}
+	if len(b) > 6000 {
+		b = b[:6000]
+	}
+	return string(b)
 }
 
 func (p *proc) signal(sig syscall.Signal) {
@@ -138,7 +147,7 @@ func (p *proc) stop(t *testing.T) {
 	p.signal(syscall.SIGTERM)
 	select {
 	case err := <-p.exited:
-		require.NoError(t, err, "%s did not stop cleanly", p.name)
+		require.NoError(t, err, "%s did not stop cleanly:\n%s", p.name, p.stderrTail())
 	case <-time.After(60 * time.Second):
 		p.signal(syscall.SIGKILL)
 		t.Fatalf("%s did not stop in time", p.name)
@@ -153,7 +162,7 @@ func (p *proc) checkAlive(t *testing.T) {
 	select {
 	case err := <-p.exited:
 		if !stopping {
-			t.Fatalf("%s died on its own: %v (see %s.stderr)", p.name, err, p.name)
+			t.Fatalf("%s died on its own: %v\n%s", p.name, err, p.stderrTail())
 		}
 		p.exited <- err
 	default:

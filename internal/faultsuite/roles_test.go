@@ -258,16 +258,15 @@ func runObserver(a roleArgs, log *zap.Logger) error {
 		return err
 	}
 	var runner *outbox.Runner
-	var store *taskstore.Store
 	app, err := startApp(func() *fx.App {
 		return fx.New(outbox.Module, taskstore.Module, fx.Supply(hostConfig(a), log),
-			fx.Provide(outbox.AsListener(func() outbox.Listener { return al })),
-			fx.Populate(&runner, &store), fx.NopLogger)
+			// The listener gets the store before anything starts: the consumer may deliver at once.
+			fx.Provide(outbox.AsListener(func(s *taskstore.Store) outbox.Listener { al.store = s; return al })),
+			fx.Populate(&runner), fx.NopLogger)
 	})
 	if err != nil {
 		return err
 	}
-	al.store = store
 	c := runner.Consumer()
 	if c == nil {
 		return fmt.Errorf("observer has no consumer (state %s)", runner.State())
