@@ -146,3 +146,13 @@ func TestModuleRejectsInvalidConfig(t *testing.T) {
 	require.ErrorContains(t, err, "PollInterval")
 	require.ErrorContains(t, err, "MaxAttempts")
 }
+
+func TestModuleReportsADSNThatDoesNotParse(t *testing.T) {
+	t.Parallel()
+	app := fx.New(outbox.Module, taskstore.Module,
+		fx.Supply(taskstore.HostConfig{DSN: "postgres://user@host:notaport/db"}, zap.NewNop()), fx.NopLogger)
+	err := app.Err()
+	require.Error(t, err)
+	require.ErrorContains(t, err, "database DSN")
+	require.NotContains(t, err.Error(), "panic")
+}
