@@ -288,6 +288,9 @@ func TestFaultSuite(t *testing.T) {
 			c.freezes++
 			inv.expectLeaseLoss(p, before)
 		case "pg-restart":
+			if c.pgRestarts > int(duration/(2*time.Minute)) {
+				return // at most one every two minutes of faults, beyond the first
+			}
 			if cluster == nil {
 				t.Log("not a throwaway cluster: the PostgreSQL restart fault is not available")
 				return
@@ -323,7 +326,7 @@ func TestFaultSuite(t *testing.T) {
 	for _, kind := range []string{"kill-observer", "kill-writer", "terminate", "freeze", "pg-restart", "open-tx", "sweep", "retire"} {
 		mandatory[kind] = duration/10 + time.Duration(rng.Int64N(int64(duration*7/10)))
 	}
-	random := []string{"kill-observer", "kill-observer", "kill-writer", "terminate", "terminate", "freeze", "sweep", "sweep", "open-tx"}
+	random := []string{"kill-observer", "kill-observer", "kill-writer", "terminate", "terminate", "freeze", "sweep", "sweep", "open-tx", "pg-restart"}
 	for time.Since(begin) < duration {
 		for _, p := range append(append([]*proc(nil), observers...), writers...) {
 			p.checkAlive(t)
