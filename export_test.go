@@ -57,9 +57,14 @@ var Statements = map[string]string{
 	"retireSQL":           retireSQL,
 	"retiredSQL":          retiredSQL,
 	"selectEventByIDSQL":  selectEventByIDSQL,
+	"slowestCursorSQL":    slowestCursorSQL,
 	"sequenceSQL":         sequenceSQL,
 	"statusSQL":           statusSQL,
 	"supersedeRetriesSQL": supersedeRetriesSQL,
 	"upsertDeadSQL":       upsertDeadSQL,
 	"upsertRetryingSQL":   upsertRetryingSQL,
 }
+
+// BeforePruneBatch has a sweep call fn before each batch's transaction, so a test can change
+// the cursors between batches.
+func BeforePruneBatch(r *Retention, fn func(project string)) { r.beforeBatch = fn }
