@@ -94,7 +94,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 	// Writer, consumer and retention, all as the project-A runtime role.
 	w, err := outbox.NewWriter(rtA, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	defer w.Close()
+	defer closeWriter(t, w)
 	store := taskstore.New(rtA, taskstore.Options{Writer: w})
 	require.NoError(t, store.LoadCache(ctx, "proj-a"))
 	for _, id := range []string{"t-1", "t-2"} {

@@ -253,7 +253,7 @@ func newFixture(t *testing.T) *fixture {
 	pool := pgtest.Pool(t, db.URL)
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
 	require.NoError(t, err)
-	t.Cleanup(w.Close)
+	t.Cleanup(func() { require.NoError(t, w.Close(context.Background())) })
 	store := taskstore.New(pool, taskstore.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "alpha", "t", 5)
 	require.NoError(t, err)
