@@ -80,10 +80,16 @@ type Consumer struct {
 // streamState is the loop's view of one project stream.
 type streamState struct {
 	project   string
-	epoch     int64 // lease epoch this state belongs to; 0 before the first lease
-	acked     int64 // durable cursor; -1 when the cursor is NULL (never positioned)
-	position  int64 // dispatched through; position > acked means acknowledgements are pending
-	delivered int64 // highest sequence this instance delivered: re-deliveries below are suppressed
+	epoch     int64  // lease epoch this state belongs to; 0 before the first lease
+	acked     int64  // durable cursor; -1 when the cursor is NULL (never positioned)
+	position  int64  // dispatched through; position > acked means acknowledgements are pending
+	lease     uint64 // the lease (leaseTable's grant number) this state belongs to
+	delivered int64  // highest sequence this instance delivered: re-deliveries below are suppressed
+	// deliveredID is the event delivered at sequence delivered. When a new lease moves the
+	// position back below delivered, the event stored there now must still be this one, or
+	// the history was rewritten (a restored database) and nothing is suppressed.
+	deliveredID    string
+	checkDelivered bool
 	// retryAt is when the blocked head-of-line event falls due, on the consumer's shifted
 	// clock (see now). An absolute time, so a timer re-armed later waits only what is left.
 	retryAt time.Time
@@ -389,6 +395,11 @@ func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, 
 	if err := c.checkPosition(ctx, st, head); err != nil {
 		return err
 	}
+	if st.checkDelivered {
+		if err := c.verifyDelivered(ctx, st); err != nil {
+			return err
+		}
+	}
 	var retrying *delivery
 	for i := range open {
 		if open[i].state == stateRetrying {
@@ -465,7 +476,7 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 		default:
 			c.stats.delivered.Add(1)
 		}
-		st.position, st.delivered = ev.Sequence, ev.Sequence
+		st.position, st.delivered, st.deliveredID = ev.Sequence, ev.Sequence, ev.EventID
 		if attempt > 1 {
 			// The event that was retrying succeeded: close its delivery with the cursor move.
 			if err := c.resolveRetried(ctx, st, ev); err != nil {
@@ -493,6 +504,29 @@ func (c *Consumer) checkPosition(ctx context.Context, st *streamState, head Head
 	case st.acked < head.PrunedThrough:
 		return c.reconcile(ctx, st, ReasonCursorBelowPrunedFloor)
 	}
+	return nil
+}
+
+const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`
+
+// verifyDelivered checks, after a new lease moved the position back, that the event stored at
+// the sequence this instance last delivered is still the one it delivered. If it is not (a
+// restored database numbers new events with sequences it had delivered before), nothing is
+// suppressed as a re-delivery: those events are new.
+func (c *Consumer) verifyDelivered(ctx context.Context, st *streamState) error {
+	var taskID string
+	var deletedAt time.Time
+	err := c.pool.QueryRow(ctx, eventAtSQL, st.project, st.delivered).Scan(&taskID, &deletedAt)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("check delivered event: %w", err)
+	}
+	st.checkDelivered = false
+	if err == nil && TaskDeletedEventID(taskID, deletedAt) == st.deliveredID {
+		return nil
+	}
+	c.log.Warn("the history this instance delivered was rewritten (a restored database?): events are not suppressed as re-deliveries",
+		zap.String("project_id", st.project), zap.Int64("delivered", st.delivered), zap.Int64("cursor", st.position))
+	st.delivered, st.deliveredID = st.position, ""
 	return nil
 }
 
@@ -528,9 +562,11 @@ func (c *Consumer) syncStates() []string {
 			st = &streamState{project: p}
 			c.state[p] = st
 		}
-		if st.epoch != l.epoch {
-			// A new lease: start from the durable cursor it came with.
-			st.epoch, st.acked, st.position = l.epoch, l.acked, max(l.acked, 0)
+		if st.lease != l.grant {
+			// A new lease: start from the durable cursor it came with. What this instance
+			// delivered beyond it is suppressed, once checked to be still what is stored.
+			st.lease, st.epoch, st.acked, st.position = l.grant, l.epoch, l.acked, max(l.acked, 0)
+			st.checkDelivered = st.delivered > st.position
 		}
 		out = append(out, p)
 	}

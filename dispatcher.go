@@ -110,16 +110,14 @@ func NewDispatcher(opts DispatcherOptions) *Dispatcher {
 
 // Dispatch delivers one event: it applies the deletion to the cache (idempotently) and then
 // runs every listener. A cache error, or a listener error, panic or timeout, stops the dispatch
-// and is returned as its class; a retry runs the whole dispatch again.
+// and is returned as its class; a retry runs the whole dispatch again. An event this process
+// wrote itself (SelfWriterID) goes to the cache only: Own.
 func (d *Dispatcher) Dispatch(ctx context.Context, ev ObservedEvent) (Outcome, FailureClass) {
 	return d.dispatch(ctx, ev, nil)
 }
 
 // dispatch is Dispatch on the caller's listener runner (nil: a goroutine for this event).
 func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, runner **listenerRunner) (Outcome, FailureClass) {
-	if ev.WriterProcessID == d.self && d.self != "" && !ev.Replay {
-		return Own, ""
-	}
 	if err := ev.Event.supported(); err != nil {
 		d.log.Error("event cannot be interpreted by this build", zap.String("project_id", ev.ProjectID),
 			zap.Int64("sequence", ev.Sequence), zap.String("event_id", ev.EventID), zap.Error(err))
@@ -127,12 +125,17 @@ func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, runner **li
 	}
 	ev.Observed = true
 	octx := WithObserved(ctx, Observed{ConsumerID: ev.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID})
-	// The cache first, as the local delete path does: listeners may read it.
+	// The cache first, as the local delete path does: listeners may read it. Own events too:
+	// the local path removed the task already, but a reconciliation may have rebuilt the cache
+	// from a snapshot taken before that delete committed.
 	if d.cache != nil {
 		if _, err := d.cache.RemoveTask(octx, ev.ProjectID, ev.TaskID, ev.DeletedAt); err != nil {
 			d.log.Warn("cache update failed", zap.String("project_id", ev.ProjectID), zap.String("event_id", ev.EventID), zap.Error(err))
 			return Failed, FailureCacheError
 		}
+	}
+	if ev.WriterProcessID == d.self && d.self != "" && !ev.Replay {
+		return Own, "" // its local emitter told this process's listeners already
 	}
 	if len(d.listeners) > 0 {
 		return d.runListeners(ctx, ev, runner)
