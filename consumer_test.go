@@ -463,7 +463,7 @@ func TestConsumerWithoutPreparedStatementCache(t *testing.T) {
 	require.NoError(t, err)
 	rec := newRecorder()
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "proxied", Pool: pool, Config: fastConfig(), Projects: outbox.StaticProjects{"p"},
-		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}}), Logger: zaptest.NewLogger(t)})
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true}), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	defer func() { require.NoError(t, c.Stop(context.Background())) }()

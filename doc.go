@@ -56,6 +56,10 @@
 // live task IDs, replaces its cache's live set, removes again whatever was deleted after the
 // snapshot (the process's own deletes included), and restarts its cursor at that head.
 //
+// Stop is bounded by its context: no event is handed to a listener after it is called, the
+// one in flight may finish and is acknowledged only if it did, and a consumer once stopped
+// cannot be started again (ErrConsumerStopped).
+//
 // # Operations
 //
 // Retention is a MaintenanceTask the host's self-healing sweep runs: it prunes events older

@@ -112,7 +112,8 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 
 	cfg := fastConfig()
 	rec := newRecorder()
-	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache()})
+	// The consumer stands for another process of the same role: it observes the writes above.
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache(), NoLocalWriter: true})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: rtA, Config: cfg, Projects: outbox.StaticProjects{"proj-a"},
 		Dispatcher: d, LiveTasks: store, Cache: store.Cache(), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)

@@ -239,7 +239,8 @@ func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsume
 	}
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
 		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
-		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache}),
+		// A separate process that records no events.
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache, NoLocalWriter: true}),
 		LiveTasks:  s.live, Cache: s.cache,
 	})
 	if err != nil {
