@@ -168,8 +168,9 @@ func runWriter(ctx context.Context, a roleArgs, log *zap.Logger) error {
 		}
 		project, task := splitTask(pt)
 		for {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			res, err := store.Delete(ctx, project, task)
+			// Not ctx: a delete under way finishes even when the writer is told to stop.
+			delCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			res, err := store.Delete(delCtx, project, task)
 			cancel()
 			if err == nil && !res.Deleted {
 				break // deleted before: by this writer before a restart, or by another
