@@ -229,7 +229,7 @@ type listenerJob struct {
 func (d *Dispatcher) newRunner(parent context.Context) *listenerRunner {
 	ctx, cancel := context.WithCancel(parent)
 	timer := time.NewTimer(time.Hour)
-	timer.Stop()
+	timer.Stop() // armed per event with that event's timeout
 	r := &listenerRunner{jobs: make(chan listenerJob), done: make(chan *listenerFailure, 1), ctx: ctx, cancel: cancel, timer: timer}
 	go func() {
 		for j := range r.jobs {

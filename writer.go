@@ -181,8 +181,8 @@ type notifier struct {
 	gap     time.Duration
 	log     *zap.Logger
 
-	// base is the parent of every notification's context; Close cancels it when its own
-	// context ends before the notifications in flight are sent.
+	// base is the parent of every notification's context. Close cancels it, which abandons
+	// the notifications in flight when Close's own context ends before they are sent.
 	base   context.Context
 	cancel context.CancelFunc
 
