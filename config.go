@@ -48,7 +48,8 @@ type Config struct {
 	HeartbeatInterval time.Duration
 
 	// ListenerTimeout bounds one event's dispatch to the observed listeners; a listener
-	// still running then counts as a listener_timeout failure. Defaults to 30s; at least 1ms.
+	// still running then counts as a listener_timeout failure. It applies to every consumer
+	// built with this Config, with fx or without. Defaults to 30s; at least 1ms.
 	ListenerTimeout time.Duration
 
 	// NotifyDisabled turns off the LISTEN/NOTIFY wake-up; consumers then rely on polling

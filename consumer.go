@@ -63,27 +63,36 @@ type Consumer struct {
 	heartbeatControl
 	stats stats
 
-	inflight *inflightAck    // owned by the loop goroutine (and by shutdown, after it)
-	runner   *listenerRunner // the loop's listener goroutine, started on first use
+	inflight *inflightAck // owned by the loop goroutine (and by shutdown, after it)
+	run      dispatchRun  // the loop's listener runner (started on first use) and timeout
 
 	wake    chan struct{}
 	dirtyMu sync.Mutex
 	dirty   map[string]struct{}
 
-	mu      sync.Mutex
-	started bool
-	stopped bool
-	cancel  context.CancelFunc
-	done    chan struct{}
+	mu          sync.Mutex
+	started     bool
+	stopped     bool
+	cancel      context.CancelFunc // ends the run (and a start-up in progress)
+	done        chan struct{}      // closed when the run, or a start-up that failed, is over
+	stopCtx     context.Context    // the first Stop's context: it bounds the shutdown
+	abandon     chan struct{}      // closed when a Stop's context ended: abandon a listener in flight
+	abandonOnce sync.Once
 }
 
 // streamState is the loop's view of one project stream.
 type streamState struct {
 	project   string
-	epoch     int64 // lease epoch this state belongs to; 0 before the first lease
-	acked     int64 // durable cursor; -1 when the cursor is NULL (never positioned)
-	position  int64 // dispatched through; position > acked means acknowledgements are pending
-	delivered int64 // highest sequence this instance delivered: re-deliveries below are suppressed
+	epoch     int64  // lease epoch this state belongs to; 0 before the first lease
+	acked     int64  // durable cursor; -1 when the cursor is NULL (never positioned)
+	position  int64  // dispatched through; position > acked means acknowledgements are pending
+	lease     uint64 // the lease (leaseTable's grant number) this state belongs to
+	delivered int64  // highest sequence this instance delivered: re-deliveries below are suppressed
+	// deliveredID is the event delivered at sequence delivered. When a new lease moves the
+	// position back below delivered, the event stored there now must still be this one, or
+	// the history was rewritten (a restored database) and nothing is suppressed.
+	deliveredID    string
+	checkDelivered bool
 	// retryAt is when the blocked head-of-line event falls due, on the consumer's shifted
 	// clock (see now). An absolute time, so a timer re-armed later waits only what is left.
 	retryAt time.Time
@@ -106,6 +115,9 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 		return nil, invalid("ConsumerOptions.Projects", "is nil")
 	case opts.Dispatcher == nil:
 		return nil, invalid("ConsumerOptions.Dispatcher", "is nil")
+	}
+	if err := opts.Dispatcher.checkConsumer(cfg); err != nil {
+		return nil, err
 	}
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
@@ -139,28 +151,45 @@ func (c *Consumer) LeaseOwner() string { return c.owner }
 
 // Start checks the database, takes the leases it can and starts the consumer's goroutines. It
 // does not block on event delivery. It fails fast when the database is unreachable or when the
-// identity was retired for any observed project (ErrConsumerRetired).
+// identity was retired for any observed project (ErrConsumerRetired). A Stop while it runs
+// makes it give up; after Stop, Start refuses with ErrConsumerStopped.
 func (c *Consumer) Start(ctx context.Context) error {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.started {
+	switch {
+	case c.stopped:
+		c.mu.Unlock()
+		return ErrConsumerStopped
+	case c.started:
+		c.mu.Unlock()
 		return errors.New("consumer already started")
 	}
-	projects, err := c.observedProjects(ctx)
-	if err != nil {
-		return err
-	}
-	if err := c.ensureCursors(ctx, projects); err != nil {
-		return err
-	}
-	if err := c.checkRetired(ctx, projects); err != nil {
-		return err
-	}
-	if _, err := c.acquire(ctx, projects); err != nil {
-		return err
-	}
 	runCtx, cancel := context.WithCancel(context.Background())
-	c.started, c.cancel, c.done = true, cancel, make(chan struct{})
+	done, abandon := make(chan struct{}), make(chan struct{})
+	c.started, c.cancel, c.done, c.abandon = true, cancel, done, abandon
+	c.mu.Unlock()
+
+	// Start-up talks to the database; a Stop meanwhile cancels it and waits for done.
+	startCtx, cancelStart := context.WithCancel(ctx)
+	unwatch := context.AfterFunc(runCtx, cancelStart)
+	projects, err := c.startUp(startCtx)
+	unwatch()
+	cancelStart()
+	if runCtx.Err() != nil { // stopped during start-up
+		c.release(c.stopContext())
+		close(done)
+		return ErrConsumerStopped
+	}
+	if err != nil {
+		cancel()
+		c.mu.Lock()
+		c.started = false // a failed start may be tried again
+		c.mu.Unlock()
+		close(done)
+		return err
+	}
+
+	c.run = dispatchRun{timeout: c.cfg.ListenerTimeout, abandon: abandon}
+	c.metrics.watch(c) // before the goroutines: their shutdown unwatches
 	var wg sync.WaitGroup
 	listening := make(chan struct{})
 	wg.Add(2)
@@ -188,30 +217,55 @@ func (c *Consumer) Start(ctx context.Context) error {
 	go func() {
 		wg.Wait()
 		c.shutdown()
-		close(c.done)
+		close(done)
 	}()
-	c.metrics.watch(c)
 	c.log.Info("consumer started", zap.Int("projects", len(projects)), zap.String("lease_owner", c.owner))
 	return nil
 }
 
-// Stop stops the consumer, flushes pending acknowledgements, releases its leases and waits for
-// its goroutines, bounded by ctx. It is idempotent and safe before Start.
+// startUp checks the identity's cursors and takes the leases it can.
+func (c *Consumer) startUp(ctx context.Context) ([]string, error) {
+	projects, err := c.observedProjects(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.ensureCursors(ctx, projects); err != nil {
+		return nil, err
+	}
+	if err := c.checkRetired(ctx, projects); err != nil {
+		return nil, err
+	}
+	if _, err := c.acquire(ctx, projects); err != nil {
+		return nil, err
+	}
+	return projects, nil
+}
+
+// Stop stops the consumer: no event is handed to a listener after it is called; the one in
+// flight may finish within its listener timeout and is acknowledged only if it did. Then it
+// flushes pending acknowledgements, releases its leases and waits for its goroutines. All of
+// it is bounded by ctx: when ctx ends first, Stop abandons the listener in flight, the
+// shutdown's writes give up (the leases expire instead) and Stop returns ctx's error. It is
+// idempotent and safe before Start.
 func (c *Consumer) Stop(ctx context.Context) error {
 	c.mu.Lock()
-	if !c.started || c.stopped {
-		c.stopped = true
+	first := !c.stopped
+	c.stopped = true
+	if !c.started {
 		c.mu.Unlock()
 		return nil
 	}
-	c.stopped = true
-	c.cancel()
-	done := c.done
+	if first {
+		c.stopCtx = ctx
+		c.cancel()
+	}
+	done, abandon := c.done, c.abandon
 	c.mu.Unlock()
 	select {
 	case <-done:
 		return nil
 	case <-ctx.Done():
+		c.abandonOnce.Do(func() { close(abandon) })
 		return fmt.Errorf("stop consumer: %w", ctx.Err())
 	}
 }
@@ -223,10 +277,19 @@ func (c *Consumer) Done() <-chan struct{} {
 	return c.done
 }
 
+// stopContext is the context the first Stop was given: the shutdown's writes honour it.
+func (c *Consumer) stopContext() context.Context {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopCtx == nil {
+		return context.Background() // not reached: only Stop ends a run
+	}
+	return c.stopCtx
+}
+
 // shutdown runs after every goroutine returned: flush acknowledgements, release leases.
 func (c *Consumer) shutdown() {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	ctx := c.stopContext()
 	c.awaitAck()
 	c.flushAcks(ctx, c.pendingAcks())
 	c.release(ctx)
@@ -286,7 +349,7 @@ func (c *Consumer) takeDirty() (map[string]struct{}, bool) {
 func (c *Consumer) loop(ctx context.Context) {
 	poll := time.NewTimer(0)
 	defer poll.Stop()
-	defer func() { c.runner.close(); c.runner = nil }()
+	defer func() { c.run.runner.close(); c.run.runner = nil }()
 	resetPoll := func(d time.Duration) {
 		if !poll.Stop() {
 			select {
@@ -389,6 +452,11 @@ func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, 
 	if err := c.checkPosition(ctx, st, head); err != nil {
 		return err
 	}
+	if st.checkDelivered {
+		if err := c.verifyDelivered(ctx, st); err != nil {
+			return err
+		}
+	}
 	var retrying *delivery
 	for i := range open {
 		if open[i].state == stateRetrying {
@@ -433,8 +501,8 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 		if ev.Sequence != st.position+1 {
 			return true, fmt.Errorf("project %s: read sequence %d after %d", st.project, ev.Sequence, st.position)
 		}
-		if !c.leases.valid(st.project, st.epoch, c.now()) {
-			return true, nil
+		if ctx.Err() != nil || !c.leases.valid(st.project, st.epoch, c.now()) {
+			return true, nil // stopping, or the lease is gone: nothing more is handed over
 		}
 		if ev.Sequence <= st.delivered {
 			// Delivered by this instance before a lease change: a re-delivery, not new work.
@@ -447,7 +515,7 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 			attempt = retrying.attempts + 1
 		}
 		started := time.Now()
-		outcome, class := c.dispatch.dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt}, &c.runner)
+		outcome, class := c.dispatch.dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt}, &c.run)
 		c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
 		switch outcome {
 		case Interrupted:
@@ -465,7 +533,7 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 		default:
 			c.stats.delivered.Add(1)
 		}
-		st.position, st.delivered = ev.Sequence, ev.Sequence
+		st.position, st.delivered, st.deliveredID = ev.Sequence, ev.Sequence, ev.EventID
 		if attempt > 1 {
 			// The event that was retrying succeeded: close its delivery with the cursor move.
 			if err := c.resolveRetried(ctx, st, ev); err != nil {
@@ -493,6 +561,29 @@ func (c *Consumer) checkPosition(ctx context.Context, st *streamState, head Head
 	case st.acked < head.PrunedThrough:
 		return c.reconcile(ctx, st, ReasonCursorBelowPrunedFloor)
 	}
+	return nil
+}
+
+const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`
+
+// verifyDelivered checks, after a new lease moved the position back, that the event stored at
+// the sequence this instance last delivered is still the one it delivered. If it is not (a
+// restored database numbers new events with sequences it had delivered before), nothing is
+// suppressed as a re-delivery: those events are new.
+func (c *Consumer) verifyDelivered(ctx context.Context, st *streamState) error {
+	var taskID string
+	var deletedAt time.Time
+	err := c.pool.QueryRow(ctx, eventAtSQL, st.project, st.delivered).Scan(&taskID, &deletedAt)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("check delivered event: %w", err)
+	}
+	st.checkDelivered = false
+	if err == nil && TaskDeletedEventID(taskID, deletedAt) == st.deliveredID {
+		return nil
+	}
+	c.log.Warn("the history this instance delivered was rewritten (a restored database?): events are not suppressed as re-deliveries",
+		zap.String("project_id", st.project), zap.Int64("delivered", st.delivered), zap.Int64("cursor", st.position))
+	st.delivered, st.deliveredID = st.position, ""
 	return nil
 }
 
@@ -528,9 +619,11 @@ func (c *Consumer) syncStates() []string {
 			st = &streamState{project: p}
 			c.state[p] = st
 		}
-		if st.epoch != l.epoch {
-			// A new lease: start from the durable cursor it came with.
-			st.epoch, st.acked, st.position = l.epoch, l.acked, max(l.acked, 0)
+		if st.lease != l.grant {
+			// A new lease: start from the durable cursor it came with. What this instance
+			// delivered beyond it is suppressed, once checked to be still what is stored.
+			st.lease, st.epoch, st.acked, st.position = l.grant, l.epoch, l.acked, max(l.acked, 0)
+			st.checkDelivered = st.delivered > st.position
 		}
 		out = append(out, p)
 	}

@@ -111,7 +111,7 @@ func startProcess(t *testing.T, url string, o processOpts) *process {
 	p := &process{pool: pgtest.Pool(t, url), rec: newRecorder()}
 	w, err := outbox.NewWriter(p.pool, o.cfg, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	t.Cleanup(w.Close)
+	t.Cleanup(func() { closeWriter(t, w) })
 	p.writer = w
 	p.store = taskstore.New(p.pool, taskstore.Options{Writer: w, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, p.store.LoadCache(ctx, o.projects...))
@@ -457,13 +457,13 @@ func TestConsumerWithoutPreparedStatementCache(t *testing.T) {
 
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	defer w.Close()
+	defer closeWriter(t, w)
 	store := taskstore.New(pool, taskstore.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
 	rec := newRecorder()
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "proxied", Pool: pool, Config: fastConfig(), Projects: outbox.StaticProjects{"p"},
-		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}}), Logger: zaptest.NewLogger(t)})
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true}), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	defer func() { require.NoError(t, c.Stop(context.Background())) }()

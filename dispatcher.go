@@ -77,22 +77,33 @@ type DispatcherOptions struct {
 	Listeners []Listener
 	// Cache is the host's live-task cache; nil means the process keeps none.
 	Cache TaskCache
-	// SelfWriterID is this process's writer process ID: its own events are not delivered to
-	// its own listeners a second time.
+	// SelfWriterID is this process's writer process ID (Writer.ProcessID): its own events are
+	// applied to the cache but not delivered to its own listeners a second time, since its
+	// local path already told them. A Consumer refuses a dispatcher with listeners and no
+	// SelfWriterID unless NoLocalWriter says the process records no events.
 	SelfWriterID string
-	// Timeout bounds one event's dispatch (Config.ListenerTimeout).
+	// NoLocalWriter declares that this process records no events (an observer only), so it
+	// needs no SelfWriterID. Defaults to false.
+	NoLocalWriter bool
+	// Timeout bounds one event's dispatch when Dispatch is called directly. Under a Consumer
+	// its Config.ListenerTimeout applies; a non-zero Timeout must then agree with it. Defaults
+	// to Config.ListenerTimeout's default, 30s.
 	Timeout time.Duration
 	Logger  *zap.Logger
 }
 
+// defaultListenerTimeout is Config.ListenerTimeout's default.
+const defaultListenerTimeout = 30 * time.Second
+
 // Dispatcher hands events to the observed listeners and the cache. It is the fence between
 // observation and writer-owned work: it marks every context observed.
 type Dispatcher struct {
-	listeners []Listener
-	cache     TaskCache
-	self      string
-	timeout   time.Duration
-	log       *zap.Logger
+	listeners     []Listener
+	cache         TaskCache
+	self          string
+	noLocalWriter bool
+	timeout       time.Duration // 0: set by whoever runs it (a consumer's Config), else the default
+	log           *zap.Logger
 }
 
 // NewDispatcher builds a dispatcher.
@@ -100,25 +111,58 @@ func NewDispatcher(opts DispatcherOptions) *Dispatcher {
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
-	if opts.Timeout <= 0 {
-		opts.Timeout = 30 * time.Second
+	return &Dispatcher{listeners: opts.Listeners, cache: opts.Cache, self: opts.SelfWriterID, noLocalWriter: opts.NoLocalWriter,
+		timeout: max(opts.Timeout, 0), log: opts.Logger.Named("outbox.dispatch")}
+}
+
+// checkConsumer reports, as a ValidationError, a dispatcher a consumer with cfg must not run:
+// one whose own timeout contradicts Config.ListenerTimeout (one of the two would be silently
+// ignored), or one with listeners and no SelfWriterID (the process's own writes would be
+// delivered to its listeners a second time) that does not declare the process writes nothing.
+func (d *Dispatcher) checkConsumer(cfg Config) error {
+	if d.timeout != 0 && d.timeout != cfg.ListenerTimeout {
+		return invalid("DispatcherOptions.Timeout", "is %s but Config.ListenerTimeout is %s: leave it zero and set Config.ListenerTimeout", d.timeout, cfg.ListenerTimeout)
 	}
-	d := &Dispatcher{listeners: opts.Listeners, cache: opts.Cache, self: opts.SelfWriterID,
-		timeout: opts.Timeout, log: opts.Logger.Named("outbox.dispatch")}
-	return d
+	if d.self == "" && !d.noLocalWriter && len(d.listeners) > 0 {
+		return invalid("DispatcherOptions.SelfWriterID", "is empty: set it to this process's Writer.ProcessID(), or set NoLocalWriter when the process records no events")
+	}
+	return nil
+}
+
+// dispatchRun is what a consumer's loop lends each dispatch: its listener runner, the
+// listener timeout of its Config, and a channel closed when the consumer must stop at once
+// (its stop context ended), which abandons a listener still running.
+type dispatchRun struct {
+	runner  *listenerRunner
+	timeout time.Duration
+	abandon <-chan struct{}
+}
+
+// timeoutFor is the listener timeout of one dispatch.
+func (d *Dispatcher) timeoutFor(run *dispatchRun) time.Duration {
+	switch {
+	case run != nil && run.timeout > 0:
+		return run.timeout
+	case d.timeout > 0:
+		return d.timeout
+	}
+	return defaultListenerTimeout
 }
 
 // Dispatch delivers one event: it applies the deletion to the cache (idempotently) and then
 // runs every listener. A cache error, or a listener error, panic or timeout, stops the dispatch
-// and is returned as its class; a retry runs the whole dispatch again.
+// and is returned as its class; a retry runs the whole dispatch again. An event this process
+// wrote itself (SelfWriterID) goes to the cache only: Own. With ctx already ended nothing is
+// done: Interrupted.
 func (d *Dispatcher) Dispatch(ctx context.Context, ev ObservedEvent) (Outcome, FailureClass) {
 	return d.dispatch(ctx, ev, nil)
 }
 
-// dispatch is Dispatch on the caller's listener runner (nil: a goroutine for this event).
-func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, runner **listenerRunner) (Outcome, FailureClass) {
-	if ev.WriterProcessID == d.self && d.self != "" && !ev.Replay {
-		return Own, ""
+// dispatch is Dispatch on the caller's run (nil: a goroutine for this event and the
+// dispatcher's own timeout).
+func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, run *dispatchRun) (Outcome, FailureClass) {
+	if ctx.Err() != nil {
+		return Interrupted, "" // stopping: no new event is handed over
 	}
 	if err := ev.Event.supported(); err != nil {
 		d.log.Error("event cannot be interpreted by this build", zap.String("project_id", ev.ProjectID),
@@ -127,15 +171,20 @@ func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, runner **li
 	}
 	ev.Observed = true
 	octx := WithObserved(ctx, Observed{ConsumerID: ev.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID})
-	// The cache first, as the local delete path does: listeners may read it.
+	// The cache first, as the local delete path does: listeners may read it. Own events too:
+	// the local path removed the task already, but a reconciliation may have rebuilt the cache
+	// from a snapshot taken before that delete committed.
 	if d.cache != nil {
 		if _, err := d.cache.RemoveTask(octx, ev.ProjectID, ev.TaskID, ev.DeletedAt); err != nil {
 			d.log.Warn("cache update failed", zap.String("project_id", ev.ProjectID), zap.String("event_id", ev.EventID), zap.Error(err))
 			return Failed, FailureCacheError
 		}
 	}
+	if ev.WriterProcessID == d.self && d.self != "" && !ev.Replay {
+		return Own, "" // its local emitter told this process's listeners already
+	}
 	if len(d.listeners) > 0 {
-		return d.runListeners(ctx, ev, runner)
+		return d.runListeners(ctx, ev, run)
 	}
 	return Delivered, ""
 }
@@ -179,8 +228,8 @@ type listenerJob struct {
 
 func (d *Dispatcher) newRunner(parent context.Context) *listenerRunner {
 	ctx, cancel := context.WithCancel(parent)
-	timer := time.NewTimer(d.timeout)
-	timer.Stop()
+	timer := time.NewTimer(time.Hour)
+	timer.Stop() // armed per event with that event's timeout
 	r := &listenerRunner{jobs: make(chan listenerJob), done: make(chan *listenerFailure, 1), ctx: ctx, cancel: cancel, timer: timer}
 	go func() {
 		for j := range r.jobs {
@@ -199,17 +248,21 @@ func (r *listenerRunner) close() {
 	}
 }
 
-// runListeners runs every listener, in order, on the runner's goroutine (the caller's, or one
+// runListeners runs every listener, in order, on the runner's goroutine (the run's, or one
 // for this event) under the per-event timeout. A listener that ignores its context and keeps
 // running past the timeout is abandoned: its goroutine finishes on its own and the event
-// counts as a timeout.
-func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, holder **listenerRunner) (Outcome, FailureClass) {
+// counts as a timeout. Once parent ends no event is handed over; one already handed over may
+// finish within its time, unless the run says to abandon it first.
+func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, run *dispatchRun) (Outcome, FailureClass) {
 	var own *listenerRunner
-	if holder == nil {
-		own = d.newRunner(parent)
-		defer own.close()
-		holder = &own
-	} else if *holder == nil {
+	holder := &own
+	var abandonNow <-chan struct{}
+	if run != nil {
+		holder, abandonNow = &run.runner, run.abandon
+	} else {
+		defer func() { own.close() }() // nil-safe, and skips a runner abandon already closed
+	}
+	if *holder == nil {
 		*holder = d.newRunner(parent)
 	}
 	r := *holder
@@ -217,7 +270,11 @@ func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, hold
 		r.close()
 		*holder = nil
 	}
-	r.timer.Reset(d.timeout)
+	if parent.Err() != nil {
+		return Interrupted, "" // Stop was called while the cache was updated
+	}
+	timeout := d.timeoutFor(run)
+	r.timer.Reset(timeout)
 	defer r.timer.Stop()
 	r.jobs <- listenerJob{WithObserved(r.ctx, Observed{ConsumerID: ev.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID}), ev}
 	select {
@@ -230,19 +287,21 @@ func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, hold
 		default:
 		}
 		abandon()
-		d.log.Warn("observed listener timed out", zap.String("event_id", ev.EventID), zap.Duration("timeout", d.timeout))
+		d.log.Warn("observed listener timed out", zap.String("event_id", ev.EventID), zap.Duration("timeout", timeout))
 		return Failed, FailureListenerTimeout
 	case <-parent.Done():
 	}
 	// The consumer is stopping and the listener's context is cancelled: give the listener the
-	// rest of its time to return, so that an event it did handle is acknowledged.
+	// rest of its time to return, so that an event it did handle is acknowledged, unless the
+	// stop cannot wait that long.
 	select {
 	case f := <-r.done:
 		return d.outcome(parent, ev, f, false)
 	case <-r.timer.C:
-		abandon()
-		return Interrupted, ""
+	case <-abandonNow:
 	}
+	abandon()
+	return Interrupted, ""
 }
 
 // callListeners runs the listeners for one event and returns the first failure (nil when every

@@ -42,7 +42,8 @@
 // listeners with a context marked observed (see WithObserved). The writer hook and the host's
 // writer-owned paths (the delete, its audit row, its mailbox notice) refuse such a context with
 // a *FenceError, so an observer can never repeat the writer's side effects. A process never
-// re-delivers its own writes to its own listeners: its local emitter already told them.
+// re-delivers its own writes to its own listeners (its local emitter already told them), but
+// applies them to its cache like any other.
 //
 // A failing event is not acknowledged: the stream waits for it while its delivery row records
 // attempts, the next attempt time and a failure class (never error text), with a backoff of 1s,
@@ -52,7 +53,12 @@
 //
 // When history is gone (a cursor never positioned, ahead of the head, or below the pruned
 // floor) the consumer reconciles: in one REPEATABLE READ snapshot it reads the head and the
-// live task IDs, replaces its cache's live set and restarts its cursor at that head.
+// live task IDs, replaces its cache's live set, removes again whatever was deleted after the
+// snapshot (the process's own deletes included), and restarts its cursor at that head.
+//
+// Stop is bounded by its context: no event is handed to a listener after it is called, the
+// one in flight may finish and is acknowledged only if it did, and a consumer once stopped
+// cannot be started again (ErrConsumerStopped).
 //
 // # Operations
 //

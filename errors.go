@@ -21,6 +21,11 @@ var (
 	// identity cannot take a lease; un-retiring is a deliberate operator action.
 	ErrConsumerRetired = errors.New("consumer identity is retired")
 
+	// ErrConsumerStopped is returned by Consumer.Start after Stop was called (before Start, or
+	// while Start was still running): a stopped consumer cannot be started again, since
+	// nothing would stop it. Build a new one.
+	ErrConsumerStopped = errors.New("consumer stopped: a stopped consumer cannot be started again")
+
 	// ErrUnknownConsumer means no cursor exists for the (project, consumer) asked about.
 	ErrUnknownConsumer = errors.New("unknown consumer")
 

@@ -29,8 +29,10 @@ var Statements = map[string]string{
 	"countPrunableSQL":    countPrunableSQL,
 	"cursorExistsSQL":     cursorExistsSQL,
 	"deadLettersSQL":      deadLettersSQL,
+	"deletedSinceSQL":     deletedSinceSQL,
 	"deliveryStateSQL":    deliveryStateSQL,
 	"ensureCursorsSQL":    ensureCursorsSQL,
+	"eventAtSQL":          eventAtSQL,
 	"fenceSQL":            fenceSQL,
 	"headSQL":             headSQL,
 	"insertAuditSQL":      insertAuditSQL,
@@ -57,9 +59,17 @@ var Statements = map[string]string{
 	"retireSQL":           retireSQL,
 	"retiredSQL":          retiredSQL,
 	"selectEventByIDSQL":  selectEventByIDSQL,
+	"slowestCursorSQL":    slowestCursorSQL,
 	"sequenceSQL":         sequenceSQL,
 	"statusSQL":           statusSQL,
 	"supersedeRetriesSQL": supersedeRetriesSQL,
 	"upsertDeadSQL":       upsertDeadSQL,
 	"upsertRetryingSQL":   upsertRetryingSQL,
 }
+
+// BeforePruneBatch has a sweep call fn before each batch's transaction, so a test can change
+// the cursors between batches.
+func BeforePruneBatch(r *Retention, fn func(project string)) { r.beforeBatch = fn }
+
+// ScanNow asks a consumer's loop for a full scan, as a poll would.
+func ScanNow(c *Consumer) { c.requestScan() }

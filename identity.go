@@ -14,6 +14,10 @@ import (
 // maxIDLen bounds project, consumer and writer identifiers.
 const maxIDLen = 128
 
+// maxConsumerIDLen leaves room in a lease owner (an identity, "@" and 16 hex digits, checked
+// by the database at maxIDLen) for the per-boot suffix.
+const maxConsumerIDLen = maxIDLen - 17
+
 // idPattern is the form of project and consumer identifiers; the database checks it too.
 var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]*$`)
 
@@ -22,12 +26,16 @@ var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]*$`)
 // hostname, process ID, clock or random source, or a restart would orphan its cursor.
 type ConsumerID string
 
-// ParseConsumerID validates s as a consumer identity: 1 to 128 characters from
-// [A-Za-z0-9._:-], starting with a letter or digit. Surrounding whitespace is an error, not
-// something to trim: a setting that differs from what the operator sees is a trap.
+// ParseConsumerID validates s as a consumer identity: 1 to 111 characters from
+// [A-Za-z0-9._:-], starting with a letter or digit (the lease owner, the ID plus a 17-byte
+// per-boot suffix, must fit 128). Surrounding whitespace is an error, not something to trim:
+// a setting that differs from what the operator sees is a trap.
 func ParseConsumerID(s string) (ConsumerID, error) {
 	if err := checkID("consumer ID", s); err != nil {
 		return "", err
+	}
+	if len(s) > maxConsumerIDLen {
+		return "", fmt.Errorf("consumer ID is %d bytes long, the limit is %d (its lease owner adds 17)", len(s), maxConsumerIDLen)
 	}
 	return ConsumerID(s), nil
 }

@@ -18,6 +18,9 @@ import (
 // process with the same identity) writes nothing. Expiry is judged by the database clock.
 
 type lease struct {
+	// grant numbers this instance's acquisitions. The epoch cannot tell two of them apart: a
+	// restored database hands out an epoch number again.
+	grant    uint64
 	epoch    int64
 	acked    int64     // cursor when acquired; -1 for a cursor never positioned
 	deadline time.Time // local, conservative: the lease is treated as lost after it
@@ -26,8 +29,9 @@ type lease struct {
 // leaseTable is shared by the heartbeat goroutine, which acquires and renews, and the loop,
 // which dispatches only while valid reports true.
 type leaseTable struct {
-	mu   sync.Mutex
-	held map[string]lease
+	mu     sync.Mutex
+	held   map[string]lease
+	grants uint64
 }
 
 func (t *leaseTable) snapshot() map[string]lease {
@@ -59,9 +63,12 @@ func (t *leaseTable) lose(project string, epoch int64) bool {
 	return false
 }
 
+// put records a newly acquired lease under a grant number of its own.
 func (t *leaseTable) put(project string, l lease) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.grants++
+	l.grant = t.grants
 	t.held[project] = l
 }
 

@@ -28,7 +28,7 @@ func metricsConsumer(t *testing.T, url string, id outbox.ConsumerID, cfg outbox.
 	require.NoError(t, store.LoadCache(ctxT(t), "p"))
 	rec := newRecorder()
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache(),
-		Timeout: cfg.WithDefaults().ListenerTimeout, Logger: zaptest.NewLogger(t)})
+		NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: id, Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},
 		Dispatcher: d, LiveTasks: store, Cache: store.Cache(), Metrics: m, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)

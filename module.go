@@ -105,10 +105,9 @@ func provide(p Params) (Result, error) {
 	}
 	p.Lifecycle.Append(fx.Hook{
 		OnStart: runner.Start,
+		// Both bounded by fx's stop context: the consumer first, then the writer's wake-ups.
 		OnStop: func(ctx context.Context) error {
-			err := runner.Stop(ctx)
-			writer.Close()
-			return err
+			return errors.Join(runner.Stop(ctx), writer.Close(ctx))
 		},
 	})
 	res := Result{Writer: writer, Dispatcher: dispatcher, Runner: runner, Retention: retention,

@@ -94,7 +94,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 	// Writer, consumer and retention, all as the project-A runtime role.
 	w, err := outbox.NewWriter(rtA, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	defer w.Close()
+	defer closeWriter(t, w)
 	store := taskstore.New(rtA, taskstore.Options{Writer: w})
 	require.NoError(t, store.LoadCache(ctx, "proj-a"))
 	for _, id := range []string{"t-1", "t-2"} {
@@ -112,7 +112,8 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 
 	cfg := fastConfig()
 	rec := newRecorder()
-	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache()})
+	// The consumer stands for another process of the same role: it observes the writes above.
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache(), NoLocalWriter: true})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: rtA, Config: cfg, Projects: outbox.StaticProjects{"proj-a"},
 		Dispatcher: d, LiveTasks: store, Cache: store.Cache(), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
@@ -41,6 +42,9 @@ func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string
 		if err := c.cache.ReplaceLive(ctx, st.project, live); err != nil {
 			return fmt.Errorf("reconcile: replace cache: %w", err)
 		}
+		if err := c.removeDeletedSince(ctx, st.project, head); err != nil {
+			return err
+		}
 	}
 	err = c.fencedTx(ctx, st, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, reconcileCursorSQL, st.project, c.id, head, reason, c.offset()); err != nil {
@@ -53,7 +57,11 @@ func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string
 		return fmt.Errorf("reconcile: %w", err)
 	}
 	previous := st.acked
-	st.acked, st.position = head, head
+	// Every in-memory position restarts at the head: sequences above it are new events even
+	// if this instance delivered events under those numbers before (a database restored to an
+	// older head reuses them).
+	st.acked, st.position, st.delivered, st.deliveredID, st.checkDelivered = head, head, head, "", false
+	st.blocked = false
 	c.stats.reconciliations.Add(1)
 	c.metrics.reconciled(st.project, string(c.id), reason)
 	fields := []zap.Field{zap.String("project_id", st.project), zap.String("reason", reason),
@@ -62,6 +70,43 @@ func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string
 		c.log.Warn("reconciled the cursor only: no live-task source or cache to rebuild", fields...)
 	} else {
 		c.log.Info("reconciled", fields...)
+	}
+	return nil
+}
+
+// deletedSinceSQL lists the deletions that may have committed after a snapshot whose head was
+// $2: those numbered above it and those not numbered yet (unnumbered rows that committed
+// before the snapshot come too; removing them again is harmless). Two branches, so that each
+// uses its partial index.
+const deletedSinceSQL = `
+SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence > $2
+UNION ALL
+SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence IS NULL`
+
+// removeDeletedSince removes from the cache the tasks deleted after the snapshot whose head
+// was head. The live set just installed is older than those deletes, and the process's own
+// delete path may have removed a task from the cache after the snapshot was taken:
+// ReplaceLive put it back. Every such delete has committed by now (the local path removes a
+// task only after commit), so it is listed here and removed again before anything else reads
+// the reconciled stream. Removal is idempotent; the events are still delivered as usual.
+func (c *Consumer) removeDeletedSince(ctx context.Context, project string, head int64) error {
+	rows, err := c.pool.Query(ctx, deletedSinceSQL, project, head)
+	if err != nil {
+		return fmt.Errorf("reconcile: read deletions since the snapshot: %w", err)
+	}
+	type deletion struct {
+		TaskID    string
+		DeletedAt time.Time
+	}
+	gone, err := pgx.CollectRows(rows, pgx.RowToStructByPos[deletion])
+	if err != nil {
+		return fmt.Errorf("reconcile: read deletions since the snapshot: %w", err)
+	}
+	octx := WithObserved(ctx, Observed{ConsumerID: c.id})
+	for _, d := range gone {
+		if _, err := c.cache.RemoveTask(octx, project, d.TaskID, d.DeletedAt); err != nil {
+			return fmt.Errorf("reconcile: update cache: %w", err)
+		}
 	}
 	return nil
 }

@@ -29,6 +29,8 @@ type Retention struct {
 	cfg     Config
 	log     *zap.Logger
 	metrics *Metrics
+
+	beforeBatch func(project string) // test hook: runs before each batch's transaction
 }
 
 // NewRetention builds the retention sweep.
@@ -94,6 +96,15 @@ FROM lifecycle_outbox_heads h
 LEFT JOIN lifecycle_consumer_cursors c ON c.project_id = h.project_id AND c.retired_at IS NULL
 GROUP BY h.project_id, h.last_sequence, h.pruned_through
 ORDER BY h.project_id`
+
+// slowestCursorSQL is planSQL's "through" for one project, read again inside each batch's
+// transaction: a cursor created or reinstated since the plan was made holds rows back too.
+const slowestCursorSQL = `
+SELECT coalesce(
+    (SELECT min(coalesce(last_acked_sequence, 0)) FROM lifecycle_consumer_cursors
+     WHERE project_id = $1 AND retired_at IS NULL),
+    (SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1),
+    0)`
 
 // prunableWhere selects the rows of project $1 that may go: at or below $2, older than the
 // window ($4 before now shifted by $3), not pointed at by an open delivery of a live consumer.
@@ -221,14 +232,27 @@ func (r *Retention) Sweep(ctx context.Context) (RetentionResult, error) {
 }
 
 // pruneBatch deletes up to limit rows of one project and raises its floor, in one transaction.
+// The plan is a sweep's starting point; each batch re-reads the slowest live cursor, so that
+// one created or reinstated since holds its rows back. (One that appears between that read
+// and the commit finds the raised floor and reconciles.)
 func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, res *RetentionResult) (int64, error) {
 	if p.Through <= 0 {
 		return 0, nil
 	}
+	if r.beforeBatch != nil {
+		r.beforeBatch(p.ProjectID)
+	}
 	started := time.Now()
 	var n, maxSeq int64
 	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
-		if err := tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, p.Through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow, limit).Scan(&n, &maxSeq); err != nil {
+		var through int64
+		if err := tx.QueryRow(ctx, slowestCursorSQL, p.ProjectID).Scan(&through); err != nil {
+			return err
+		}
+		if through <= 0 {
+			return nil
+		}
+		if err := tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow, limit).Scan(&n, &maxSeq); err != nil {
 			return err
 		}
 		if n == 0 {

@@ -267,3 +267,39 @@ func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 	}
 	require.NoError(t, tx.Commit(ctx))
 }
+
+// TestSweepRechecksCursorsInEachBatch: the sweep's plan is computed once, but a cursor created
+// or reinstated while it runs holds rows back from the next batch on: each batch re-reads the
+// slowest live cursor inside its own transaction.
+func TestSweepRechecksCursorsInEachBatch(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	clock := outboxtest.NewFakeClock()
+	w := seedDeletes(t, ctx, db.URL, "p", 12)
+	_, err := outbox.Sequence(ctx, w.pool, nil, 100)
+	require.NoError(t, err)
+	_, err = w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, retired_at, retired_by, retired_reason)
+		VALUES ('p', 'fast', 12, NULL, NULL, NULL), ('p', 'gone', 2, now(), 'oncall', 'FN-1')`)
+	require.NoError(t, err)
+	clock.Advance(month)
+
+	r := newRetention(t, w.pool, outbox.Config{Clock: clock, RetentionBatchSize: 2})
+	batches := 0
+	outbox.BeforePruneBatch(r, func(project string) {
+		batches++
+		switch batches {
+		case 2: // after 1-2 went: a new consumer appears at 5
+			_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'late', 5)`)
+			require.NoError(t, err)
+		case 3: // after 3-4 went: the retired one at 2 is reinstated
+			_, err := w.pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET retired_at = NULL, retired_by = NULL, retired_reason = NULL WHERE consumer_id = 'gone'`)
+			require.NoError(t, err)
+		}
+	})
+	res, err := r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, seq(5, 12), outboxSequences(t, w.pool, "p"), "nothing above a cursor that existed when its batch ran")
+	require.Equal(t, int64(4), res.Pruned())
+	require.Equal(t, int64(4), floorOf(t, w.pool, "p"))
+}

@@ -53,7 +53,7 @@ func TestOneProcessObservingAThousandProjects(t *testing.T) {
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
 		ID: "fleet", Pool: pool, Projects: outbox.StaticProjects(projects),
 		Config:     outbox.Config{PollInterval: time.Second, HeartbeatInterval: time.Second, LeaseTTL: 5 * time.Second},
-		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}}),
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true}),
 		Logger:     zaptest.NewLogger(t),
 	})
 	require.NoError(t, err)

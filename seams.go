@@ -16,6 +16,9 @@ type TaskCache interface {
 	// cached, which the consumer counts as a suppressed re-delivery.
 	RemoveTask(ctx context.Context, projectID, taskID string, deletedAt time.Time) (removed bool, err error)
 	// ReplaceLive makes liveTaskIDs the project's complete live set, dropping every other ID.
+	// The set comes from a reconciliation snapshot, so it may hold a task the host deleted
+	// (and removed from the cache) after the snapshot was taken; the consumer removes every
+	// such task again, through RemoveTask, right after ReplaceLive returns.
 	ReplaceLive(ctx context.Context, projectID string, liveTaskIDs []string) error
 }
 

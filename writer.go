@@ -60,7 +60,9 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 		if db == nil {
 			return nil, errors.New("outbox writer: a database is needed for notifications (or set NotifyDisabled)")
 		}
-		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, gap: cfg.NotifyGap, log: w.log, pending: map[string]struct{}{}}
+		base, cancel := context.WithCancel(context.Background())
+		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, gap: cfg.NotifyGap, log: w.log, pending: map[string]struct{}{},
+			base: base, cancel: cancel}
 	}
 	return w, nil
 }
@@ -152,18 +154,21 @@ func (d TaskDeletion) validate() error {
 
 // Committed tells the writer that a transaction holding events of these projects committed.
 // It never blocks: the wake-up is sent in the background, coalesced per project, and a lost
-// one only costs consumers one poll interval.
+// one only costs consumers one poll interval. After Close it sends nothing.
 func (w *Writer) Committed(projectIDs ...string) {
 	if w.notify != nil {
 		w.notify.enqueue(projectIDs)
 	}
 }
 
-// Close waits for wake-ups in flight to be sent.
-func (w *Writer) Close() {
-	if w.notify != nil {
-		w.notify.wait()
+// Close waits for the wake-ups in flight to be sent, bounded by ctx: when ctx ends first it
+// cancels them and returns ctx's error (consumers then find those events on their next poll).
+// The writer hook keeps recording events after Close; only their wake-ups are no longer sent.
+func (w *Writer) Close(ctx context.Context) error {
+	if w.notify == nil {
+		return nil
 	}
+	return w.notify.close(ctx)
 }
 
 // notifier sends post-commit wake-ups. The first commit after a quiet spell is announced at
@@ -176,9 +181,15 @@ type notifier struct {
 	gap     time.Duration
 	log     *zap.Logger
 
+	// base is the parent of every notification's context. Close cancels it, which abandons
+	// the notifications in flight when Close's own context ends before they are sent.
+	base   context.Context
+	cancel context.CancelFunc
+
 	mu       sync.Mutex
 	pending  map[string]struct{}
 	running  bool
+	closed   bool
 	lastSent time.Time
 	wg       sync.WaitGroup
 }
@@ -191,6 +202,9 @@ const notifySQL = `SELECT set_config('synchronous_commit', 'off', true), pg_noti
 func (n *notifier) enqueue(projects []string) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	if n.closed {
+		return
+	}
 	for _, p := range projects {
 		n.pending[p] = struct{}{}
 	}
@@ -206,14 +220,20 @@ func (n *notifier) flush() {
 	defer n.wg.Done()
 	for {
 		n.mu.Lock()
-		if len(n.pending) == 0 {
+		if len(n.pending) == 0 || n.base.Err() != nil {
+			clear(n.pending) // abandoned by Close: consumers poll for these
 			n.running = false
 			n.mu.Unlock()
 			return
 		}
 		if wait := time.Until(n.lastSent.Add(n.gap)); wait > 0 {
 			n.mu.Unlock()
-			time.Sleep(wait) // commits meanwhile join this notification
+			t := time.NewTimer(wait) // commits meanwhile join this notification
+			select {
+			case <-t.C:
+			case <-n.base.Done():
+				t.Stop()
+			}
 			continue
 		}
 		batch := make([]string, 0, len(n.pending))
@@ -224,7 +244,7 @@ func (n *notifier) flush() {
 		n.lastSent = time.Now()
 		n.mu.Unlock()
 
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ctx, cancel := context.WithTimeout(n.base, 5*time.Second)
 		if _, err := n.db.Exec(ctx, notifySQL, n.channel, batch); err != nil {
 			n.log.Warn("wake-up notification not sent; consumers will find the events on their next poll",
 				zap.Strings("projects", batch), zap.Error(err))
@@ -233,4 +253,18 @@ func (n *notifier) flush() {
 	}
 }
 
-func (n *notifier) wait() { n.wg.Wait() }
+// close refuses further wake-ups and waits for those in flight, bounded by ctx.
+func (n *notifier) close(ctx context.Context) error {
+	n.mu.Lock()
+	n.closed = true
+	n.mu.Unlock()
+	idle := make(chan struct{})
+	go func() { n.wg.Wait(); close(idle) }()
+	defer n.cancel()
+	select {
+	case <-idle:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("close writer: %w", ctx.Err())
+	}
+}

@@ -19,11 +19,19 @@ import (
 	"fusion/outbox/internal/pgtest"
 )
 
+// closeWriter closes w within a bound, as a host's stop path would.
+func closeWriter(t *testing.T, w *outbox.Writer) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, w.Close(ctx))
+}
+
 func newWriter(t *testing.T, pool *pgxpool.Pool, cfg outbox.Config) *outbox.Writer {
 	t.Helper()
 	w, err := outbox.NewWriter(pool, cfg, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	t.Cleanup(w.Close)
+	t.Cleanup(func() { closeWriter(t, w) })
 	return w
 }
 
@@ -437,7 +445,7 @@ func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
 		_, err := store.Delete(ctx, "proj-n", id)
 		require.NoError(t, err)
 	}
-	w.Close() // every wake-up in flight has been sent
+	require.NoError(t, w.Close(ctx)) // every wake-up in flight has been sent
 
 	got := 0
 	for {

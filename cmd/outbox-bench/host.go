@@ -113,6 +113,15 @@ func newHost(pool *pgxpool.Pool, withOutbox, notify bool) (*taskstore.Store, *ou
 	return taskstore.New(pool, taskstore.Options{Writer: w}), w, nil
 }
 
+// closeWriter returns a stop for w, bounded like the bench's other stop paths.
+func closeWriter(w *outbox.Writer) func() {
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = w.Close(ctx)
+	}
+}
+
 // deleteJob is one delete: a task of a project.
 type deleteJob struct{ project, task string }
 
@@ -230,7 +239,8 @@ func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsume
 	}
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
 		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
-		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache}),
+		// A separate process that records no events.
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache, NoLocalWriter: true}),
 		LiveTasks:  s.live, Cache: s.cache,
 	})
 	if err != nil {

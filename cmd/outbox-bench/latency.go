@@ -70,7 +70,7 @@ func runLatency(ctx context.Context, env *Env, o latencyOpts) (latencyResult, er
 	if err != nil {
 		return res, err
 	}
-	defer w.Close()
+	defer closeWriter(w)()
 
 	arr := newArrivals()
 	c, err := startConsumer(ctx, db, consumerSpec{id: consumer, projects: []string{project}, listeners: []outbox.Listener{arr.listener()}})

@@ -110,7 +110,7 @@ func rawDelete(extra int) sideSetup {
 				}
 				return nil
 			})
-		}, w.Close, nil
+		}, closeWriter(w), nil
 	}
 }
 

@@ -102,7 +102,7 @@ func runOOO(ctx context.Context, env *Env, o oooOpts, which string) (oooResult, 
 	if err != nil {
 		return res, err
 	}
-	defer w.Close()
+	defer closeWriter(w)()
 	arr := newArrivals()
 	c, err := startConsumer(ctx, db, consumerSpec{id: consumer, projects: []string{projectA, projectB}, listeners: []outbox.Listener{arr.listener()}})
 	if err != nil {

@@ -81,7 +81,7 @@ func runRetention(ctx context.Context, env *Env, o retentionOpts) (retentionResu
 	if err != nil {
 		return res, err
 	}
-	defer w.Close()
+	defer closeWriter(w)()
 	ret, err := outbox.NewRetention(pool, cfg, nil, nil)
 	if err != nil {
 		return res, fmt.Errorf("new retention: %w", err)

@@ -98,7 +98,7 @@ func runWrite(ctx context.Context, env *Env, o writeOpts) (writeResult, error) {
 			if w == nil {
 				return hostDelete(store), nil, nil
 			}
-			return hostDelete(store), w.Close, nil
+			return hostDelete(store), closeWriter(w), nil
 		}
 	}
 	base, err := newSide(ctx, env, "write_baseline", o.writers, o.events, o.projects, host(false))

@@ -37,6 +37,15 @@ func demoOutbox() outbox.Config {
 }
 
 func runChild(args []string) error {
+	// The stop signal's handler comes before anything else and stays until the process exits:
+	// a child told to stop while it is still starting stops cleanly instead of dying of the
+	// signal's default action.
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+	go func() { <-sig; stop() }()
+
 	if len(args) == 0 {
 		return errors.New("child: missing role")
 	}
@@ -63,19 +72,40 @@ func runChild(args []string) error {
 
 	switch args[0] {
 	case "writer":
-		return runWriter(host, log, *count, *rate)
+		return runWriter(ctx, host, log, *count, *rate)
 	case "observer":
 		al, err := openAppliedLog(*applied, *poison, *fixed)
 		if err != nil {
 			return err
 		}
 		defer al.close()
-		return runObserver(host, log, al)
+		return runObserver(ctx, host, log, al)
 	}
 	return fmt.Errorf("child: unknown role %q", args[0])
 }
 
-func runObserver(host taskstore.HostConfig, log *zap.Logger, al *appliedLog) error {
+// startApp starts app within 30s; when ctx ends first (the child was told to stop) it undoes
+// what started and reports stopped.
+func startApp(ctx context.Context, app *fx.App) (stopped bool, err error) {
+	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	err = app.Start(startCtx)
+	if err == nil {
+		return false, nil
+	}
+	if ctx.Err() != nil {
+		return true, stopApp(app)
+	}
+	return false, err
+}
+
+func stopApp(app *fx.App) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	return app.Stop(ctx)
+}
+
+func runObserver(ctx context.Context, host taskstore.HostConfig, log *zap.Logger, al *appliedLog) error {
 	var runner *outbox.Runner
 	app := fx.New(
 		outbox.Module,
@@ -85,27 +115,19 @@ func runObserver(host taskstore.HostConfig, log *zap.Logger, al *appliedLog) err
 		fx.Populate(&runner),
 		fx.NopLogger,
 	)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := app.Start(ctx); err != nil {
+	if stopped, err := startApp(ctx, app); stopped || err != nil {
 		return err
 	}
 	fmt.Printf("ready: observing as %s (state %s)\n", host.SettingsScope, runner.State())
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
-	<-sig
-	stopCtx, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancelStop()
-	return app.Stop(stopCtx)
+	<-ctx.Done()
+	return stopApp(app)
 }
 
-func runWriter(host taskstore.HostConfig, log *zap.Logger, count int, rate float64) error {
+func runWriter(ctx context.Context, host taskstore.HostConfig, log *zap.Logger, count int, rate float64) error {
 	var store *taskstore.Store
 	var runner *outbox.Runner
 	app := fx.New(outbox.Module, taskstore.Module, fx.Supply(host, log), fx.Populate(&store, &runner), fx.NopLogger)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := app.Start(ctx); err != nil {
+	if stopped, err := startApp(ctx, app); stopped || err != nil {
 		return err
 	}
 	fmt.Printf("ready: writing (consumer state %s)\n", runner.State())
@@ -115,7 +137,11 @@ func runWriter(host taskstore.HostConfig, log *zap.Logger, count int, rate float
 	done := 0
 	for i := 1; i <= count; i++ {
 		for _, p := range host.Projects {
-			<-tick.C
+			select {
+			case <-ctx.Done():
+				return stopApp(app)
+			case <-tick.C:
+			}
 			if _, err := store.Delete(context.Background(), p, fmt.Sprintf("t-%d", i)); err != nil {
 				return fmt.Errorf("delete %s/t-%d: %w", p, i, err)
 			}
@@ -124,9 +150,7 @@ func runWriter(host taskstore.HostConfig, log *zap.Logger, count int, rate float
 			}
 		}
 	}
-	stopCtx, cancelStop := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancelStop()
-	return app.Stop(stopCtx)
+	return stopApp(app)
 }
 
 // appliedLog is the demo observer's idempotent listener. It applies each deletion once and

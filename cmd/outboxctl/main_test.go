@@ -189,8 +189,9 @@ func startConsumer(t *testing.T, url string, id outbox.ConsumerID, projects []st
 	log := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
 	p := &consumerProc{fail: fail}
 	cfg := consumerConfig(maxAttempts)
+	cfg.ListenerTimeout = 5 * time.Second
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{outbox.ListenerFunc("probe", p.handle)},
-		Cache: store.Cache(), Timeout: 5 * time.Second, Logger: log})
+		Cache: store.Cache(), NoLocalWriter: true, Logger: log})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: id, Pool: pool, Config: cfg, Projects: outbox.StaticProjects(projects),
 		Dispatcher: d, LiveTasks: store, Cache: store.Cache(), Logger: log})
 	require.NoError(t, err)
@@ -253,7 +254,7 @@ func newFixture(t *testing.T) *fixture {
 	pool := pgtest.Pool(t, db.URL)
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
 	require.NoError(t, err)
-	t.Cleanup(w.Close)
+	t.Cleanup(func() { require.NoError(t, w.Close(context.Background())) })
 	store := taskstore.New(pool, taskstore.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "alpha", "t", 5)
 	require.NoError(t, err)

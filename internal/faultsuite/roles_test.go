@@ -52,6 +52,15 @@ func faultConfig() outbox.Config {
 }
 
 func runRole(role string) int {
+	// The stop signal's handler comes before anything else, and stays until the process exits:
+	// a child told to stop at any moment (start-up included, which may wait out a PostgreSQL
+	// restart) stops cleanly instead of dying of the signal's default action.
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+	go func() { <-sig; stop() }()
+
 	var args roleArgs
 	b, err := os.ReadFile(os.Getenv("FAULTSUITE_ARGS_FILE"))
 	if err == nil {
@@ -64,11 +73,15 @@ func runRole(role string) int {
 	log, _ := zap.NewDevelopment(zap.IncreaseLevel(zap.InfoLevel))
 	switch role {
 	case "writer":
-		err = runWriter(args, log)
+		err = runWriter(ctx, args, log)
 	case "observer":
-		err = runObserver(args, log)
+		err = runObserver(ctx, args, log)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
+	}
+	if errors.Is(err, errStoppedStarting) {
+		fmt.Fprintf(os.Stderr, "faultsuite child %s: %v\n", args.Name, err)
+		return 0
 	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "faultsuite child %s: %v\n", args.Name, err)
@@ -94,14 +107,18 @@ func hostConfig(a roleArgs) taskstore.HostConfig {
 		Actor: a.Name, Outbox: faultConfig(), SweepInterval: time.Hour}
 }
 
+// errStoppedStarting means the child was told to stop while it was starting: a clean exit.
+var errStoppedStarting = errors.New("stopped during start-up")
+
 // startApp starts app, retrying while the database is restarting: a child that happens to
-// boot during a PostgreSQL restart waits for it rather than dying.
-func startApp(newApp func() *fx.App) (*fx.App, error) {
+// boot during a PostgreSQL restart waits for it rather than dying. ctx ends when the child is
+// told to stop; start-up then gives up at once with errStoppedStarting.
+func startApp(ctx context.Context, newApp func() *fx.App) (*fx.App, error) {
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		app := newApp()
-		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-		err := app.Start(ctx)
+		startCtx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		err := app.Start(startCtx)
 		cancel()
 		if err == nil {
 			return app, nil
@@ -109,18 +126,19 @@ func startApp(newApp func() *fx.App) (*fx.App, error) {
 		stopCtx, cancelStop := context.WithTimeout(context.Background(), 5*time.Second)
 		_ = app.Stop(stopCtx)
 		cancelStop()
+		if ctx.Err() != nil {
+			return nil, errStoppedStarting
+		}
 		var connErr *pgconn.ConnectError
 		if !errors.As(err, &connErr) || time.Now().After(deadline) {
 			return nil, err
 		}
-		time.Sleep(500 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			return nil, errStoppedStarting
+		case <-time.After(500 * time.Millisecond):
+		}
 	}
-}
-
-func waitForSignal() {
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
-	<-sig
 }
 
 func stopApp(app *fx.App) error {
@@ -133,24 +151,26 @@ func stopApp(app *fx.App) error {
 // retrying a delete until it is known to be done: a delete whose commit raced a dropped
 // connection is simply found already deleted. A restarted writer walks past the tasks it
 // already deleted without waiting for its rate.
-func runWriter(a roleArgs, log *zap.Logger) error {
+func runWriter(ctx context.Context, a roleArgs, log *zap.Logger) error {
 	var store *taskstore.Store
-	app, err := startApp(func() *fx.App {
+	app, err := startApp(ctx, func() *fx.App {
 		return fx.New(outbox.Module, taskstore.Module, fx.Supply(hostConfig(a), log), fx.Populate(&store), fx.NopLogger)
 	})
 	if err != nil {
 		return err
 	}
 	fmt.Println("ready")
-	stop := make(chan os.Signal, 1)
-	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
 	tick := time.NewTicker(time.Duration(float64(time.Second) / a.Rate))
 	defer tick.Stop()
 	for _, pt := range a.Tasks {
+		if ctx.Err() != nil {
+			return stopApp(app) // told to stop while walking past tasks deleted before a restart
+		}
 		project, task := splitTask(pt)
 		for {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			res, err := store.Delete(ctx, project, task)
+			// Not ctx: a delete under way finishes even when the writer is told to stop.
+			delCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			res, err := store.Delete(delCtx, project, task)
 			cancel()
 			if err == nil && !res.Deleted {
 				break // deleted before: by this writer before a restart, or by another
@@ -159,7 +179,7 @@ func runWriter(a roleArgs, log *zap.Logger) error {
 				fmt.Printf("retry %s: %v\n", pt, err)
 			}
 			select {
-			case <-stop:
+			case <-ctx.Done():
 				return stopApp(app)
 			case <-tick.C:
 			}
@@ -169,7 +189,7 @@ func runWriter(a roleArgs, log *zap.Logger) error {
 		}
 	}
 	fmt.Println("done")
-	waitForSignal()
+	<-ctx.Done()
 	return stopApp(app)
 }
 
@@ -252,13 +272,13 @@ func (l *applyLog) HandleObserved(ctx context.Context, ev outbox.ObservedEvent) 
 }
 
 // runObserver runs a consumer whose listener is the apply log, and prints its stats.
-func runObserver(a roleArgs, log *zap.Logger) error {
+func runObserver(ctx context.Context, a roleArgs, log *zap.Logger) error {
 	al, err := openApplyLog(a.Log, a.Failing)
 	if err != nil {
 		return err
 	}
 	var runner *outbox.Runner
-	app, err := startApp(func() *fx.App {
+	app, err := startApp(ctx, func() *fx.App {
 		return fx.New(outbox.Module, taskstore.Module, fx.Supply(hostConfig(a), log),
 			// The listener gets the store before anything starts: the consumer may deliver at once.
 			fx.Provide(outbox.AsListener(func(s *taskstore.Store) outbox.Listener { al.store = s; return al })),
@@ -286,7 +306,7 @@ func runObserver(a roleArgs, log *zap.Logger) error {
 			}
 		}
 	}()
-	waitForSignal()
+	<-ctx.Done()
 	close(done)
 	return stopApp(app)
 }

@@ -1,0 +1,170 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap/zaptest"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+)
+
+// quietConfig scans once at start and then only when a test asks (outbox.ScanNow): no
+// notifications, an hour between polls.
+func quietConfig() outbox.Config {
+	cfg := fastConfig()
+	cfg.PollInterval = time.Hour
+	cfg.NotifyDisabled = true
+	return cfg
+}
+
+// newConsumerWithLive builds a consumer for p whose reconciliation reads live tasks from live.
+func newConsumerWithLive(t *testing.T, p *process, id outbox.ConsumerID, projects []string, cfg outbox.Config, live outbox.LiveTasks) *outbox.Consumer {
+	t.Helper()
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{
+		Listeners: []outbox.Listener{p.rec}, Cache: p.store.Cache(), SelfWriterID: p.writer.ProcessID(), Logger: zaptest.NewLogger(t),
+	})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
+		ID: id, Pool: p.pool, Config: cfg, Projects: outbox.StaticProjects(projects), Dispatcher: d,
+		LiveTasks: live, Cache: p.store.Cache(), Audit: p.store, Logger: zaptest.NewLogger(t),
+	})
+	require.NoError(t, err)
+	return c
+}
+
+// TestOwnEventsReachTheCache: a process's own event skips its listeners (its local emitter
+// told them) but is still applied to its cache, which may have been rebuilt from a snapshot
+// older than the delete.
+func TestOwnEventsReachTheCache(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	proc := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
+	_, err := proc.store.CreateMany(ctx, "p", "t", 3)
+	require.NoError(t, err)
+	_, err = proc.store.Delete(ctx, "p", "t-2")
+	require.NoError(t, err)
+	// The cache holds t-2 again, as a rebuild from an older snapshot would leave it.
+	require.NoError(t, proc.store.Cache().ReplaceLive(ctx, "p", []string{"t-1", "t-2", "t-3"}))
+
+	proc.start(t)
+	waitCursor(t, ctx, proc.pool, "p", "engine", 1)
+	require.False(t, proc.store.Cache().Has("p", "t-2"), "the own event was applied to the cache")
+	require.Empty(t, proc.rec.snapshot(), "and not delivered to the process's own listeners")
+	require.Equal(t, int64(1), proc.consumer.Stats().Own)
+}
+
+// TestReconciliationDoesNotResurrectAnOwnDeletion interleaves, deterministically, a
+// reconciliation with a delete made by the same process: the delete commits (and the store
+// drops the task from the shared cache) after the reconciliation's snapshot was taken and
+// before its live set replaces the cache. The task must not come back, not even until the
+// event is dispatched: the consumer here scans once and then only when told to.
+func TestReconciliationDoesNotResurrectAnOwnDeletion(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	other := seedDeletes(t, ctx, db.URL, "p", 4) // history the new cursor will not replay
+	_, err := other.store.CreateMany(ctx, "p", "live", 3)
+	require.NoError(t, err)
+
+	cfg := quietConfig()
+	cfg.NewCursor = outbox.NewCursorReconcile
+	proc := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg, noStart: true})
+	require.True(t, proc.store.Cache().Has("p", "live-2"))
+	deleted := make(chan error, 1)
+	proc.consumer = newConsumerWithLive(t, proc, "engine", []string{"p"}, cfg, &racingLiveTasks{inner: proc.store, during: func() {
+		// The snapshot (head 4, live-2 live) is open; this process deletes live-2 and, after
+		// commit, removes it from its cache.
+		_, err := proc.store.Delete(ctx, "p", "live-2")
+		deleted <- err
+	}})
+	proc.start(t)
+	require.NoError(t, <-deleted)
+	waitCursor(t, ctx, proc.pool, "p", "engine", 4) // reconciled at the snapshot's head
+	require.Equal(t, int64(1), proc.consumer.Stats().Reconciliations)
+	require.Equal(t, []string{"live-1", "live-3"}, proc.store.Cache().Live("p"),
+		"the reconciliation did not put back a task deleted after its snapshot")
+
+	// The delete's own event, above the reconciled head, is applied and not re-delivered.
+	outbox.ScanNow(proc.consumer)
+	waitCursor(t, ctx, proc.pool, "p", "engine", 5)
+	require.Equal(t, []string{"live-1", "live-3"}, proc.store.Cache().Live("p"))
+	require.Empty(t, proc.rec.snapshot())
+	require.Equal(t, int64(1), proc.consumer.Stats().Own)
+}
+
+// TestRestoredDatabaseDoesNotSuppressNewEvents: a restore moves the project's head back
+// under a running consumer. Whatever the consumer does about it (reconcile because its cursor
+// is ahead of the head, or take a new lease on a restored cursor), new deletions that reuse
+// the sequences above the restored head are new events, not re-deliveries.
+func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(ctxT(t), 30*time.Second)
+	t.Cleanup(cancel) // the subtests run after this function returns
+
+	// setup delivers 6 deletions to a running consumer and then "restores" the outbox to a
+	// backup taken at head 3: the rows above it and the head go back.
+	setup := func(t *testing.T) (*process, *process) {
+		db := pgtest.NewDB(t)
+		w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
+		_, err := w.store.CreateMany(ctx, "p", "t", 9)
+		require.NoError(t, err)
+		obs := startProcess(t, db.URL, processOpts{id: "dash", projects: []string{"p"}, cfg: fastConfig()})
+		for i := 1; i <= 6; i++ {
+			_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+			require.NoError(t, err)
+		}
+		obs.rec.waitCount(t, ctx, 6)
+		waitCursor(t, ctx, w.pool, "p", "dash", 6)
+		_, err = w.pool.Exec(ctx, `DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence > 3`)
+		require.NoError(t, err)
+		_, err = w.pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 3 WHERE project_id = 'p'`)
+		require.NoError(t, err)
+		return w, obs
+	}
+	deleteNew := func(t *testing.T, w *process) {
+		for i := 7; i <= 9; i++ {
+			_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+			require.NoError(t, err)
+		}
+	}
+	requireNewOnes := func(t *testing.T, obs *process) {
+		evs := obs.rec.waitCount(t, ctx, 9)
+		var tasks []string
+		for _, ev := range evs[6:] {
+			tasks = append(tasks, ev.TaskID)
+		}
+		require.Equal(t, []string{"t-7", "t-8", "t-9"}, tasks, "the new deletions reached the listener")
+		for _, id := range tasks {
+			require.False(t, obs.store.Cache().Has("p", id), "and the cache")
+		}
+	}
+
+	t.Run("the cursor is ahead of the head: reconcile", func(t *testing.T) {
+		t.Parallel()
+		w, obs := setup(t)
+		outbox.ScanNow(obs.consumer)
+		waitCursor(t, ctx, w.pool, "p", "dash", 3)
+		require.Equal(t, int64(1), obs.consumer.Stats().Reconciliations)
+		deleteNew(t, w)
+		requireNewOnes(t, obs)
+		waitCursor(t, ctx, w.pool, "p", "dash", 6)
+	})
+
+	t.Run("the cursor was restored too: a new lease", func(t *testing.T) {
+		t.Parallel()
+		w, obs := setup(t)
+		// The backup's cursor row: at 3, under the previous (expired) lease. Taking it again
+		// gives the consumer the epoch number it holds now.
+		_, err := w.pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 3, lease_owner = 'dash@0000000000000000',
+			lease_expires_at = now() - interval '1 hour', lease_epoch = lease_epoch - 1 WHERE project_id = 'p' AND consumer_id = 'dash'`)
+		require.NoError(t, err)
+		deleteNew(t, w)
+		requireNewOnes(t, obs)
+		waitCursor(t, ctx, w.pool, "p", "dash", 6)
+	})
+}
