@@ -28,6 +28,9 @@ type HostConfig struct {
 	SettingsScope string
 	// HTTPAddr serves /events (SSE), /metrics and /healthz when set, e.g. "127.0.0.1:8080".
 	HTTPAddr string
+	// SSE configures the event stream at /events: its limits, its Authorize hook. The host
+	// fills in the pool, the projects (Projects above, unless set) and the logger.
+	SSE outbox.SSEOptions
 	// SweepInterval is the self-healing schedule. Defaults to 10m.
 	SweepInterval time.Duration
 	// Actor names this process in audit rows.
@@ -55,7 +58,7 @@ var Module = fx.Module("taskstore",
 		func(s *Store) outbox.AuditSink { return s },
 		newRegistry,
 		func(r *prometheus.Registry) prometheus.Registerer { return r },
-		func(log *zap.Logger) *outbox.SSEHandler { return outbox.NewSSEHandler(outbox.SSEOptions{Logger: log}) },
+		newSSE,
 		outbox.AsListener(func(h *outbox.SSEHandler) *outbox.SSEHandler { return h }),
 		outbox.AsListener(NewBusBridge),
 		newSelfHealing,
@@ -128,10 +131,23 @@ func NewBusBridge(s *Store) outbox.Listener {
 	})
 }
 
+// newSSE builds the event stream on the host's pool, projects and logger.
+func newSSE(pool *pgxpool.Pool, c HostConfig, projects outbox.Projects, log *zap.Logger) (*outbox.SSEHandler, error) {
+	o := c.SSE
+	o.Pool = pool
+	if o.Projects == nil {
+		o.Projects = projects
+	}
+	if o.Logger == nil {
+		o.Logger = log
+	}
+	return outbox.NewSSEHandler(o)
+}
+
 // serveHTTP serves the event stream, the metrics and a health check when HTTPAddr is set.
-func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, reg *prometheus.Registry, runner *outbox.Runner, log *zap.Logger) {
+func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, reg *prometheus.Registry, runner *outbox.Runner, log *zap.Logger) error {
 	if c.HTTPAddr == "" {
-		return
+		return nil
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/events", sse)
@@ -139,7 +155,10 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, reg *prome
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintf(w, "ok %s\n", runner.State())
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	// Header and idle timeouts bound what a client that opens connections and sends nothing
+	// costs. No write timeout: event streams are long-lived, and the SSE handler bounds each
+	// write of its own.
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 64 << 10}
 	lc.Append(fx.Hook{
 		OnStart: func(context.Context) error {
 			ln, err := net.Listen("tcp", c.HTTPAddr)
@@ -159,4 +178,5 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, reg *prome
 			return srv.Shutdown(ctx)
 		},
 	})
+	return nil
 }
