@@ -12,7 +12,7 @@ test: deps lint
 	CI=$${CI:-false} $(GO) test -race -count=1 -timeout 25m ./...
 
 demo: postgres
-	$(GO) run ./cmd/outbox-demo
+	$(GO) run ./cmd/outbox-demo $(DEMO_FLAGS)
 
 bench: postgres
 	$(GO) run ./cmd/outbox-bench all
