@@ -508,3 +508,31 @@ func readDeletions(resp *http.Response, fn func(deletion) (done bool, err error)
 	}
 	return fmt.Errorf("stream ended: %v", sc.Err())
 }
+
+// TestSSEFillsInTheProcessOwnDeletions: a process's consumer does not hand the process's own
+// deletions to its own listeners (its local emitter already told them), so the stream never
+// sees them live; it reads them from the outbox when the next observed event shows the gap,
+// and its clients still get every deletion, in order.
+func TestSSEFillsInTheProcessOwnDeletions(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	sse := newSSE(t, pool, []string{"p"}, nil)
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
+	self := startProcess(t, db.URL, processOpts{id: "web", projects: []string{"p"}, cfg: fastConfig(), listeners: []outbox.Listener{sse}})
+	_, err := self.store.CreateMany(ctx, "p", "t", 10)
+	require.NoError(t, err)
+
+	client, _ := openStream(t, ctx, srv.URL+"?project=p", "")
+	defer client.close()
+	deleteTasks(t, ctx, other, "p", 1, 2) // observed: 1, 2
+	client.expectDeletions(t, ctx, "p", 1, 2)
+	deleteTasks(t, ctx, self, "p", 3, 5) // this process's own: 3, 4, 5
+	waitCursor(t, ctx, pool, "p", "web", 5)
+	deleteTasks(t, ctx, other, "p", 6, 6) // observed again: the stream sees 6 after 2
+	client.expectDeletions(t, ctx, "p", 3, 6)
+	require.Equal(t, int64(3), self.consumer.Stats().Own)
+}
