@@ -389,7 +389,8 @@ func flashFrom(q url.Values) *opsFlash {
 	return nil
 }
 
-// opsWhen renders a time as UTC with how long ago (or ahead) it is.
+// opsWhen renders a time as UTC with how long ago (or ahead) it is; the date only when it is
+// not within a day, so that the tables stay narrow.
 func opsWhen(t *time.Time) string {
 	if t == nil {
 		return "—"
@@ -399,5 +400,9 @@ func opsWhen(t *time.Time) string {
 	if d <= 0 {
 		rel = (-d).String() + " ago"
 	}
-	return t.UTC().Format("2006-01-02 15:04:05Z") + " (" + rel + ")"
+	layout := "15:04:05Z"
+	if d > 24*time.Hour || d < -24*time.Hour {
+		layout = "2006-01-02 15:04Z"
+	}
+	return t.UTC().Format(layout) + " (" + rel + ")"
 }

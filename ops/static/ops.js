@@ -63,7 +63,7 @@
     [ev.projectId, String(ev.sequence), ev.taskId, ev.deletedAt, ev.priorColumn || '', ev.writerProcessId].forEach(function (t) { cell(tr, t); });
     rows.insertBefore(tr, rows.firstChild);
     setTimeout(function () { tr.className = ''; }, 1500);
-    while (rows.children.length > 50) { rows.removeChild(rows.lastChild); }
+    while (rows.children.length > 30) { rows.removeChild(rows.lastChild); }
   });
   es.addEventListener('reset', function (m) {
     var r = JSON.parse(m.data);
