@@ -228,8 +228,12 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 	phase1 := struct{ ring, outbox int64 }{ring.ReplayedFromRing - before.ReplayedFromRing, ring.ReplayedFromOutbox - before.ReplayedFromOutbox}
 
 	// 2. The host's process stops, its HTTP listener with it, mid-stream. 70 deletions while it
-	// is down; a new process of the host starts on the same address, with an empty ring.
+	// is down; a new process of the host starts on the same address, with an empty ring. The
+	// proxy holds the browser back until the new process has observed them all, so that they
+	// are all replayed (rather than some sent live, which would be as correct but make the
+	// figures depend on timing).
 	host.stop(t)
+	proxy.down()
 	deleteTasks(t, ctx, writer, "alpha", 51, 100)
 	deleteTasks(t, ctx, writer, "beta", 21, 40)
 	var sse2 *outbox.SSEHandler
@@ -238,6 +242,9 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 		fastSSE(c)
 		c.SSE.RingSize = 16
 	}, fx.Populate(&sse2))
+	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 100)
+	waitCursor(t, ctx, writer.pool, "beta", "dashboard", 40)
+	proxy.up(t)
 	waitPage(t, browser, "the 70 deletions made while the host was down", "window.rec.events.length === 140")
 	phase2 := sse2.Stats()
 
@@ -256,6 +263,7 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 	require.Equal(t, map[int]int{1: 30, 2: 40, 3: 75}, perConn)
 	require.Equal(t, int64(40), phase1.ring+phase1.outbox)
 	require.Equal(t, int64(70), phase2.ReplayedFromRing+phase2.ReplayedFromOutbox)
+	require.Equal(t, int64(16+16), phase2.ReplayedFromRing, "the last 16 of each project, from the new process's ring")
 	t.Logf("resume figures: dropped connection: missed while disconnected 40, replayed on resume %d (ring %d, outbox %d); "+
 		"host process restarted: missed 70, replayed on resume %d (ring %d, outbox %d); live after: 5; "+
 		"page saw %d events over %d connections, duplicates 0, gaps 0, resets 0; browser error events %d",

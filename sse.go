@@ -237,7 +237,8 @@ func (h *SSEHandler) logLocked(project string) *projectLog {
 // Clients is the number of connected clients.
 func (h *SSEHandler) Clients() int { return int(h.clients.Load()) }
 
-// Close ends every stream; new requests get 503.
+// Close ends every stream; a request after it gets an empty stream that tells the browser to
+// reconnect after the retry delay (to the process that replaces this one).
 func (h *SSEHandler) Close() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -269,6 +270,10 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer h.clients.Add(-1)
+	if h.isClosed() {
+		h.closing(w)
+		return
+	}
 	ctx := r.Context()
 	for _, p := range projects {
 		if err := h.ensureKnown(ctx, p); err != nil {
@@ -279,7 +284,7 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	c, resumed, ok := h.attach(projects, r.Header.Get("Last-Event-ID"))
 	if !ok {
-		http.Error(w, "shutting down", http.StatusServiceUnavailable)
+		h.closing(w)
 		return
 	}
 	defer h.detach(c)
@@ -325,6 +330,22 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+}
+
+func (h *SSEHandler) isClosed() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.closed
+}
+
+// closing answers a request that arrives while the handler shuts down: an empty stream with
+// the retry delay, not an error status, because an EventSource given any status but 200
+// gives up for good, while one whose stream ends reconnects (to the next process) by itself.
+func (h *SSEHandler) closing(w http.ResponseWriter) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	_, _ = fmt.Fprintf(w, "retry: %d\n: shutting down; reconnect\n\n", h.cfg.Retry.Milliseconds())
 }
 
 // streamProjects is the sorted project list of a request, or an HTTP status and message.

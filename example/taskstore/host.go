@@ -186,7 +186,10 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, admin *out
 			return nil
 		},
 		OnStop: func(ctx context.Context) error {
-			sse.Close()
+			// Shutdown closes the listener first and then ends the event streams, so that a
+			// browser reconnecting meanwhile finds no listener (and retries) rather than a
+			// closing stream handler.
+			srv.RegisterOnShutdown(sse.Close)
 			return srv.Shutdown(ctx)
 		},
 	})
