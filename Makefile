@@ -6,13 +6,13 @@ GOBIN := $(shell $(GO) env GOPATH)/bin
 STATICCHECK := $(GOBIN)/staticcheck
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: test demo bench soak fuzz lint deps postgres staticcheck
+.PHONY: test demo bench soak fuzz lint deps postgres chromium staticcheck
 
 test: deps lint
 	CI=$${CI:-false} $(GO) test -race -count=1 -timeout 25m ./...
 
 demo: postgres
-	$(GO) run ./cmd/outbox-demo
+	$(GO) run ./cmd/outbox-demo $(DEMO_FLAGS)
 
 bench: postgres
 	$(GO) run ./cmd/outbox-bench all
@@ -28,6 +28,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzParseEventID$$' -fuzztime $(FUZZTIME) .
 	$(GO) test -run '^$$' -fuzz '^FuzzParseWakePayload$$' -fuzztime $(FUZZTIME) .
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeEvent$$' -fuzztime $(FUZZTIME) .
+	$(GO) test -run '^$$' -fuzz '^FuzzParseStreamID$$' -fuzztime $(FUZZTIME) .
 
 lint: staticcheck
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
@@ -35,7 +36,7 @@ lint: staticcheck
 	$(GO) vet ./...
 	$(STATICCHECK) ./...
 
-deps: postgres staticcheck
+deps: postgres chromium staticcheck
 
 staticcheck:
 	@[ -x $(STATICCHECK) ] || $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
@@ -49,4 +50,15 @@ postgres:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null; \
 	else \
 	  echo "the PostgreSQL server binaries are missing: sudo apt-get install postgresql (or set TEST_DATABASE_URL)"; exit 1; \
+	fi
+
+# The browser tests drive Debian's Chromium headless (with CI=true they fail rather than skip
+# without it); install it when it is missing.
+chromium:
+	@if [ -x /usr/bin/chromium ] || [ -n "$$CHROMIUM" ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Chromium for the browser tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+	else \
+	  echo "Chromium is missing: sudo apt-get install chromium (or set CHROMIUM to a Chrome binary)"; exit 1; \
 	fi

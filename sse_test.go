@@ -5,21 +5,55 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 )
 
-// stalledWriter is an http.ResponseWriter whose client never reads: every write blocks
-// until released, as a browser on a dead connection would make it.
+// seedEvents writes n sequenced events into project straight into the outbox, as many
+// writers would have: what a freshly started stream handler finds there.
+func seedEvents(t *testing.T, pool *pgxpool.Pool, project string, n int) {
+	t.Helper()
+	ctx := ctxT(t)
+	_, err := pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT $1, 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, $2) g`, project, n)
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, pool, []string{project}, 10000)
+	require.NoError(t, err)
+}
+
+// newSSE builds a stream handler over pool serving projects.
+func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*outbox.SSEOptions)) *outbox.SSEHandler {
+	t.Helper()
+	opts := outbox.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond}
+	if tweak != nil {
+		tweak(&opts)
+	}
+	h, err := outbox.NewSSEHandler(opts)
+	require.NoError(t, err)
+	t.Cleanup(h.Close)
+	return h
+}
+
+// stalledWriter is an http.ResponseWriter whose client never reads: every write blocks until
+// released, as a browser on a dead connection would make it. It supports neither write
+// deadlines nor hijacking.
 type stalledWriter struct {
 	header  http.Header
 	blocked chan struct{}
@@ -40,53 +74,60 @@ func (w *stalledWriter) Write(b []byte) (int, error) {
 	return len(b), nil
 }
 
-// readEvents reads SSE frames from a real HTTP response and sends each data payload.
-func readEvents(t *testing.T, resp *http.Response, out chan<- outbox.ObservedEvent) {
-	defer close(out)
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64*1024), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if data, ok := strings.CutPrefix(line, "data: "); ok {
-			var ev outbox.ObservedEvent
-			if err := json.Unmarshal([]byte(data), &ev); err != nil {
-				t.Errorf("bad frame %q: %v", data, err)
-				return
-			}
-			out <- ev
-		}
-	}
+// hijackableWriter is a ResponseWriter without write deadlines whose connection the handler
+// can take over: writes go to one end of a pipe nobody reads.
+type hijackableWriter struct {
+	header   http.Header
+	server   net.Conn
+	client   net.Conn
+	blocked  chan struct{}
+	once     sync.Once
+	hijacked chan struct{}
 }
 
-func TestSSEStreamsObservedEventsAndDropsSlowClients(t *testing.T) {
+func newHijackableWriter() *hijackableWriter {
+	s, c := net.Pipe()
+	return &hijackableWriter{header: http.Header{}, server: s, client: c, blocked: make(chan struct{}), hijacked: make(chan struct{})}
+}
+
+func (w *hijackableWriter) Header() http.Header { return w.header }
+func (w *hijackableWriter) WriteHeader(int)     {}
+func (w *hijackableWriter) Flush()              {}
+func (w *hijackableWriter) Write(b []byte) (int, error) {
+	w.once.Do(func() { close(w.blocked) })
+	return w.server.Write(b)
+}
+func (w *hijackableWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	close(w.hijacked)
+	return w.server, nil, nil
+}
+
+func TestSSEStreamsObservedEventsAndNeverStallsTheConsumer(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
-	sse := outbox.NewSSEHandler(outbox.SSEOptions{Buffer: 128})
+	pool := pgtest.Pool(t, db.URL)
+	sse := newSSE(t, pool, []string{"p", "q"}, nil)
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
-	defer sse.Close()
 
 	writer := startProcess(t, db.URL, processOpts{projects: []string{"p", "q"}})
 	_, err := writer.store.CreateMany(ctx, "p", "t", 300)
 	require.NoError(t, err)
 	obs := startProcess(t, db.URL, processOpts{id: "web", projects: []string{"p", "q"}, cfg: fastConfig(), listeners: []outbox.Listener{sse}})
 
-	// A browser-style client on project p over real HTTP.
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+"?project=p", nil)
-	require.NoError(t, err)
-	resp, err := http.DefaultClient.Do(req)
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	require.Equal(t, "text/event-stream", resp.Header.Get("Content-Type"))
-	events := make(chan outbox.ObservedEvent, 1000)
-	go readEvents(t, resp, events)
+	client, status := openStream(t, ctx, srv.URL+"?project=p", "")
+	require.Equal(t, http.StatusOK, status)
+	defer client.close()
 
 	// A client that never reads, attached to the same handler.
 	stalled := newStalledWriter()
-	stalledReq := httptest.NewRequest(http.MethodGet, "/", nil).WithContext(ctx)
+	sctx, cancelStalled := context.WithCancel(ctx)
 	stalledDone := make(chan struct{})
-	go func() { defer close(stalledDone); sse.ServeHTTP(stalled, stalledReq) }()
+	go func() {
+		defer close(stalledDone)
+		sse.ServeHTTP(stalled, httptest.NewRequest(http.MethodGet, "/", nil).WithContext(sctx))
+	}()
 	<-stalled.blocked
 	require.Eventually(t, func() bool { return sse.Clients() == 2 }, 10*time.Second, time.Millisecond)
 
@@ -94,45 +135,409 @@ func TestSSEStreamsObservedEventsAndDropsSlowClients(t *testing.T) {
 		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
 	}
-	// The consumer is not stalled by the stalled client: it acknowledges everything.
+	// The consumer is not held up by the stalled client: it acknowledges everything, and
+	// the reading client gets every event in order.
 	waitCursor(t, ctx, obs.pool, "p", "web", 300)
-	got := 0
-	for got < 300 {
-		select {
-		case ev, ok := <-events:
-			require.True(t, ok, "stream ended early after %d events", got)
-			got++
-			require.True(t, ev.Observed)
-			require.Equal(t, int64(got), ev.Sequence)
-		case <-ctx.Done():
-			t.Fatalf("received %d of 300", got)
-		}
-	}
-	require.GreaterOrEqual(t, sse.Dropped(), int64(1), "the stalled client was dropped")
-	require.Equal(t, 1, sse.Clients())
+	client.expectDeletions(t, ctx, "p", 1, 300)
 	close(stalled.release)
+	cancelStalled()
 	<-stalledDone
 }
 
-func TestSSERejectsBadRequests(t *testing.T) {
+// TestSSEResumesFromTheRingAndTheOutbox: a client that missed more than the ring holds gets
+// the older events from the outbox and the newer ones from memory, with no duplicate and no
+// gap at either seam, and then the live ones.
+func TestSSEResumesFromTheRingAndTheOutbox(t *testing.T) {
 	t.Parallel()
-	sse := outbox.NewSSEHandler(outbox.SSEOptions{})
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	projects := []string{"p", "q"}
+	sse := newSSE(t, pool, projects, func(o *outbox.SSEOptions) { o.RingSize = 16 })
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	writer := startProcess(t, db.URL, processOpts{projects: projects})
+	for _, p := range projects {
+		_, err := writer.store.CreateMany(ctx, p, "t", 100)
+		require.NoError(t, err)
+	}
+	startProcess(t, db.URL, processOpts{id: "web", projects: projects, cfg: fastConfig(), listeners: []outbox.Listener{sse}})
+	deleteRange := func(p string, from, to int) {
+		for i := from; i <= to; i++ {
+			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
+			require.NoError(t, err)
+		}
+	}
+
+	first, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
+	deleteRange("p", 1, 3)
+	deleteRange("q", 1, 2)
+	seen := map[string]int64{}
+	for seen["p"] < 3 || seen["q"] < 2 {
+		d := decodeDeletion(t, first.next(t, ctx, "first connection"))
+		require.Equal(t, seen[d.ProjectID]+1, d.Sequence)
+		seen[d.ProjectID] = d.Sequence
+	}
+	lastID := first.close()
+
+	deleteRange("p", 4, 60) // 57 missed: more than the ring's 16
+	deleteRange("q", 3, 7)  // 5 missed: all in the ring
+	waitCursor(t, ctx, pool, "p", "web", 60)
+	waitCursor(t, ctx, pool, "q", "web", 7)
+	before := sse.Stats()
+
+	resumed, _ := openStream(t, ctx, srv.URL+"?project=p,q", lastID)
+	defer resumed.close()
+	got := map[string][]int64{}
+	for len(got["p"]) < 57 || len(got["q"]) < 5 {
+		d := decodeDeletion(t, resumed.next(t, ctx, "a missed event"))
+		got[d.ProjectID] = append(got[d.ProjectID], d.Sequence)
+	}
+	require.Equal(t, seq(4, 60), got["p"])
+	require.Equal(t, seq(3, 7), got["q"])
+	deleteRange("p", 61, 62)
+	resumed.expectDeletions(t, ctx, "p", 61, 62)
+
+	after := sse.Stats()
+	t.Logf("resume: %s", after)
+	require.Equal(t, int64(1), after.Resumes-before.Resumes)
+	require.Equal(t, int64(57-16), after.ReplayedFromOutbox-before.ReplayedFromOutbox, "p's events older than the ring")
+	require.Equal(t, int64(16+5), after.ReplayedFromRing-before.ReplayedFromRing, "p's ring and all of q")
+	require.Zero(t, after.Resets)
+}
+
+// TestSSEHerdOfReconnectsCostsBoundedReads: 500 clients reconnect to a handler that has just
+// started (after a deploy: an empty ring), each at its own position. Every client gets exactly
+// what it missed, and the database sees one head read per project and one read per page of
+// the range they need, not one per client.
+func TestSSEHerdOfReconnectsCostsBoundedReads(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	seedEvents(t, pool, "p", 1200)
+	seedEvents(t, pool, "q", 30)
+	sse := newSSE(t, pool, []string{"p", "q"}, nil)
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+
+	// The IDs the clients last saw, as the previous process sent them.
+	probe, _ := openStream(t, ctx, srv.URL, "")
+	headID := probe.position(t, ctx) // "1.<fingerprint>.<p head>.<q head>"
+	parts := strings.Split(headID, ".")
+	require.Len(t, parts, 4)
+	const clients = 500
+	rng := rand.New(rand.NewPCG(18, 500))
+	type client struct{ p, q int64 }
+	cs := make([]client, clients)
+	pages := map[string]bool{}
+	for i := range cs {
+		cs[i] = client{p: 1199 - rng.Int64N(250), q: 30 - rng.Int64N(31)}
+		for s := cs[i].p + 1; s <= 1200; s++ {
+			pages[fmt.Sprintf("p/%d", (s-1)/500)] = true
+		}
+		for s := cs[i].q + 1; s <= 30; s++ {
+			pages[fmt.Sprintf("q/%d", (s-1)/500)] = true
+		}
+	}
+	before := sse.Stats()
+	var wg sync.WaitGroup
+	errs := make(chan error, clients)
+	for _, c := range cs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs <- herdClient(ctx, srv.URL, fmt.Sprintf("1.%s.%s.%s", parts[1], b36(c.p), b36(c.q)), c.p, c.q)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	st := sse.Stats()
+	t.Logf("herd of %d: %s; distinct pages needed: %d", clients, st, len(pages))
+	require.Equal(t, int64(clients), st.Resumes-before.Resumes)
+	require.LessOrEqual(t, st.OutboxReads-before.OutboxReads, int64(len(pages)), "one read per page, not per client")
+	require.Equal(t, int64(2), st.HeadReads, "one head read per project, ever")
+}
+
+func b36(v int64) string { return strconv.FormatInt(v, 36) }
+
+// herdClient resumes at (p, q) and checks it receives exactly p+1..1200 and q+1..30.
+func herdClient(ctx context.Context, url, lastID string, p, q int64) error {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	req.Header.Set("Last-Event-ID", lastID)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	want := map[string]int64{"p": p, "q": q}
+	return readDeletions(resp, func(d deletion) (bool, error) {
+		if d.Sequence != want[d.ProjectID]+1 {
+			return false, fmt.Errorf("client at %s: got %s/%d after %d", lastID, d.ProjectID, d.Sequence, want[d.ProjectID])
+		}
+		want[d.ProjectID] = d.Sequence
+		return want["p"] == 1200 && want["q"] == 30, nil
+	})
+}
+
+func TestSSEResets(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	seedEvents(t, pool, "p", 400)
+	seedEvents(t, pool, "q", 400)
+	// Retention pruned p through 100.
+	_, err := pool.Exec(ctx, `DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence <= 100`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100 WHERE project_id = 'p'`)
+	require.NoError(t, err)
+	sse := newSSE(t, pool, []string{"p", "q"}, func(o *outbox.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	probe, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
+	fp := strings.Split(probe.position(t, ctx), ".")[1]
+	id := func(p, q int64) string { return "1." + fp + "." + b36(p) + "." + b36(q) }
+
+	// p below its floor: a reset for p (the client now stands at p's head), then q's rest.
+	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", id(90, 395))
+	f := s.next(t, ctx, "the reset")
+	require.Equal(t, outbox.SSEResetEvent, f.Event)
+	require.JSONEq(t, `{"projects":["p"],"reason":"below_pruned_floor"}`, f.Data)
+	require.Equal(t, id(400, 395), f.ID)
+	s.expectDeletions(t, ctx, "q", 396, 400)
+	s.close()
+
+	// q further behind than MaxReplay: p's rest, then a reset for q.
+	s, _ = openStream(t, ctx, srv.URL+"?project=p,q", id(395, 10))
+	s.expectDeletions(t, ctx, "p", 396, 400)
+	f = s.next(t, ctx, "the reset")
+	require.JSONEq(t, `{"projects":["q"],"reason":"too_far_behind"}`, f.Data)
+	require.Equal(t, id(400, 400), f.ID)
+	s.close()
+
+	// Within reach and above the floor: resumed from the outbox, no reset.
+	s, _ = openStream(t, ctx, srv.URL+"?project=p,q", id(160, 400))
+	s.expectDeletions(t, ctx, "p", 161, 400)
+	s.close()
+
+	// An ID of another stream (another fingerprint), of the old format, or garbage: a reset
+	// of every project.
+	for _, bad := range []string{strings.Replace(id(160, 10), fp, "00000000", 1), "p:160", strings.Repeat("9", 5000)} {
+		s, _ = openStream(t, ctx, srv.URL+"?project=p,q", bad)
+		f = s.next(t, ctx, "the reset")
+		require.JSONEq(t, `{"projects":["p","q"],"reason":"unknown_position"}`, f.Data, "Last-Event-ID %.40q", bad)
+		require.Equal(t, id(400, 400), f.ID)
+		s.close()
+	}
+	require.Equal(t, int64(1+1+2*3), sse.Stats().Resets)
+}
+
+// TestSSELimitsAndAuthorize is issue 14 item 6: a client cap, a bounded filter, and an
+// Authorize hook consulted for every project of every stream, resumed ones included.
+func TestSSELimitsAndAuthorize(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	seedEvents(t, pool, "open", 5)
+	seedEvents(t, pool, "secret", 5)
+	var mu sync.Mutex
+	asked := map[string]int{}
+	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *outbox.SSEOptions) {
+		o.MaxClients = 2
+		o.MaxProjects = 3
+		o.Authorize = func(r *http.Request, project string) bool {
+			mu.Lock()
+			defer mu.Unlock()
+			asked[project]++
+			return project == "open" || r.Header.Get("X-Role") == "admin"
+		}
+	})
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	get := func(query string, header ...string) int {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+query, nil)
+		for i := 0; i+1 < len(header); i += 2 {
+			req.Header.Set(header[i], header[i+1])
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	require.Equal(t, http.StatusForbidden, get("?project=secret"))
+	require.Equal(t, http.StatusForbidden, get("?project=open,secret"))
+	require.Equal(t, http.StatusBadRequest, get("?project=a,b,c,d"), "more than MaxProjects")
+	require.Equal(t, http.StatusRequestURITooLong, get("?project="+strings.Repeat("a,", 20000)))
+	require.Equal(t, http.StatusNotFound, get("?project=elsewhere"))
+
+	// Without a filter the stream carries only what Authorize allows: its ID has one
+	// position, and even an ID forged to start at zero replays only "open".
+	probe, _ := openStream(t, ctx, srv.URL, "")
+	probeID := probe.position(t, ctx)
+	require.Len(t, strings.Split(probeID, "."), 3)
+	fp := strings.Split(probeID, ".")[1]
+	require.Eventually(t, func() bool { return sse.Clients() == 0 }, 10*time.Second, time.Millisecond)
+	mu.Lock()
+	asked = map[string]int{}
+	mu.Unlock()
+	s, _ := openStream(t, ctx, srv.URL, "1."+fp+".0")
+	s.expectDeletions(t, ctx, "open", 1, 5)
+	mu.Lock()
+	require.Equal(t, map[string]int{"open": 1, "secret": 1}, asked, "the resumed stream asked about every project")
+	mu.Unlock()
+
+	// MaxClients: two streams, the third is refused with Retry-After.
+	admin, status := openStream(t, ctx, srv.URL+"?project=secret", "", "X-Role", "admin")
+	require.Equal(t, http.StatusOK, status)
+	require.Eventually(t, func() bool { return sse.Clients() == 2 }, 10*time.Second, time.Millisecond)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+"?project=open", nil)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+	require.Equal(t, "5", resp.Header.Get("Retry-After"))
+	admin.close()
+	s.close()
+}
+
+// TestSSEClosesAStalledClientWithoutDeadlines: a ResponseWriter that hides write deadlines
+// (a middleware without Unwrap) used to pin the handler's goroutine on a client that stopped
+// reading, since the SetWriteDeadline error was ignored. A timer now closes the connection.
+func TestSSEClosesAStalledClientWithoutDeadlines(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	core, logs := observer.New(zap.WarnLevel)
+	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+		o.WriteTimeout = 50 * time.Millisecond
+		o.Logger = zap.New(core)
+	})
+
+	w := newHijackableWriter()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		sse.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/?project=p", nil).WithContext(ctx))
+	}()
+	<-w.blocked
+	select {
+	case <-done:
+	case <-ctx.Done():
+		t.Fatal("the handler is still blocked on a client that does not read")
+	}
+	<-w.hijacked
+	require.Equal(t, int64(1), sse.Stats().Stalled)
+
+	// A writer that offers neither: nothing can close it, and the log says so once.
+	stalled := newStalledWriter()
+	sctx, cancel := context.WithCancel(ctx)
+	done = make(chan struct{})
+	go func() {
+		defer close(done)
+		sse.ServeHTTP(stalled, httptest.NewRequest(http.MethodGet, "/?project=p", nil).WithContext(sctx))
+	}()
+	<-stalled.blocked
+	for logs.FilterMessageSnippet("cannot be disconnected").Len() == 0 {
+		select {
+		case <-ctx.Done():
+			t.Fatal("no warning about a client that cannot be disconnected")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	close(stalled.release)
+	cancel()
+	<-done
+}
+
+func TestSSERejectsBadRequestsAndOptions(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	sse := newSSE(t, pool, []string{"p"}, nil)
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 	resp, err := http.Post(srv.URL, "text/plain", nil)
 	require.NoError(t, err)
 	resp.Body.Close()
 	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode)
-	resp, err = http.Get(srv.URL + "?project=not%20valid")
-	require.NoError(t, err)
-	resp.Body.Close()
-	require.Equal(t, http.StatusBadRequest, resp.StatusCode)
+	_, status := openStream(t, ctx, srv.URL+"?project=not%20valid", "")
+	require.Equal(t, http.StatusBadRequest, status)
+	// Closed (shutting down): an empty stream, so that an EventSource reconnects rather than
+	// give up as it would on an error status.
 	sse.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL, nil)
-	resp, err = http.DefaultClient.Do(req)
+	s, status := openStream(t, ctx, srv.URL, "")
+	require.Equal(t, http.StatusOK, status)
+	_, more := <-s.frames
+	require.False(t, more, "the stream ends at once, with no event")
+	s.close()
+
+	_, err = outbox.NewSSEHandler(outbox.SSEOptions{RingSize: 8, MaxReplay: 4, Retry: time.Nanosecond})
+	require.Error(t, err)
+	for _, field := range []string{"SSEOptions.Pool", "SSEOptions.Projects", "SSEOptions.RingSize", "SSEOptions.MaxReplay", "SSEOptions.Retry"} {
+		require.ErrorContains(t, err, field)
+	}
+}
+
+// readDeletions reads a stream's task:deleted events into fn until fn says it is done; a
+// reset or the end of the stream is an error.
+func readDeletions(resp *http.Response, fn func(deletion) (done bool, err error)) error {
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	event := ""
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "event: "):
+			event = strings.TrimPrefix(line, "event: ")
+		case strings.HasPrefix(line, "data: "):
+			if event != outbox.EventTypeTaskDeleted {
+				return fmt.Errorf("unexpected %s event: %s", event, line)
+			}
+			var d deletion
+			if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &d); err != nil {
+				return err
+			}
+			if done, err := fn(d); done || err != nil {
+				return err
+			}
+		case line == "":
+			event = ""
+		}
+	}
+	return fmt.Errorf("stream ended: %v", sc.Err())
+}
+
+// TestSSEFillsInTheProcessOwnDeletions: a process's consumer does not hand the process's own
+// deletions to its own listeners (its local emitter already told them), so the stream never
+// sees them live; it reads them from the outbox when the next observed event shows the gap,
+// and its clients still get every deletion, in order.
+func TestSSEFillsInTheProcessOwnDeletions(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	sse := newSSE(t, pool, []string{"p"}, nil)
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
+	self := startProcess(t, db.URL, processOpts{id: "web", projects: []string{"p"}, cfg: fastConfig(), listeners: []outbox.Listener{sse}})
+	_, err := self.store.CreateMany(ctx, "p", "t", 10)
 	require.NoError(t, err)
-	resp.Body.Close()
-	require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+
+	client, _ := openStream(t, ctx, srv.URL+"?project=p", "")
+	defer client.close()
+	deleteTasks(t, ctx, other, "p", 1, 2) // observed: 1, 2
+	client.expectDeletions(t, ctx, "p", 1, 2)
+	deleteTasks(t, ctx, self, "p", 3, 5) // this process's own: 3, 4, 5
+	waitCursor(t, ctx, pool, "p", "web", 5)
+	deleteTasks(t, ctx, other, "p", 6, 6) // observed again: the stream sees 6 after 2
+	client.expectDeletions(t, ctx, "p", 3, 6)
+	require.Equal(t, int64(3), self.consumer.Stats().Own)
 }

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"strings"
@@ -53,7 +55,7 @@ func runChild(args []string) error {
 	dsn := fs.String("dsn", "", "database")
 	projects := fs.String("projects", "alpha,beta", "projects")
 	scope := fs.String("scope", "", "settings scope (holds this node's persisted identity)")
-	httpAddr := fs.String("http", "", "serve /events and /metrics here")
+	httpAddr := fs.String("http", "", "serve /events, /ops/ and /metrics here")
 	applied := fs.String("applied-log", "", "observer: durable log of applied events")
 	poison := fs.String("poison", "", "observer: project/task whose event fails until -fixed exists")
 	fixed := fs.String("fixed", "", "observer: marker file that means the failing listener was fixed")
@@ -68,7 +70,8 @@ func runChild(args []string) error {
 	}
 	defer func() { _ = log.Sync() }()
 	host := taskstore.HostConfig{DSN: *dsn, Projects: strings.Split(*projects, ","), SettingsScope: *scope,
-		HTTPAddr: *httpAddr, Actor: args[0] + ":" + *scope, Outbox: demoOutbox()}
+		HTTPAddr: *httpAddr, Actor: args[0] + ":" + *scope, Outbox: demoOutbox(),
+		SSE: outbox.SSEOptions{Retry: 500 * time.Millisecond}, OpsAuthorize: loopbackOnly}
 
 	switch args[0] {
 	case "writer":
@@ -103,6 +106,17 @@ func stopApp(app *fx.App) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	return app.Stop(ctx)
+}
+
+// loopbackOnly lets the operations page's buttons work for requests from this machine only:
+// the demo's stand-in for a host's own authentication, which a real host must have.
+func loopbackOnly(r *http.Request, _ outbox.OpsAction) bool {
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		return false
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 func runObserver(ctx context.Context, host taskstore.HostConfig, log *zap.Logger, al *appliedLog) error {

@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"text/tabwriter"
 	"time"
 
@@ -41,7 +40,7 @@ type observerSpec struct {
 	consumer string
 }
 
-func runDemo(ctx context.Context) (int, error) {
+func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	started := time.Now()
 	say("starting a throwaway PostgreSQL (initdb, pg_ctl, a unix socket in a private directory)")
 	cluster, err := pgcluster.Start(ctx, pgcluster.Options{})
@@ -121,11 +120,13 @@ func runDemo(ctx context.Context) (int, error) {
 		}
 	}()
 
-	var streamed atomic.Int64
+	seen := &streamSeen{}
 	sseCtx, stopSSE := context.WithCancel(ctx)
 	defer stopSSE()
-	go sseClient(sseCtx, "http://"+addr+"/events", &streamed)
-	say("a browser-style client follows http://%s/events (server-sent events)", addr)
+	sseDone := make(chan struct{})
+	go func() { defer close(sseDone); sseClient(sseCtx, "http://"+addr+"/events", seen) }()
+	say("a browser-style client follows http://%s/events (server-sent events; it resumes with Last-Event-ID)", addr)
+	say("operations page: http://%s/ops/ (served by the dashboard while the demo runs; its buttons work from this machine only)", addr)
 
 	writer, err := startChild("writer", dir, "writer", "-dsn", dsn, "-scope", "writer-node",
 		"-count", fmt.Sprint(tasksPerProject), "-rate", fmt.Sprint(writeRate))
@@ -200,7 +201,22 @@ func runDemo(ctx context.Context) (int, error) {
 	}); err != nil {
 		return 1, err
 	}
+	if err := waitFor(ctx, 10*time.Second, "the event-stream client to see every deletion", func() (bool, error) {
+		n, _, _, _, _ := seen.snapshot()
+		return n >= tasksPerProject*len(projects), nil
+	}); err != nil {
+		say("%v", err)
+	}
+	if linger > 0 {
+		say("lingering %s: the operations page stays up at http://%s/ops/", linger, addr)
+		select {
+		case <-time.After(linger):
+		case <-ctx.Done():
+			return 1, ctx.Err()
+		}
+	}
 	stopSSE()
+	<-sseDone
 	printMetrics(ctx, "http://"+addr+"/metrics")
 	for _, o := range observers {
 		stopCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
@@ -210,7 +226,7 @@ func runDemo(ctx context.Context) (int, error) {
 			return 1, fmt.Errorf("stop %s: %w", o.name, err)
 		}
 	}
-	return report(ctx, pool, admin, observers, streamed.Load(), time.Since(started))
+	return report(ctx, pool, admin, observers, seen, time.Since(started))
 }
 
 func createDatabase(ctx context.Context, adminDSN, name string) error {
@@ -269,7 +285,7 @@ type consumerReport struct {
 	lost       int
 }
 
-func report(ctx context.Context, pool *pgxpool.Pool, admin *outbox.Admin, observers []*observerSpec, streamed int64, elapsed time.Duration) (int, error) {
+func report(ctx context.Context, pool *pgxpool.Pool, admin *outbox.Admin, observers []*observerSpec, seen *streamSeen, elapsed time.Duration) (int, error) {
 	rows, err := pool.Query(ctx, `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox`)
 	if err != nil {
 		return 1, err
@@ -328,10 +344,16 @@ func report(ctx context.Context, pool *pgxpool.Pool, admin *outbox.Admin, observ
 		observed = append(observed, fmt.Sprintf("%s:%d", r.name, len(r.applied)))
 	}
 	_ = tw.Flush()
-	fmt.Printf("\nrun-audit rows written by observers: %d (poisoned + replayed); events streamed to the SSE client: %d (ephemeral, at-most-once)\n", audits, streamed)
+	streamed, dups, gaps, resets, conns := seen.snapshot()
+	fmt.Printf("\nrun-audit rows written by observers: %d (poisoned + replayed)\n", audits)
+	fmt.Printf("event stream: the client saw %d deletions over %d connections (it resumed across the dashboard's SIGKILL): duplicates %d, gaps %d, resets %d\n",
+		streamed, conns, dups, gaps, resets)
 	fmt.Printf("demo: written=%d observed=%s lost=%d (%s)\n", len(written), strings.Join(observed, ","), lostTotal, elapsed.Round(time.Second))
 	if lostTotal > 0 {
 		return 1, errLost
+	}
+	if dups > 0 || gaps > 0 {
+		return 1, errors.New("the event stream repeated or skipped events")
 	}
 	for _, r := range reports {
 		if !r.inOrder {

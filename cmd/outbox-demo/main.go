@@ -10,7 +10,9 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"net"
 	"net/http"
@@ -20,9 +22,10 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
+
+	"fusion/outbox"
 )
 
 func main() {
@@ -33,9 +36,11 @@ func main() {
 		}
 		return
 	}
+	linger := flag.Duration("linger", 0, "keep the dashboard and its operations page up this long after the run, before the summary")
+	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	code, err := runDemo(ctx)
+	code, err := runDemo(ctx, *linger)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		if code == 0 {
@@ -133,24 +138,108 @@ func freePort() (string, error) {
 	return ln.Addr().String(), nil
 }
 
-// sseClient reads the dashboard's event stream like a browser's EventSource: it reconnects
-// when the stream ends (the dashboard was killed) and counts the events it sees.
-func sseClient(ctx context.Context, url string, received *atomic.Int64) {
+// streamSeen is what the demo's browser-style client saw on the dashboard's event stream.
+type streamSeen struct {
+	mu          sync.Mutex
+	events      int
+	duplicates  int
+	gaps        int64
+	resets      int
+	connections int
+	last        map[string]int64 // per project: the last sequence seen
+	afterReset  map[string]bool  // the next event of the project starts afresh
+}
+
+func (s *streamSeen) snapshot() (events, duplicates int, gaps int64, resets, connections int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.events, s.duplicates, s.gaps, s.resets, s.connections
+}
+
+// sseClient follows the dashboard's event stream as a browser's EventSource does: when the
+// stream ends (the dashboard was killed) it reconnects, sending the last event ID it saw, and
+// the stream resumes where it left off. It checks every project's sequence for duplicates and
+// gaps.
+func sseClient(ctx context.Context, url string, seen *streamSeen) {
+	seen.mu.Lock()
+	seen.last, seen.afterReset = map[string]int64{}, map[string]bool{}
+	seen.mu.Unlock()
+	lastID := ""
 	for ctx.Err() == nil {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if lastID != "" {
+			req.Header.Set("Last-Event-ID", lastID)
+		}
 		resp, err := http.DefaultClient.Do(req)
 		if err == nil {
-			sc := bufio.NewScanner(resp.Body)
-			for sc.Scan() {
-				if strings.HasPrefix(sc.Text(), "data: ") {
-					received.Add(1)
-				}
+			if resp.StatusCode == http.StatusOK {
+				seen.mu.Lock()
+				seen.connections++
+				seen.mu.Unlock()
+				lastID = readStream(resp, lastID, seen)
 			}
 			_ = resp.Body.Close()
 		}
 		select {
 		case <-ctx.Done():
-		case <-time.After(200 * time.Millisecond):
+		case <-time.After(500 * time.Millisecond): // the retry the stream suggests
+		}
+	}
+}
+
+// readStream reads one connection's frames and returns the last event ID.
+func readStream(resp *http.Response, lastID string, seen *streamSeen) string {
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	event, data := "", ""
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "id: "):
+			lastID = strings.TrimPrefix(line, "id: ")
+		case strings.HasPrefix(line, "event: "):
+			event = strings.TrimPrefix(line, "event: ")
+		case strings.HasPrefix(line, "data: "):
+			data = strings.TrimPrefix(line, "data: ")
+		case line == "" && data != "":
+			seen.take(event, data)
+			event, data = "", ""
+		}
+	}
+	return lastID
+}
+
+func (s *streamSeen) take(event, data string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch event {
+	case outbox.EventTypeTaskDeleted:
+		var ev struct {
+			ProjectID string `json:"projectId"`
+			Sequence  int64  `json:"sequence"`
+		}
+		if json.Unmarshal([]byte(data), &ev) != nil {
+			return
+		}
+		s.events++
+		last := s.last[ev.ProjectID] // the client started before the first deletion
+		switch {
+		case s.afterReset[ev.ProjectID]:
+			delete(s.afterReset, ev.ProjectID)
+		case ev.Sequence <= last:
+			s.duplicates++
+			return
+		case ev.Sequence > last+1:
+			s.gaps += ev.Sequence - last - 1
+		}
+		s.last[ev.ProjectID] = ev.Sequence
+	case outbox.SSEResetEvent:
+		var r outbox.SSEReset
+		if json.Unmarshal([]byte(data), &r) == nil {
+			s.resets++
+			for _, p := range r.Projects {
+				s.afterReset[p] = true
+			}
 		}
 	}
 }

@@ -26,8 +26,17 @@ type HostConfig struct {
 	Projects []string
 	// SettingsScope selects this node's persisted settings (where outbox.consumer_id lives).
 	SettingsScope string
-	// HTTPAddr serves /events (SSE), /metrics and /healthz when set, e.g. "127.0.0.1:8080".
+	// HTTPAddr serves /events (SSE), /ops/ (the operations page), /metrics and /healthz when
+	// set, e.g. "127.0.0.1:8080".
 	HTTPAddr string
+	// SSE configures the event stream at /events: its limits, its Authorize hook. The host
+	// fills in the pool, the projects (Projects above, unless set) and the logger.
+	SSE outbox.SSEOptions
+	// OpsAuthorize, when set, enables the replay and retire buttons of the operations page.
+	// This reference host has no authentication of its own (nor would a real host's HTTP
+	// surface be open like this one): a real host mounts /events and /ops/ behind its own and
+	// decides here what an authenticated operator may do.
+	OpsAuthorize func(r *http.Request, a outbox.OpsAction) bool
 	// SweepInterval is the self-healing schedule. Defaults to 10m.
 	SweepInterval time.Duration
 	// Actor names this process in audit rows.
@@ -55,7 +64,7 @@ var Module = fx.Module("taskstore",
 		func(s *Store) outbox.AuditSink { return s },
 		newRegistry,
 		func(r *prometheus.Registry) prometheus.Registerer { return r },
-		func(log *zap.Logger) *outbox.SSEHandler { return outbox.NewSSEHandler(outbox.SSEOptions{Logger: log}) },
+		newSSE,
 		outbox.AsListener(func(h *outbox.SSEHandler) *outbox.SSEHandler { return h }),
 		outbox.AsListener(NewBusBridge),
 		newSelfHealing,
@@ -128,18 +137,40 @@ func NewBusBridge(s *Store) outbox.Listener {
 	})
 }
 
-// serveHTTP serves the event stream, the metrics and a health check when HTTPAddr is set.
-func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, reg *prometheus.Registry, runner *outbox.Runner, log *zap.Logger) {
+// newSSE builds the event stream on the host's pool, projects and logger.
+func newSSE(pool *pgxpool.Pool, c HostConfig, projects outbox.Projects, log *zap.Logger) (*outbox.SSEHandler, error) {
+	o := c.SSE
+	o.Pool = pool
+	if o.Projects == nil {
+		o.Projects = projects
+	}
+	if o.Logger == nil {
+		o.Logger = log
+	}
+	return outbox.NewSSEHandler(o)
+}
+
+// serveHTTP serves the event stream, the operations page, the metrics and a health check
+// when HTTPAddr is set.
+func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, admin *outbox.Admin, reg *prometheus.Registry, runner *outbox.Runner, log *zap.Logger) error {
 	if c.HTTPAddr == "" {
-		return
+		return nil
+	}
+	ops, err := outbox.OpsHandler(admin, outbox.OpsOptions{EventsURL: "/events", AuthorizeAction: c.OpsAuthorize, Logger: log})
+	if err != nil {
+		return err
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/events", sse)
+	mux.Handle("/ops/", http.StripPrefix("/ops", ops))
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintf(w, "ok %s\n", runner.State())
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	// Header and idle timeouts bound what a client that opens connections and sends nothing
+	// costs. No write timeout: event streams are long-lived, and the SSE handler bounds each
+	// write of its own.
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 64 << 10}
 	lc.Append(fx.Hook{
 		OnStart: func(context.Context) error {
 			ln, err := net.Listen("tcp", c.HTTPAddr)
@@ -151,12 +182,16 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, reg *prome
 					log.Error("http server stopped", zap.Error(err))
 				}
 			}()
-			log.Info("serving /events, /metrics and /healthz", zap.String("addr", ln.Addr().String()))
+			log.Info("serving /events, /ops/, /metrics and /healthz", zap.String("addr", ln.Addr().String()))
 			return nil
 		},
 		OnStop: func(ctx context.Context) error {
-			sse.Close()
+			// Shutdown closes the listener first and then ends the event streams, so that a
+			// browser reconnecting meanwhile finds no listener (and retries) rather than a
+			// closing stream handler.
+			srv.RegisterOnShutdown(sse.Close)
 			return srv.Shutdown(ctx)
 		},
 	})
+	return nil
 }

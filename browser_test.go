@@ -1,0 +1,411 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/fx"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/browsertest"
+	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/outboxtest"
+)
+
+// These tests drive a real browser (Debian's Chromium, headless) against the reference host:
+// an EventSource that reconnects by itself, and the operations page clicked like a person.
+
+// dropProxy forwards TCP connections from addr to target, and can drop every connection
+// and stop listening, as a network partition or a load balancer restart would.
+type dropProxy struct {
+	addr, target string
+	mu           sync.Mutex
+	ln           net.Listener
+	conns        map[net.Conn]struct{}
+	wg           sync.WaitGroup
+}
+
+func newDropProxy(t *testing.T, target string) *dropProxy {
+	p := &dropProxy{addr: freeAddr(t), target: target, conns: map[net.Conn]struct{}{}}
+	p.up(t)
+	t.Cleanup(p.down)
+	return p
+}
+
+func (p *dropProxy) up(t *testing.T) {
+	t.Helper()
+	ln, err := net.Listen("tcp", p.addr)
+	require.NoError(t, err)
+	p.mu.Lock()
+	p.ln = ln
+	p.mu.Unlock()
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			p.wg.Add(1)
+			go func() { defer p.wg.Done(); p.pipe(c) }()
+		}
+	}()
+}
+
+func (p *dropProxy) track(cs ...net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ln == nil {
+		return false
+	}
+	for _, c := range cs {
+		p.conns[c] = struct{}{}
+	}
+	return true
+}
+
+func (p *dropProxy) pipe(client net.Conn) {
+	defer client.Close()
+	server, err := net.Dial("tcp", p.target)
+	if err != nil {
+		return // the host is down: the browser sees a network error and retries
+	}
+	defer server.Close()
+	if !p.track(client, server) {
+		return
+	}
+	done := make(chan struct{}, 2)
+	go func() { _, _ = io.Copy(server, client); done <- struct{}{} }()
+	go func() { _, _ = io.Copy(client, server); done <- struct{}{} }()
+	<-done
+	client.Close()
+	server.Close()
+	<-done
+}
+
+// down stops listening and drops every connection.
+func (p *dropProxy) down() {
+	p.mu.Lock()
+	if p.ln != nil {
+		p.ln.Close()
+		p.ln = nil
+	}
+	for c := range p.conns {
+		c.Close()
+	}
+	p.conns = map[net.Conn]struct{}{}
+	p.mu.Unlock()
+	p.wg.Wait()
+}
+
+// recorderJS opens an EventSource on the page's origin and records what it receives, tagged
+// with the connection it came on (opens counts the connections the browser made).
+const recorderJS = `(() => {
+  const rec = { events: [], resets: [], opens: 0, errors: 0 };
+  window.rec = rec;
+  const es = new EventSource('/events?project=alpha,beta');
+  es.onopen = () => { rec.opens++; };
+  es.onerror = () => { rec.errors++; };
+  es.addEventListener('task:deleted', (m) => {
+    const d = JSON.parse(m.data);
+    rec.events.push({ project: d.projectId, sequence: d.sequence, conn: rec.opens });
+  });
+  es.addEventListener('reset', (m) => {
+    const r = JSON.parse(m.data);
+    rec.resets.push({ projects: r.projects, reason: r.reason, conn: rec.opens });
+  });
+  return true;
+})()`
+
+type pageRecording struct {
+	Events []struct {
+		Project  string `json:"project"`
+		Sequence int64  `json:"sequence"`
+		Conn     int    `json:"conn"`
+	} `json:"events"`
+	Resets []struct {
+		Projects []string `json:"projects"`
+		Reason   string   `json:"reason"`
+		Conn     int      `json:"conn"`
+	} `json:"resets"`
+	Opens  int `json:"opens"`
+	Errors int `json:"errors"`
+}
+
+func recording(t *testing.T, ctx context.Context) pageRecording {
+	t.Helper()
+	rec, err := chromedp.Run(ctx, chromedp.Evaluate[pageRecording]("window.rec"))
+	require.NoError(t, err)
+	return rec
+}
+
+// waitPage polls a JavaScript condition in the page.
+func waitPage(t *testing.T, ctx context.Context, what, cond string) {
+	t.Helper()
+	_, err := chromedp.Run(ctx, chromedp.Poll[bool](cond, chromedp.WithPollingInterval(20*time.Millisecond), chromedp.WithPollingTimeout(60*time.Second)))
+	require.NoError(t, err, "waiting in the browser for %s (%s)", what, cond)
+}
+
+// checkContiguous requires every project's events to be 1..n[project], each once, in order,
+// and returns the duplicates and gaps it counted on the way (both zero when it returns).
+func checkContiguous(t *testing.T, rec pageRecording, n map[string]int64) {
+	t.Helper()
+	last := map[string]int64{}
+	dups, gaps := 0, 0
+	for _, e := range rec.Events {
+		switch {
+		case e.Sequence <= last[e.Project]:
+			dups++
+		case e.Sequence > last[e.Project]+1:
+			gaps += int(e.Sequence - last[e.Project] - 1)
+		}
+		last[e.Project] = max(last[e.Project], e.Sequence)
+	}
+	require.Zero(t, dups, "duplicates seen by the page")
+	require.Zero(t, gaps, "gaps seen by the page")
+	require.Equal(t, n, last)
+}
+
+func deleteTasks(t *testing.T, ctx context.Context, w *process, project string, from, to int) {
+	t.Helper()
+	for i := from; i <= to; i++ {
+		_, err := w.store.Delete(ctx, project, fmt.Sprintf("t-%d", i))
+		require.NoError(t, err)
+	}
+}
+
+func fastSSE(c *taskstore.HostConfig) { c.SSE.Retry = 100 * time.Millisecond }
+
+// TestBrowserEventSourceResumesWithoutGapOrDuplicate is issue 18's real-browser test: a
+// page's EventSource on the reference host's stream; the connection is dropped mid-stream
+// and, later, the host's HTTP listener is killed with its process; deletions go on meanwhile;
+// the browser reconnects by itself each time and the page sees every deletion once, in order.
+func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	writer := startProcess(t, db.URL, processOpts{projects: []string{"alpha", "beta"}})
+	for _, p := range []string{"alpha", "beta"} {
+		_, err := writer.store.CreateMany(ctx, p, "t", 120)
+		require.NoError(t, err)
+	}
+	hostAddr := freeAddr(t)
+	var sse1 *outbox.SSEHandler
+	host := startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, fastSSE, fx.Populate(&sse1))
+	proxy := newDropProxy(t, hostAddr)
+	browser := browsertest.New(t)
+
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate("http://"+proxy.addr+"/healthz")))
+	_, err := chromedp.Run(browser, chromedp.Evaluate[bool](recorderJS))
+	require.NoError(t, err)
+	waitPage(t, browser, "the stream to open", "window.rec.opens === 1")
+	deleteTasks(t, ctx, writer, "alpha", 1, 20)
+	deleteTasks(t, ctx, writer, "beta", 1, 10)
+	waitPage(t, browser, "30 live deletions", "window.rec.events.length === 30")
+
+	// 1. The connection drops (the proxy stops listening and cuts it). 40 deletions while the
+	// browser is away, all observed by the host, which keeps running.
+	proxy.down()
+	deleteTasks(t, ctx, writer, "alpha", 21, 50)
+	deleteTasks(t, ctx, writer, "beta", 11, 20)
+	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 50)
+	waitCursor(t, ctx, writer.pool, "beta", "dashboard", 20)
+	before := sse1.Stats()
+	proxy.up(t)
+	waitPage(t, browser, "the 40 missed deletions", "window.rec.events.length === 70")
+	ring := sse1.Stats()
+	phase1 := struct{ ring, outbox int64 }{ring.ReplayedFromRing - before.ReplayedFromRing, ring.ReplayedFromOutbox - before.ReplayedFromOutbox}
+
+	// 2. The host's process stops, its HTTP listener with it, mid-stream. 70 deletions while it
+	// is down; a new process of the host starts on the same address, with an empty ring. The
+	// proxy holds the browser back until the new process has observed them all, so that they
+	// are all replayed (rather than some sent live, which would be as correct but make the
+	// figures depend on timing).
+	host.stop(t)
+	proxy.down()
+	deleteTasks(t, ctx, writer, "alpha", 51, 100)
+	deleteTasks(t, ctx, writer, "beta", 21, 40)
+	var sse2 *outbox.SSEHandler
+	// A small ring, so that this resume needs the outbox as well as memory.
+	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, func(c *taskstore.HostConfig) {
+		fastSSE(c)
+		c.SSE.RingSize = 16
+	}, fx.Populate(&sse2))
+	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 100)
+	waitCursor(t, ctx, writer.pool, "beta", "dashboard", 40)
+	proxy.up(t)
+	waitPage(t, browser, "the 70 deletions made while the host was down", "window.rec.events.length === 140")
+	phase2 := sse2.Stats()
+
+	// 3. Live again, with nothing repeated at the seam.
+	deleteTasks(t, ctx, writer, "alpha", 101, 105)
+	waitPage(t, browser, "5 live deletions", "window.rec.events.length === 145")
+
+	rec := recording(t, browser)
+	checkContiguous(t, rec, map[string]int64{"alpha": 105, "beta": 40})
+	require.Empty(t, rec.Resets)
+	perConn := map[int]int{}
+	for _, e := range rec.Events {
+		perConn[e.Conn]++
+	}
+	require.Equal(t, 3, rec.Opens, "the browser opened the stream three times: first, after the drop, after the restart")
+	require.Equal(t, map[int]int{1: 30, 2: 40, 3: 75}, perConn)
+	require.Equal(t, int64(40), phase1.ring+phase1.outbox)
+	require.Equal(t, int64(70), phase2.ReplayedFromRing+phase2.ReplayedFromOutbox)
+	require.Equal(t, int64(16+16), phase2.ReplayedFromRing, "the last 16 of each project, from the new process's ring")
+	t.Logf("resume figures: dropped connection: missed while disconnected 40, replayed on resume %d (ring %d, outbox %d); "+
+		"host process restarted: missed 70, replayed on resume %d (ring %d, outbox %d); live after: 5; "+
+		"page saw %d events over %d connections, duplicates 0, gaps 0, resets 0; browser error events %d",
+		phase1.ring+phase1.outbox, phase1.ring, phase1.outbox,
+		phase2.ReplayedFromRing+phase2.ReplayedFromOutbox, phase2.ReplayedFromRing, phase2.ReplayedFromOutbox,
+		len(rec.Events), rec.Opens, rec.Errors)
+}
+
+// TestBrowserBelowTheFloorGetsReset: the browser is away while retention prunes past its
+// position; when it comes back to a new host process, the stream tells it to refetch.
+func TestBrowserBelowTheFloorGetsReset(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	writer := startProcess(t, db.URL, processOpts{projects: []string{"alpha", "beta"}})
+	_, err := writer.store.CreateMany(ctx, "alpha", "t", 40)
+	require.NoError(t, err)
+	hostAddr := freeAddr(t)
+	host := startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, fastSSE)
+	proxy := newDropProxy(t, hostAddr)
+	browser := browsertest.New(t)
+
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate("http://"+proxy.addr+"/healthz")))
+	_, err = chromedp.Run(browser, chromedp.Evaluate[bool](recorderJS))
+	require.NoError(t, err)
+	waitPage(t, browser, "the stream to open", "window.rec.opens === 1")
+	deleteTasks(t, ctx, writer, "alpha", 1, 5)
+	waitPage(t, browser, "5 deletions", "window.rec.events.length === 5")
+
+	proxy.down()
+	deleteTasks(t, ctx, writer, "alpha", 6, 30)
+	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 30)
+	// A month later, retention prunes everything every consumer has acknowledged.
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(31 * 24 * time.Hour)
+	cfg := fastConfig()
+	cfg.Clock = clock
+	res, err := newRetention(t, writer.pool, cfg).Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(30), floorOf(t, writer.pool, "alpha"), "pruned: %s", res)
+	host.stop(t) // a restart, so that no ring still holds what was pruned
+	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, fastSSE)
+	proxy.up(t)
+
+	waitPage(t, browser, "the reset", "window.rec.resets.length === 1")
+	deleteTasks(t, ctx, writer, "alpha", 31, 33)
+	waitPage(t, browser, "3 live deletions after the reset", "window.rec.events.length === 8")
+	rec := recording(t, browser)
+	require.Equal(t, []string{"alpha"}, rec.Resets[0].Projects)
+	require.Equal(t, outbox.ResetBelowPrunedFloor, rec.Resets[0].Reason)
+	require.Equal(t, 2, rec.Resets[0].Conn, "the reset came on the reconnected stream")
+	var after []int64
+	for _, e := range rec.Events[5:] {
+		require.Equal(t, 2, e.Conn)
+		after = append(after, e.Sequence)
+	}
+	require.Equal(t, []int64{31, 32, 33}, after, "after the reset the stream goes on from the head, nothing pruned replayed")
+}
+
+// TestBrowserOpsPageReplaysADeadLetter: the operations page, loaded in the browser, shows a
+// lagging consumer and a dead letter the test made; with an authorizer, filling in actor and
+// reason and clicking Replay resolves the dead letter, with its audit row.
+func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	writer := startProcess(t, db.URL, processOpts{projects: []string{"alpha"}})
+	_, err := writer.store.CreateMany(ctx, "alpha", "t", 20)
+	require.NoError(t, err)
+
+	laggard := startProcess(t, db.URL, processOpts{id: "laggard", projects: []string{"alpha"}, cfg: fastConfig(), noStart: true})
+	deleteTasks(t, ctx, writer, "alpha", 1, 1)
+	laggard.start(t)
+	waitCursor(t, ctx, writer.pool, "alpha", "laggard", 1)
+	laggard.stop(t)
+
+	// The host's own listener fails on t-3 until it is fixed; one attempt parks it.
+	poison := newRecorder()
+	var mu sync.Mutex
+	fixed := false
+	poison.setFail(func(ev outbox.ObservedEvent) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if ev.TaskID == "t-3" && !fixed {
+			return errors.New("listener not ready for this event")
+		}
+		return nil
+	})
+	var authorized []outbox.OpsAction
+	hostAddr := freeAddr(t)
+	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha"}, func(c *taskstore.HostConfig) {
+		c.Outbox.MaxAttempts = 1
+		fastSSE(c)
+		c.OpsAuthorize = func(r *http.Request, a outbox.OpsAction) bool {
+			mu.Lock()
+			defer mu.Unlock()
+			authorized = append(authorized, a)
+			return a.Actor == "oncall@example.com"
+		}
+	}, fx.Provide(outbox.AsListener(func() outbox.Listener { return poison })))
+	deleteTasks(t, ctx, writer, "alpha", 2, 5)
+	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 5)
+	require.Equal(t, "dead", deliveryOf(t, writer.pool, "dashboard", 3).State)
+
+	browser := browsertest.New(t)
+	page := "http://" + hostAddr + "/ops/"
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(page)))
+	lag, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS(`tr.consumer.lagging[data-consumer="laggard"] td.lag-events`)))
+	require.NoError(t, err)
+	require.Equal(t, "4", lag, "the lagging consumer is shown lagging by 4 events")
+	dead := `table.dead-letters[data-consumer="dashboard"] tr.dead-letter.dead[data-sequence="3"]`
+	eventID, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS(dead+` td:nth-child(2)`)))
+	require.NoError(t, err)
+	require.Contains(t, eventID, "task-deleted:t-3:")
+
+	// The live feed follows the stream.
+	waitPage(t, browser, "the feed to open", `document.getElementById('feed-state').textContent === 'live'`)
+	deleteTasks(t, ctx, writer, "alpha", 6, 6)
+	waitPage(t, browser, "the feed to show t-6", `document.querySelector('#feed-rows tr td:nth-child(3)')?.textContent === 't-6'`)
+
+	mu.Lock()
+	fixed = true
+	mu.Unlock()
+	form := dead + ` form.replay`
+	require.NoError(t, chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.CSS(form+` input[name=actor]`), "oncall@example.com"),
+		chromedp.SendKeys(chromedp.CSS(form+` input[name=reason]`), "FN-18"),
+		chromedp.Click(chromedp.CSS(form+` button`)),
+	))
+	// The post redirects to the page, which says what was done.
+	require.NoError(t, chromedp.Do(browser, chromedp.WaitVisible(chromedp.CSS(`#flash.ok`))))
+	flash, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS(`#flash`)))
+	require.NoError(t, err)
+	require.Contains(t, flash, "replay of sequence 3 of alpha for dashboard requested")
+	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "dashboard", 3).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool,
+		`SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com' AND metadata->>'reason' = 'FN-18'`, outbox.AuditConsumerReplayed))
+	mu.Lock()
+	require.Len(t, authorized, 1)
+	require.Equal(t, outbox.OpsAction{Kind: outbox.OpsReplay, ProjectID: "alpha", ConsumerID: "dashboard", Sequence: 3,
+		Operator: outbox.Operator{Actor: "oncall@example.com", Reason: "FN-18"}}, authorized[0])
+	mu.Unlock()
+
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(page), chromedp.WaitNotPresent(chromedp.CSS(dead))))
+}
