@@ -134,14 +134,18 @@ func (o *outboxReplay) events(ctx context.Context, project string, after, upTo i
 // page returns the cached page when it covers need, and reads it otherwise.
 func (o *outboxReplay) page(ctx context.Context, key pageKey, need int64) (*replayPage, error) {
 	for range 3 {
-		o.mu.Lock()
-		p := o.pages[key]
-		o.mu.Unlock()
-		if p != nil && p.through >= need {
+		if p := o.cached(key, need); p != nil {
 			return p, nil
 		}
 		flight := "page\x00" + key.project + "\x00" + strconv.FormatInt(key.index, 10)
-		v, err := o.shared(ctx, flight, func(ctx context.Context) (any, error) { return o.readPage(ctx, key) })
+		v, err := o.shared(ctx, flight, func(ctx context.Context) (any, error) {
+			// A flight that ended between the look above and this one may have cached the
+			// page already: look again rather than read it twice.
+			if p := o.cached(key, need); p != nil {
+				return p, nil
+			}
+			return o.readPage(ctx, key)
+		})
 		if err != nil {
 			return nil, err
 		}
@@ -151,6 +155,16 @@ func (o *outboxReplay) page(ctx context.Context, key pageKey, need int64) (*repl
 		// That read started before the head reached need: read again.
 	}
 	return nil, fmt.Errorf("read %s events through %d: the head stays behind", key.project, need)
+}
+
+// cached is the cached page of key when it covers need, else nil.
+func (o *outboxReplay) cached(key pageKey, need int64) *replayPage {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if p := o.pages[key]; p != nil && p.through >= need {
+		return p
+	}
+	return nil
 }
 
 func (o *outboxReplay) readPage(ctx context.Context, key pageKey) (*replayPage, error) {
