@@ -63,6 +63,7 @@ func run(m *testing.M) int {
 	}
 	srv = s
 	code := m.Run()
+	stopBouncer() // before the server it points at
 	if srv != nil {
 		srv.close()
 	}
