@@ -70,6 +70,20 @@ type Config struct {
 	// Defaults to empty (use the pool's configuration).
 	ListenDSN string
 
+	// ListenCheckTimeout bounds the consumer's wake-up self-test: after each LISTEN it sends
+	// itself a notification through the pool and expects it on the LISTEN connection within
+	// this time; when it does not arrive (a LISTEN through a transaction-pooling proxy) the
+	// consumer logs what to set, closes the LISTEN connection and runs on polling alone.
+	// Defaults to 2s; 10ms to 1m.
+	ListenCheckTimeout time.Duration
+
+	// TransactionPooler says the pool reaches PostgreSQL through a transaction-pooling proxy
+	// such as PgBouncer with pool_mode = transaction. The module then refuses, at construction,
+	// a *pgxpool.Pool whose connections would use named prepared statements or a describe
+	// round trip of its own (see CheckPoolerSafe): set default_query_exec_mode=exec in the
+	// DSN. Defaults to false (the pool is not checked).
+	TransactionPooler bool
+
 	// RetrySchedule is the wait before each retry of a failed event: the first entry after the
 	// first failure, and so on; the last entry repeats. Defaults to 1s, 5s, 30s, 5m, 15m.
 	RetrySchedule []time.Duration
@@ -146,6 +160,7 @@ func (c Config) WithDefaults() Config {
 		c.NotifyChannel = "lifecycle_outbox"
 	}
 	def(&c.NotifyGap, time.Millisecond)
+	def(&c.ListenCheckTimeout, 2*time.Second)
 	if len(c.RetrySchedule) == 0 {
 		c.RetrySchedule = append([]time.Duration(nil), DefaultRetrySchedule...)
 	}
@@ -196,6 +211,9 @@ func (c Config) Validate() error {
 	}
 	if c.NotifyGap <= 0 || c.NotifyGap > time.Second {
 		bad("NotifyGap", "must be between 0 and 1s (got %s)", c.NotifyGap)
+	}
+	if c.ListenCheckTimeout < 10*time.Millisecond || c.ListenCheckTimeout > time.Minute {
+		bad("ListenCheckTimeout", "must be between 10ms and 1m (got %s)", c.ListenCheckTimeout)
 	}
 	for i, d := range c.RetrySchedule {
 		if d <= 0 || d > 24*time.Hour {

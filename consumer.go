@@ -63,6 +63,7 @@ type Consumer struct {
 	heartbeatControl
 	stats stats
 
+	wakeups  wakeupCheck     // the LISTEN self-test's outcome (listen_selftest.go)
 	inflight *inflightAck    // owned by the loop goroutine (and by shutdown, after it)
 	runner   *listenerRunner // the loop's listener goroutine, started on first use
 
@@ -94,6 +95,9 @@ type streamState struct {
 func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	cfg := opts.Config.WithDefaults()
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := checkPooledDB(cfg, opts.Pool); err != nil {
 		return nil, err
 	}
 	if _, err := ParseConsumerID(string(opts.ID)); err != nil {

@@ -57,6 +57,7 @@ var Statements = map[string]string{
 	"retireSQL":           retireSQL,
 	"retiredSQL":          retiredSQL,
 	"selectEventByIDSQL":  selectEventByIDSQL,
+	"selfTestNotifySQL":   selfTestNotifySQL,
 	"sequenceSQL":         sequenceSQL,
 	"statusSQL":           statusSQL,
 	"supersedeRetriesSQL": supersedeRetriesSQL,

@@ -37,6 +37,9 @@ func NewRetention(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metr
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := checkPooledDB(cfg, pool); err != nil {
+		return nil, err
+	}
 	if log == nil {
 		log = zap.NewNop()
 	}

@@ -48,6 +48,9 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := checkPooledDB(cfg, db); err != nil {
+		return nil, err
+	}
 	if log == nil {
 		log = zap.NewNop()
 	}
