@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"regexp"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Config is the per-deployment configuration of the module. The zero value, after
@@ -116,6 +118,13 @@ type Config struct {
 	// AutoMigrate applies the module's migrations at start. When false the module only
 	// verifies the schema and refuses to start if it is behind. Defaults to false.
 	AutoMigrate bool
+
+	// TracerProvider, when set, turns on OpenTelemetry tracing (see tracing.go): the writer
+	// hook stores the W3C trace context of its span with each event, and consumers start one
+	// span per dispatch attempt linked to it, plus spans for the sequencer, reconciliation and
+	// retention. It is set in code, never from a file. With fx, a trace.TracerProvider in the
+	// graph fills it. Defaults to nil: no tracing, and no cost beyond a nil check.
+	TracerProvider trace.TracerProvider
 
 	// Clock moves time in tests. Defaults to RealClock.
 	Clock Clock

@@ -57,6 +57,7 @@ type Consumer struct {
 	metrics  *Metrics
 	log      *zap.Logger
 	clock    Clock
+	trace    tracing
 
 	leases *leaseTable
 	state  map[string]*streamState // owned by the loop goroutine
@@ -126,7 +127,7 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 		pool: opts.Pool, cfg: cfg, projects: opts.Projects, dispatch: opts.Dispatcher,
 		live: opts.LiveTasks, cache: opts.Cache, audit: opts.Audit, metrics: opts.Metrics,
 		log:   opts.Logger.Named("outbox.consumer").With(zap.String("consumer_id", string(opts.ID))),
-		clock: cfg.Clock, state: map[string]*streamState{},
+		clock: cfg.Clock, state: map[string]*streamState{}, trace: newTracing(cfg.TracerProvider),
 		wake: make(chan struct{}, 1), dirty: map[string]struct{}{},
 	}
 	c.leases = &leaseTable{held: map[string]lease{}}
@@ -355,7 +356,7 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 	if len(held) == 0 {
 		return false
 	}
-	heads, err := Sequence(ctx, c.pool, held, c.cfg.SequenceBatchSize)
+	heads, err := c.sequence(ctx, held)
 	if err != nil {
 		c.logTransient("sequence", err)
 		return true
@@ -451,7 +452,9 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 			attempt = retrying.attempts + 1
 		}
 		started := time.Now()
-		outcome, class := c.dispatch.dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt}, &c.runner)
+		pctx, oev, span := c.processSpan(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt})
+		outcome, class := c.dispatch.dispatch(pctx, oev, &c.runner)
+		endProcessSpan(span, outcome, class)
 		c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
 		switch outcome {
 		case Interrupted:
@@ -570,7 +573,7 @@ func (c *Consumer) offset() time.Duration { return c.clock.Offset() }
 
 // eventColumns is what scanEvents decodes, in its order.
 const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version`
+       writer_process_id, occurred_at, payload_version, coalesce(trace_context, '')`
 
 const readEventsSQL = `SELECT ` + eventColumns + `
 FROM lifecycle_outbox
@@ -595,7 +598,7 @@ func scanEvents(rows pgx.Rows, capacity int) ([]Event, error) {
 		var e Event
 		var version int16
 		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &e.DeletedAt,
-			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &e.OccurredAt, &version); err != nil {
+			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &e.OccurredAt, &version, &e.traceContext); err != nil {
 			return nil, fmt.Errorf("decode event: %w", err)
 		}
 		e.PayloadVersion = int(version)

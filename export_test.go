@@ -57,7 +57,6 @@ var Statements = map[string]string{
 	"retireSQL":           retireSQL,
 	"retiredSQL":          retiredSQL,
 	"selectEventByIDSQL":  selectEventByIDSQL,
-	"selfTestNotifySQL":   selfTestNotifySQL,
 	"sequenceSQL":         sequenceSQL,
 	"statusSQL":           statusSQL,
 	"supersedeRetriesSQL": supersedeRetriesSQL,

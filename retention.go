@@ -29,6 +29,7 @@ type Retention struct {
 	cfg     Config
 	log     *zap.Logger
 	metrics *Metrics
+	trace   tracing
 }
 
 // NewRetention builds the retention sweep.
@@ -43,7 +44,7 @@ func NewRetention(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metr
 	if log == nil {
 		log = zap.NewNop()
 	}
-	return &Retention{pool: pool, cfg: cfg, log: log.Named("outbox.retention"), metrics: metrics}, nil
+	return &Retention{pool: pool, cfg: cfg, log: log.Named("outbox.retention"), metrics: metrics, trace: newTracing(cfg.TracerProvider)}, nil
 }
 
 // RetentionResult is what one sweep did.
@@ -177,6 +178,13 @@ func (r *Retention) plan(ctx context.Context) ([]PrunePlan, error) {
 
 // Sweep prunes in bounded batches until nothing is left or the budget is spent.
 func (r *Retention) Sweep(ctx context.Context) (RetentionResult, error) {
+	ctx, span := r.trace.start(ctx, spanRetention)
+	res, err := r.sweep(ctx)
+	endSpan(span, err, attrPruned.Int64(res.Pruned()))
+	return res, err
+}
+
+func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 	started := time.Now()
 	res := RetentionResult{PrunedByProject: map[string]int64{}}
 	plans, err := r.plan(ctx)
