@@ -195,7 +195,9 @@ func (c Config) WithDefaults() Config {
 // by its Go name and its file key, as in "PollInterval (poll_interval): must be at least 10ms".
 func (c Config) Validate() error {
 	var errs []error
-	bad := func(field, format string, args ...any) { errs = append(errs, invalid(fieldLabel(field), format, args...)) }
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, invalid(fieldLabel(field), format, args...))
+	}
 	if err := checkID("identity field", c.IdentityField); err != nil {
 		bad("IdentityField", "%v", err)
 	}
