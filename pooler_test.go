@@ -12,6 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/trace"
+	"go.uber.org/fx"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest"
@@ -239,4 +241,53 @@ func waitWakeups(t *testing.T, ctx context.Context, c *outbox.Consumer, want out
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
+}
+
+// TestEngineAppBehindPgBouncer builds an engine binary's app (outbox.Module and the reference
+// host) on a DSN through PgBouncer: with TransactionPooler it refuses pgx's default mode and
+// says what to add; in exec mode it runs, Runner.Wakeups says the pooled LISTEN polls alone,
+// and a TracerProvider in the graph turns tracing on.
+func TestEngineAppBehindPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	seed := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}})
+	_, err := seed.store.CreateMany(ctx, "p", "t", 3)
+	require.NoError(t, err)
+	require.NoError(t, taskstore.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "engine"))
+	cfg := outbox.Config{TransactionPooler: true, PollInterval: 50 * time.Millisecond, ListenCheckTimeout: 300 * time.Millisecond}
+
+	unsafe := fx.New(outbox.Module, taskstore.Module, fx.NopLogger,
+		fx.Supply(taskstore.HostConfig{DSN: pgtest.Bouncer(t).URL("postgres", db.Name), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg}, zap.NewNop()))
+	require.ErrorContains(t, unsafe.Err(), "default_query_exec_mode=exec")
+
+	tp := newTracedProcess(t)
+	app, logs, runner, _ := engineApp(t, taskstore.HostConfig{DSN: pgtest.PooledURL(t, db), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg},
+		fx.Supply(fx.Annotate(tp.tp, fx.As(new(trace.TracerProvider)))))
+	app.RequireStart()
+	require.Equal(t, outbox.StateRunning, runner.State())
+	for runner.Wakeups() != outbox.WakeupsPollingOnly {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("wake-ups are %q", runner.Wakeups())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	require.Len(t, logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All(), 1)
+	_, err = seed.store.Delete(ctx, "p", "t-1")
+	require.NoError(t, err)
+	waitCursor(t, ctx, seed.pool, "p", "engine", 1)
+	app.RequireStop()
+	require.Len(t, tp.spans("process p"), 1, "the graph's tracer provider traces the consumer")
+	require.Equal(t, outbox.WakeupState(""), (&outbox.Runner{}).Wakeups(), "no consumer, no state")
+}
+
+func TestWakeupsDisabled(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	cfg := fastConfig()
+	cfg.NotifyDisabled = true
+	p := startProcess(t, db.URL, processOpts{id: "poller", projects: []string{"p"}, cfg: cfg})
+	require.Equal(t, outbox.WakeupsDisabled, p.consumer.Wakeups())
+	require.False(t, p.consumer.WakeupsWorking())
 }
