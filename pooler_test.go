@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -290,4 +291,30 @@ func TestWakeupsDisabled(t *testing.T) {
 	p := startProcess(t, db.URL, processOpts{id: "poller", projects: []string{"p"}, cfg: cfg})
 	require.Equal(t, outbox.WakeupsDisabled, p.consumer.Wakeups())
 	require.False(t, p.consumer.WakeupsWorking())
+}
+
+// TestPooledListenIsNotSilent is the regression test of the silent failure: with only the
+// API that existed before the self-test, a consumer whose LISTEN goes through PgBouncer must
+// log a warning that names ListenDSN. On the code before the self-test it logged nothing.
+func TestPooledListenIsNotSilent(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.NewPooledPool(t, db)
+	core, logs := observer.New(zap.WarnLevel)
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "pooled", Pool: pool, Config: outbox.Config{PollInterval: 100 * time.Millisecond},
+		Projects: outbox.StaticProjects{"p"}, Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{}), Logger: zap.New(core)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	defer func() { require.NoError(t, c.Stop(ctx)) }()
+	require.Eventually(t, func() bool {
+		for _, e := range logs.All() {
+			for _, v := range e.ContextMap() {
+				if s, ok := v.(string); ok && strings.Contains(s, "ListenDSN") {
+					return true
+				}
+			}
+		}
+		return false
+	}, 10*time.Second, 50*time.Millisecond, "no warning that LISTEN through the pooler hears nothing (logged: %d entries)", logs.Len())
 }
