@@ -79,7 +79,7 @@ type Config struct {
 	// ListenCheckTimeout bounds the consumer's wake-up self-test: after each LISTEN it sends
 	// itself a notification through the pool and expects it on the LISTEN connection within
 	// this time; when it does not arrive (a LISTEN through a transaction-pooling proxy) the
-	// consumer logs what to set, closes the LISTEN connection and runs on polling alone.
+	// consumer logs what to set and runs on polling alone until a notification arrives.
 	// Defaults to 2s; 10ms to 1m.
 	ListenCheckTimeout time.Duration `yaml:"listen_check_timeout" json:"listen_check_timeout"`
 

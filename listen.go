@@ -37,7 +37,7 @@ func (c *Consumer) listenLoop(ctx context.Context, listening chan struct{}) {
 	for {
 		err := c.listenOnce(ctx, ready)
 		ready()
-		if ctx.Err() != nil || errors.Is(err, errPollingOnly) {
+		if ctx.Err() != nil {
 			return
 		}
 		c.metrics.listenReconnect(string(c.id))
@@ -68,21 +68,17 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 	}
 	c.requestScan() // catch up on whatever committed while no one was listening
 	ready()
-	waitCtx, stopWait := context.WithCancel(ctx)
-	defer stopWait()
-	check, err := c.startSelfTest(ctx, stopWait) // see listen_selftest.go
+	check, err := c.startSelfTest(ctx) // see listen_selftest.go
 	if err != nil {
 		return err
 	}
+	defer check.stop()
 	for {
-		n, err := conn.WaitForNotification(waitCtx)
+		n, err := conn.WaitForNotification(ctx)
 		if err != nil {
-			if ctx.Err() == nil && waitCtx.Err() != nil {
-				return c.selfTestFailed(conn)
-			}
 			return fmt.Errorf("wait for notification: %w", err)
 		}
-		if c.received(check, n.Payload) {
+		if c.heard(check, n.Payload) {
 			continue
 		}
 		project, err := ParseWakePayload(n.Payload)

@@ -4,13 +4,10 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
@@ -21,8 +18,11 @@ import (
 // consumer therefore sends one notification to itself through its pool, on the same channel,
 // the way writers send theirs, and expects it on the LISTEN connection within
 // Config.ListenCheckTimeout. When it arrives the wake-ups are proven; when it does not, the
-// consumer says once what to do, stops listening and runs on polling alone, and Wakeups,
-// Runner.Wakeups and the outbox_listen_wakeups_working gauge say so.
+// consumer says once what to do, and Wakeups, Runner.Wakeups and the
+// outbox_listen_wakeups_working gauge say that it runs on polling alone. It keeps the LISTEN
+// connection (an idle client costs a proxy no server connection): should a notification
+// arrive after all (a database too slow for the bound, not a proxy), the wake-ups count as
+// working again.
 //
 // The payload is "selftest/<random hex>", which is not a project ID: other consumers on the
 // channel skip it as not theirs.
@@ -34,11 +34,12 @@ type WakeupState string
 const (
 	// WakeupsUnchecked: the consumer has not listened yet, or its self-test is under way.
 	WakeupsUnchecked WakeupState = "unchecked"
-	// WakeupsWorking: the self-test notification arrived on the LISTEN connection.
+	// WakeupsWorking: the self-test notification (or another one) arrived on the LISTEN
+	// connection.
 	WakeupsWorking WakeupState = "working"
-	// WakeupsPollingOnly: the self-test notification never arrived; the consumer stopped
-	// listening and finds events by polling alone, every Config.PollInterval. Set
-	// Config.ListenDSN to a direct connection to PostgreSQL to get wake-ups back.
+	// WakeupsPollingOnly: the self-test notification did not arrive in time; the consumer
+	// finds events by polling alone, every Config.PollInterval. Set Config.ListenDSN to a
+	// direct connection to PostgreSQL to get wake-ups back.
 	WakeupsPollingOnly WakeupState = "polling-only"
 	// WakeupsDisabled: Config.NotifyDisabled; the consumer polls by design.
 	WakeupsDisabled WakeupState = "disabled"
@@ -48,20 +49,21 @@ const selfTestPrefix = "selftest/"
 
 const selfTestNotifySQL = `SELECT pg_notify($1, $2)`
 
-// errPollingOnly ends the listen loop for good: the self-test failed.
-var errPollingOnly = errors.New("LISTEN wake-ups do not arrive")
-
-// wakeupCheck is a consumer's self-test state, shared by the listen goroutine and readers.
+// wakeupCheck is a consumer's self-test state, shared by the listen goroutine, the self-test's
+// timer and readers.
 type wakeupCheck struct {
-	state  atomic.Value // WakeupState
-	logged sync.Once
+	mu     sync.Mutex
+	state  WakeupState // "" until the first outcome
+	warned bool
 }
 
 func (w *wakeupCheck) load() WakeupState {
-	if s, ok := w.state.Load().(WakeupState); ok {
-		return s
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.state == "" {
+		return WakeupsUnchecked
 	}
-	return WakeupsUnchecked
+	return w.state
 }
 
 // Wakeups says whether the consumer's LISTEN wake-ups were proven to work (see WakeupState).
@@ -72,7 +74,7 @@ func (c *Consumer) Wakeups() WakeupState {
 	return c.wakeups.load()
 }
 
-// WakeupsWorking reports whether the self-test notification arrived on the LISTEN connection.
+// WakeupsWorking reports whether notifications were seen to reach the LISTEN connection.
 func (c *Consumer) WakeupsWorking() bool { return c.Wakeups() == WakeupsWorking }
 
 // Wakeups is the running consumer's wake-up state, or "" when no consumer runs.
@@ -90,9 +92,10 @@ type selfTest struct {
 	timer *time.Timer
 }
 
-// startSelfTest sends the self-test notification through the pool and arms the bound: when it
-// passes before the notification arrived, cancel stops the LISTEN connection's wait.
-func (c *Consumer) startSelfTest(ctx context.Context, cancel context.CancelFunc) (*selfTest, error) {
+func (st *selfTest) stop() { st.timer.Stop() }
+
+// startSelfTest sends the self-test notification through the pool and arms its bound.
+func (c *Consumer) startSelfTest(ctx context.Context) (*selfTest, error) {
 	var b [8]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		return nil, fmt.Errorf("wake-up self-test token: %w", err)
@@ -103,43 +106,54 @@ func (c *Consumer) startSelfTest(ctx context.Context, cancel context.CancelFunc)
 	if _, err := c.pool.Exec(sendCtx, selfTestNotifySQL, c.cfg.NotifyChannel, st.token); err != nil {
 		return nil, fmt.Errorf("wake-up self-test: send: %w", err)
 	}
-	st.timer = time.AfterFunc(c.cfg.ListenCheckTimeout, cancel)
+	st.timer = time.AfterFunc(c.cfg.ListenCheckTimeout, c.selfTestTimedOut)
 	return st, nil
 }
 
-// received handles a self-test notification; it reports whether n was ours.
-func (c *Consumer) received(st *selfTest, payload string) bool {
-	if st == nil || payload != st.token {
-		return false
-	}
-	if st.timer.Stop() {
-		c.wakeups.state.Store(WakeupsWorking)
+// heard records that a notification reached the LISTEN connection, which proves the channel
+// whatever its payload, and reports whether it was the self-test's own (not to be parsed).
+func (c *Consumer) heard(st *selfTest, payload string) bool {
+	w := &c.wakeups
+	w.mu.Lock()
+	previous := w.state
+	w.state = WakeupsWorking
+	w.mu.Unlock()
+	switch previous {
+	case WakeupsWorking:
+	case WakeupsPollingOnly:
+		c.metrics.wakeups(string(c.id), true)
+		c.log.Info("LISTEN wake-ups arrive after all; notifications wake the consumer again")
+	default:
 		c.metrics.wakeups(string(c.id), true)
 		c.log.Debug("wake-up self-test passed: notifications reach the LISTEN connection")
 	}
-	return true
+	return payload == st.token
 }
 
-// selfTestFailed records a failed self-test, says once what to do, and drops what the LISTEN
-// registered where it can. It returns errPollingOnly, which ends the listen loop.
-func (c *Consumer) selfTestFailed(conn *pgx.Conn) error {
-	c.wakeups.state.Store(WakeupsPollingOnly)
+// selfTestTimedOut runs when the self-test's bound passes. Unless a notification arrived
+// meanwhile, the consumer runs on polling alone and says once what to do.
+func (c *Consumer) selfTestTimedOut() {
+	w := &c.wakeups
+	w.mu.Lock()
+	if w.state == WakeupsWorking {
+		w.mu.Unlock()
+		return
+	}
+	w.state = WakeupsPollingOnly
+	warn := !w.warned
+	w.warned = true
+	w.mu.Unlock()
 	c.metrics.wakeups(string(c.id), false)
-	c.wakeups.logged.Do(func() {
-		fix := "set ListenDSN (listen_dsn) to a connection string that reaches PostgreSQL directly, not through the pooler"
-		if c.cfg.ListenDSN != "" {
-			fix = "ListenDSN (listen_dsn) is set: point it at PostgreSQL directly, not at the pooler"
-		}
-		c.log.Warn("LISTEN wake-ups do not arrive (is the pool behind a transaction-pooling proxy?); the consumer runs on polling alone",
-			zap.String("channel", c.cfg.NotifyChannel), zap.Duration("self_test_timeout", c.cfg.ListenCheckTimeout),
-			zap.Duration("poll_interval", c.cfg.PollInterval), zap.String("fix", fix))
-	})
-	// Behind a proxy the LISTEN stays registered on a shared server connection; an UNLISTEN
-	// there may land on the same one. Best effort: the connection is closed next.
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	_, _ = conn.Exec(ctx, "UNLISTEN "+pgx.Identifier{c.cfg.NotifyChannel}.Sanitize())
-	return errPollingOnly
+	if !warn {
+		return
+	}
+	fix := "set ListenDSN (listen_dsn) to a connection string that reaches PostgreSQL directly, not through the pooler"
+	if c.cfg.ListenDSN != "" {
+		fix = "ListenDSN (listen_dsn) is set: point it at PostgreSQL directly, not at the pooler"
+	}
+	c.log.Warn("LISTEN wake-ups do not arrive (is the pool behind a transaction-pooling proxy?); the consumer runs on polling alone",
+		zap.String("channel", c.cfg.NotifyChannel), zap.Duration("self_test_timeout", c.cfg.ListenCheckTimeout),
+		zap.Duration("poll_interval", c.cfg.PollInterval), zap.String("fix", fix))
 }
 
 func newListenWakeupsGauge() *prometheus.GaugeVec {
