@@ -114,10 +114,12 @@ func (c *Consumer) startSelfTest(ctx context.Context) (*selfTest, error) {
 // whatever its payload, and reports whether it was the self-test's own (not to be parsed).
 func (c *Consumer) heard(st *selfTest, payload string) bool {
 	w := &c.wakeups
+	// The lock covers the gauge and the log too, so that whoever reads the state sees what
+	// was said about it.
 	w.mu.Lock()
+	defer w.mu.Unlock()
 	previous := w.state
 	w.state = WakeupsWorking
-	w.mu.Unlock()
 	switch previous {
 	case WakeupsWorking:
 	case WakeupsPollingOnly:
@@ -135,18 +137,16 @@ func (c *Consumer) heard(st *selfTest, payload string) bool {
 func (c *Consumer) selfTestTimedOut() {
 	w := &c.wakeups
 	w.mu.Lock()
+	defer w.mu.Unlock()
 	if w.state == WakeupsWorking {
-		w.mu.Unlock()
 		return
 	}
 	w.state = WakeupsPollingOnly
-	warn := !w.warned
-	w.warned = true
-	w.mu.Unlock()
 	c.metrics.wakeups(string(c.id), false)
-	if !warn {
+	if w.warned {
 		return
 	}
+	w.warned = true
 	fix := "set ListenDSN (listen_dsn) to a connection string that reaches PostgreSQL directly, not through the pooler"
 	if c.cfg.ListenDSN != "" {
 		fix = "ListenDSN (listen_dsn) is set: point it at PostgreSQL directly, not at the pooler"
