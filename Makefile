@@ -6,7 +6,7 @@ GOBIN := $(shell $(GO) env GOPATH)/bin
 STATICCHECK := $(GOBIN)/staticcheck
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: test demo bench soak fuzz lint deps postgres chromium staticcheck
+.PHONY: test demo bench soak fuzz lint deps postgres pgbouncer chromium staticcheck
 
 test: deps lint
 	CI=$${CI:-false} $(GO) test -race -count=1 -timeout 25m ./...
@@ -36,7 +36,7 @@ lint: staticcheck
 	$(GO) vet ./...
 	$(STATICCHECK) ./...
 
-deps: postgres chromium staticcheck
+deps: postgres pgbouncer chromium staticcheck
 
 staticcheck:
 	@[ -x $(STATICCHECK) ] || $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
@@ -61,4 +61,21 @@ chromium:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	else \
 	  echo "Chromium is missing: sudo apt-get install chromium (or set CHROMIUM to a Chrome binary)"; exit 1; \
+	fi
+
+# The PgBouncer tests start their own throwaway bouncer in front of the throwaway cluster
+# (internal/pgbouncer); install the binary when it is missing. Debian's package would start a
+# system-wide bouncer: a policy-rc.d that refuses service starts keeps it from doing so, and
+# any that started anyway is stopped, so nothing is left running.
+pgbouncer:
+	@if command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "installing PgBouncer"; \
+	  made_policy=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends pgbouncer >/dev/null; status=$$?; \
+	  [ -n "$$made_policy" ] && rm -f /usr/sbin/policy-rc.d; \
+	  if [ -x /etc/init.d/pgbouncer ]; then /etc/init.d/pgbouncer stop >/dev/null 2>&1 || true; fi; \
+	  exit $$status; \
+	else \
+	  echo "PgBouncer is missing: sudo apt-get install pgbouncer"; exit 1; \
 	fi

@@ -5,107 +5,134 @@ import (
 	"fmt"
 	"regexp"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Config is the per-deployment configuration of the module. The zero value, after
 // WithDefaults, is a working configuration: enabled, consumer on, NOTIFY on.
+//
+// Hosts load it from YAML or JSON (see LoadConfigFile and testdata/outbox.example.yaml) with
+// the keys in the field tags; durations are strings such as "1s" or "250ms", and an unknown
+// key is an error. Validate names a bad field by its Go name and its file key.
 type Config struct {
 	// Disabled turns the whole module off: the writer hook records nothing, no consumer or
 	// maintenance task starts, and one log line says so. Defaults to false.
-	Disabled bool
+	Disabled bool `yaml:"disabled" json:"disabled"`
 
 	// ConsumerDisabled keeps the writer hook but starts no consumer in this process.
 	// Defaults to false.
-	ConsumerDisabled bool
+	ConsumerDisabled bool `yaml:"consumer_disabled" json:"consumer_disabled"`
 
 	// IdentityField names the persisted setting that holds this process's durable consumer
 	// identity. When the setting is absent or empty, observation is disabled and the log says
 	// which field to set. Defaults to "outbox.consumer_id".
-	IdentityField string
+	IdentityField string `yaml:"identity_field" json:"identity_field"`
 
 	// WriterLabel prefixes the per-boot writer process ID stamped on events this process
 	// writes (an origin label only). Defaults to "writer".
-	WriterLabel string
+	WriterLabel string `yaml:"writer_label" json:"writer_label"`
 
 	// PollInterval is the longest a consumer waits between scans when no notification
 	// arrives. Notifications only shorten it. Defaults to 1s; must be at least 10ms.
-	PollInterval time.Duration
+	PollInterval time.Duration `yaml:"poll_interval" json:"poll_interval"`
 
 	// BatchSize is how many events a consumer reads per project per scan, and how many it
 	// acknowledges in one cursor write at most. Defaults to 1000; 1 to 10000.
-	BatchSize int
+	BatchSize int `yaml:"batch_size" json:"batch_size"`
 
 	// SequenceBatchSize is how many events the sequencer numbers per project per call.
 	// Defaults to 10000; 1 to 100000.
-	SequenceBatchSize int
+	SequenceBatchSize int `yaml:"sequence_batch_size" json:"sequence_batch_size"`
 
 	// LeaseTTL is how long a consumer's lease lasts without a heartbeat, measured by the
 	// database clock. Defaults to 30s; must be at least 1s and at least three heartbeats.
-	LeaseTTL time.Duration
+	LeaseTTL time.Duration `yaml:"lease_ttl" json:"lease_ttl"`
 
 	// HeartbeatInterval is how often a consumer renews its leases (and retries the ones it
 	// could not take). Defaults to LeaseTTL/3.
-	HeartbeatInterval time.Duration
+	HeartbeatInterval time.Duration `yaml:"heartbeat_interval" json:"heartbeat_interval"`
 
 	// ListenerTimeout bounds one event's dispatch to the observed listeners; a listener
 	// still running then counts as a listener_timeout failure. It applies to every consumer
 	// built with this Config, with fx or without. Defaults to 30s; at least 1ms.
-	ListenerTimeout time.Duration
+	ListenerTimeout time.Duration `yaml:"listener_timeout" json:"listener_timeout"`
 
 	// NotifyDisabled turns off the LISTEN/NOTIFY wake-up; consumers then rely on polling
 	// alone. Defaults to false.
-	NotifyDisabled bool
+	NotifyDisabled bool `yaml:"notify_disabled" json:"notify_disabled"`
 
 	// NotifyChannel is the LISTEN/NOTIFY channel. The payload is one project ID.
 	// Defaults to "lifecycle_outbox".
-	NotifyChannel string
+	NotifyChannel string `yaml:"notify_channel" json:"notify_channel"`
 
 	// NotifyGap is the shortest time between two wake-up notifications sent by one writer
 	// process. A commit after a quiet spell is announced at once; commits within the gap
 	// share the next notification. Each notification is a transaction of its own, so the gap
 	// bounds their cost under load. Defaults to 1ms; at most 1s.
-	NotifyGap time.Duration
+	NotifyGap time.Duration `yaml:"notify_gap" json:"notify_gap"`
 
 	// ListenDSN, when set, is used for the consumer's dedicated LISTEN connection instead of
 	// a connection taken from the pool, for pools behind a transaction-pooling proxy.
 	// Defaults to empty (use the pool's configuration).
-	ListenDSN string
+	ListenDSN string `yaml:"listen_dsn" json:"listen_dsn"`
+
+	// ListenCheckTimeout bounds the consumer's wake-up self-test: after each LISTEN it sends
+	// itself a notification through the pool and expects it on the LISTEN connection within
+	// this time; when it does not arrive (a LISTEN through a transaction-pooling proxy) the
+	// consumer logs what to set and runs on polling alone until a notification arrives.
+	// Defaults to 2s; 10ms to 1m.
+	ListenCheckTimeout time.Duration `yaml:"listen_check_timeout" json:"listen_check_timeout"`
+
+	// TransactionPooler says the pool reaches PostgreSQL through a transaction-pooling proxy
+	// such as PgBouncer with pool_mode = transaction. The module then refuses, at construction,
+	// a *pgxpool.Pool whose connections would use named prepared statements or a describe
+	// round trip of its own (see CheckPoolerSafe): set default_query_exec_mode=exec in the
+	// DSN. Defaults to false (the pool is not checked).
+	TransactionPooler bool `yaml:"transaction_pooler" json:"transaction_pooler"`
 
 	// RetrySchedule is the wait before each retry of a failed event: the first entry after the
 	// first failure, and so on; the last entry repeats. Defaults to 1s, 5s, 30s, 5m, 15m.
-	RetrySchedule []time.Duration
+	RetrySchedule []time.Duration `yaml:"retry_schedule" json:"retry_schedule"`
 
 	// MaxAttempts is how many times an event is tried before it is parked as a dead letter.
 	// Defaults to 10; 1 to 1000.
-	MaxAttempts int
+	MaxAttempts int `yaml:"max_attempts" json:"max_attempts"`
 
 	// NewCursor says where a consumer starts in a project it has never read: "reconcile"
 	// rebuilds the local cache from live tasks and starts at the head; "oldest" replays the
 	// retained history (and reconciles if part of it was pruned). Defaults to "reconcile".
-	NewCursor string
+	NewCursor string `yaml:"new_cursor" json:"new_cursor"`
 
 	// RetentionWindow is how long an acknowledged event is kept. Defaults to 720h (30 days);
 	// at least 1h.
-	RetentionWindow time.Duration
+	RetentionWindow time.Duration `yaml:"retention_window" json:"retention_window"`
 
 	// DeadLetterRetention is how long a resolved dead letter is kept. Unresolved ones are
 	// kept until resolved or their consumer is retired. Defaults to 720h; at least 1h.
-	DeadLetterRetention time.Duration
+	DeadLetterRetention time.Duration `yaml:"dead_letter_retention" json:"dead_letter_retention"`
 
 	// RetentionBatchSize is how many rows one pruning transaction deletes. Defaults to 5000;
 	// 1 to 100000.
-	RetentionBatchSize int
+	RetentionBatchSize int `yaml:"retention_batch_size" json:"retention_batch_size"`
 
 	// RetentionBudget is the most rows one sweep prunes before it stops and reports that it
 	// was cut short; the next sweep continues. Defaults to 500000; at least RetentionBatchSize.
-	RetentionBudget int
+	RetentionBudget int `yaml:"retention_budget" json:"retention_budget"`
 
 	// AutoMigrate applies the module's migrations at start. When false the module only
 	// verifies the schema and refuses to start if it is behind. Defaults to false.
-	AutoMigrate bool
+	AutoMigrate bool `yaml:"auto_migrate" json:"auto_migrate"`
+
+	// TracerProvider, when set, turns on OpenTelemetry tracing (see tracing.go): the writer
+	// hook stores the W3C trace context of its span with each event, and consumers start one
+	// span per dispatch attempt linked to it, plus spans for the sequencer, reconciliation and
+	// retention. It is set in code, never from a file. With fx, a trace.TracerProvider in the
+	// graph fills it. Defaults to nil: no tracing, and no cost beyond a nil check.
+	TracerProvider trace.TracerProvider `yaml:"-" json:"-"`
 
 	// Clock moves time in tests. Defaults to RealClock.
-	Clock Clock
+	Clock Clock `yaml:"-" json:"-"`
 }
 
 // Cursor start positions for Config.NewCursor.
@@ -147,6 +174,7 @@ func (c Config) WithDefaults() Config {
 		c.NotifyChannel = "lifecycle_outbox"
 	}
 	def(&c.NotifyGap, time.Millisecond)
+	def(&c.ListenCheckTimeout, 2*time.Second)
 	if len(c.RetrySchedule) == 0 {
 		c.RetrySchedule = append([]time.Duration(nil), DefaultRetrySchedule...)
 	}
@@ -164,10 +192,13 @@ func (c Config) WithDefaults() Config {
 	return c
 }
 
-// Validate reports every invalid field of c (after WithDefaults), each error naming its field.
+// Validate reports every invalid field of c (after WithDefaults), each error naming its field
+// by its Go name and its file key, as in "PollInterval (poll_interval): must be at least 10ms".
 func (c Config) Validate() error {
 	var errs []error
-	bad := func(field, format string, args ...any) { errs = append(errs, invalid(field, format, args...)) }
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, invalid(fieldLabel(field), format, args...))
+	}
 	if err := checkID("identity field", c.IdentityField); err != nil {
 		bad("IdentityField", "%v", err)
 	}
@@ -197,6 +228,9 @@ func (c Config) Validate() error {
 	}
 	if c.NotifyGap <= 0 || c.NotifyGap > time.Second {
 		bad("NotifyGap", "must be between 0 and 1s (got %s)", c.NotifyGap)
+	}
+	if c.ListenCheckTimeout < 10*time.Millisecond || c.ListenCheckTimeout > time.Minute {
+		bad("ListenCheckTimeout", "must be between 10ms and 1m (got %s)", c.ListenCheckTimeout)
 	}
 	for i, d := range c.RetrySchedule {
 		if d <= 0 || d > 24*time.Hour {

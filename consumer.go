@@ -57,12 +57,14 @@ type Consumer struct {
 	metrics  *Metrics
 	log      *zap.Logger
 	clock    Clock
+	trace    tracing
 
 	leases *leaseTable
 	state  map[string]*streamState // owned by the loop goroutine
 	heartbeatControl
 	stats stats
 
+	wakeups  wakeupCheck  // the LISTEN self-test's outcome (listen_selftest.go)
 	inflight *inflightAck // owned by the loop goroutine (and by shutdown, after it)
 	run      dispatchRun  // the loop's listener runner (started on first use) and timeout
 
@@ -105,6 +107,9 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := checkPooledDB(cfg, opts.Pool); err != nil {
+		return nil, err
+	}
 	if _, err := ParseConsumerID(string(opts.ID)); err != nil {
 		return nil, &ValidationError{Field: "ConsumerOptions.ID", Reason: err.Error()}
 	}
@@ -134,7 +139,7 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 		pool: opts.Pool, cfg: cfg, projects: opts.Projects, dispatch: opts.Dispatcher,
 		live: opts.LiveTasks, cache: opts.Cache, audit: opts.Audit, metrics: opts.Metrics,
 		log:   opts.Logger.Named("outbox.consumer").With(zap.String("consumer_id", string(opts.ID))),
-		clock: cfg.Clock, state: map[string]*streamState{},
+		clock: cfg.Clock, state: map[string]*streamState{}, trace: newTracing(cfg.TracerProvider),
 		wake: make(chan struct{}, 1), dirty: map[string]struct{}{},
 	}
 	c.leases = &leaseTable{held: map[string]lease{}}
@@ -414,7 +419,7 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 	if len(held) == 0 {
 		return false
 	}
-	heads, err := Sequence(ctx, c.pool, held, c.cfg.SequenceBatchSize)
+	heads, err := c.sequence(ctx, held)
 	if err != nil {
 		c.logTransient("sequence", err)
 		return true
@@ -515,7 +520,9 @@ func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []E
 			attempt = retrying.attempts + 1
 		}
 		started := time.Now()
-		outcome, class := c.dispatch.dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt}, &c.run)
+		pctx, oev, span := c.processSpan(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: attempt})
+		outcome, class := c.dispatch.dispatch(pctx, oev, &c.run)
+		endProcessSpan(span, outcome, class)
 		c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
 		switch outcome {
 		case Interrupted:
@@ -659,7 +666,7 @@ func (c *Consumer) offset() time.Duration { return c.clock.Offset() }
 
 // eventColumns is what scanEvents decodes, in its order.
 const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version`
+       writer_process_id, occurred_at, payload_version, coalesce(trace_context, '')`
 
 const readEventsSQL = `SELECT ` + eventColumns + `
 FROM lifecycle_outbox
@@ -684,7 +691,7 @@ func scanEvents(rows pgx.Rows, capacity int) ([]Event, error) {
 		var e Event
 		var version int16
 		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &e.DeletedAt,
-			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &e.OccurredAt, &version); err != nil {
+			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &e.OccurredAt, &version, &e.traceContext); err != nil {
 			return nil, fmt.Errorf("decode event: %w", err)
 		}
 		e.PayloadVersion = int(version)

@@ -5,6 +5,7 @@ import (
 	"runtime/debug"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 )
 
@@ -16,6 +17,8 @@ type ObservedEvent struct {
 	ConsumerID ConsumerID `json:"consumerId"`
 	Attempt    int        `json:"attempt"` // 1 on first delivery
 	Replay     bool       `json:"replay,omitempty"`
+
+	span trace.Span // this attempt's process span, nil when not tracing (tracing.go)
 }
 
 // Listener is an observed-safe listener. It must be idempotent (delivery is at-least-once) and
@@ -276,7 +279,7 @@ func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, run 
 	timeout := d.timeoutFor(run)
 	r.timer.Reset(timeout)
 	defer r.timer.Stop()
-	r.jobs <- listenerJob{WithObserved(r.ctx, Observed{ConsumerID: ev.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID}), ev}
+	r.jobs <- listenerJob{ev.listenerContext(WithObserved(r.ctx, Observed{ConsumerID: ev.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID})), ev}
 	select {
 	case f := <-r.done:
 		return d.outcome(parent, ev, f, false)

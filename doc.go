@@ -73,6 +73,18 @@
 // Migrations are numbered, embedded and applied under an advisory lock (Migrate); VerifySchema
 // checks a database against SchemaVersion.
 //
+// # Poolers, tracing and config files
+//
+// Behind a transaction-pooling proxy such as PgBouncer the pool must use pgx's
+// QueryExecModeExec (default_query_exec_mode=exec; see CheckPoolerSafe and
+// Config.TransactionPooler), and Config.ListenDSN should reach PostgreSQL directly: each
+// consumer proves its wake-ups with a NOTIFY to itself and polls alone, saying so once, when
+// they do not arrive (Consumer.Wakeups). The module keeps no session state on pooled
+// connections. With Config.TracerProvider set the writer stores the W3C trace context of its
+// insert's span with each event, and every dispatch attempt is a consumer span linked to it
+// (tracing.go). Config decodes from YAML and JSON with the keys of its field tags
+// (LoadConfigFile).
+//
 // # Wiring
 //
 // Every piece has a plain constructor (NewWriter, NewDispatcher, NewConsumer, NewRetention,

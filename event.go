@@ -34,6 +34,8 @@ type Event struct {
 	WriterProcessID string    `json:"writerProcessId"`
 	OccurredAt      time.Time `json:"occurredAt"`
 	PayloadVersion  int       `json:"payloadVersion"`
+
+	traceContext string // the stored W3C trace context of its creation; "" when not traced
 }
 
 // TaskDeletedEventID is the identity of the first deletion of taskID at deletedAt:

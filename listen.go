@@ -68,10 +68,18 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 	}
 	c.requestScan() // catch up on whatever committed while no one was listening
 	ready()
+	check, err := c.startSelfTest(ctx) // see listen_selftest.go
+	if err != nil {
+		return err
+	}
+	defer check.stop()
 	for {
 		n, err := conn.WaitForNotification(ctx)
 		if err != nil {
 			return fmt.Errorf("wait for notification: %w", err)
+		}
+		if c.heard(check, n.Payload) {
+			continue
 		}
 		project, err := ParseWakePayload(n.Payload)
 		if err != nil {

@@ -26,6 +26,7 @@ type Metrics struct {
 	prunedRows        *prometheus.CounterVec
 	prunedDead        prometheus.Counter
 	listenReconnects  *prometheus.CounterVec
+	listenWakeups     *prometheus.GaugeVec
 	status            *statusCollector
 }
 
@@ -58,6 +59,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Times the LISTEN connection was lost and re-opened."}, []string{"consumer"}),
 		status: &statusCollector{},
 	}
+	m.listenWakeups = newListenWakeupsGauge() // listen_selftest.go
 	m.status.lagEvents = prometheus.NewDesc("outbox_consumer_lag_events",
 		"Committed, sequenced events the consumer has not acknowledged.", pc, nil)
 	m.status.lagSeconds = prometheus.NewDesc("outbox_consumer_lag_seconds",
@@ -69,7 +71,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.status.errors = prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_status_errors_total",
 		Help: "Scrapes whose lag and dead-letter gauges could not be read from the database."})
 	for _, c := range []prometheus.Collector{m.dispatched, m.duration, m.failures, m.parkedTotal, m.replayedTotal,
-		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects, m.status} {
+		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects, m.listenWakeups, m.status} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register outbox metrics: %w", err)
 		}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/fx"
 	"go.uber.org/zap"
 )
@@ -51,7 +52,9 @@ type Params struct {
 	Audit      AuditSink             `optional:"true"`
 	Projects   Projects              `optional:"true"`
 	Registerer prometheus.Registerer `optional:"true"`
-	Listeners  []Listener            `group:"outbox_listeners"`
+	// TracerProvider turns tracing on when Config.TracerProvider is not set.
+	TracerProvider trace.TracerProvider `optional:"true"`
+	Listeners      []Listener           `group:"outbox_listeners"`
 }
 
 // Result is what the module gives the host's graph.
@@ -71,6 +74,9 @@ func provide(p Params) (Result, error) {
 	cfg := p.Config.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return Result{}, err
+	}
+	if cfg.TracerProvider == nil {
+		cfg.TracerProvider = p.TracerProvider
 	}
 	log := p.Logger
 	if log == nil {

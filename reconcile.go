@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	semconv "go.opentelemetry.io/otel/semconv/v1.37.0"
 	"go.uber.org/zap"
 )
 
@@ -33,7 +34,10 @@ WHERE project_id = $1 AND consumer_id = $2 AND state = 'retrying' AND sequence <
 // the cursor at the head. The head and the live tasks come from one REPEATABLE READ snapshot:
 // a delete committed before it is absent from the live set and sequenced at or below the head
 // or later; a delete committed after it is sequenced above the head and delivered normally.
-func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string) error {
+func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string) (err error) {
+	ctx, span := c.trace.start(ctx, spanReconcile, semconv.MessagingDestinationName(st.project),
+		semconv.MessagingConsumerGroupName(string(c.id)), attrReason.String(reason))
+	defer func() { endSpan(span, err) }()
 	head, live, err := c.snapshot(ctx, st.project)
 	if err != nil {
 		return err

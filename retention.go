@@ -31,6 +31,7 @@ type Retention struct {
 	metrics *Metrics
 
 	beforeBatch func(project string) // test hook: runs before each batch's transaction
+	trace       tracing
 }
 
 // NewRetention builds the retention sweep.
@@ -39,10 +40,13 @@ func NewRetention(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metr
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := checkPooledDB(cfg, pool); err != nil {
+		return nil, err
+	}
 	if log == nil {
 		log = zap.NewNop()
 	}
-	return &Retention{pool: pool, cfg: cfg, log: log.Named("outbox.retention"), metrics: metrics}, nil
+	return &Retention{pool: pool, cfg: cfg, log: log.Named("outbox.retention"), metrics: metrics, trace: newTracing(cfg.TracerProvider)}, nil
 }
 
 // RetentionResult is what one sweep did.
@@ -185,6 +189,13 @@ func (r *Retention) plan(ctx context.Context) ([]PrunePlan, error) {
 
 // Sweep prunes in bounded batches until nothing is left or the budget is spent.
 func (r *Retention) Sweep(ctx context.Context) (RetentionResult, error) {
+	ctx, span := r.trace.start(ctx, spanRetention)
+	res, err := r.sweep(ctx)
+	endSpan(span, err, attrPruned.Int64(res.Pruned()))
+	return res, err
+}
+
+func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 	started := time.Now()
 	res := RetentionResult{PrunedByProject: map[string]int64{}}
 	plans, err := r.plan(ctx)

@@ -200,7 +200,9 @@ func (c *Consumer) replay(ctx context.Context, st *streamState, d delivery) erro
 	}
 	ev := evs[0]
 	started := time.Now()
-	outcome, class := c.dispatch.dispatch(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: d.attempts + 1, Replay: true}, &c.run)
+	pctx, oev, span := c.processSpan(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: d.attempts + 1, Replay: true})
+	outcome, class := c.dispatch.dispatch(pctx, oev, &c.run)
+	endProcessSpan(span, outcome, class)
 	c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
 	if outcome == Interrupted {
 		return nil

@@ -12,7 +12,7 @@ import (
 
 // SchemaVersion is the migration version this build needs. VerifySchema fails unless the
 // database is at exactly this version with unchanged migration checksums.
-const SchemaVersion = 3
+const SchemaVersion = 4
 
 // schemaTable records the module's applied migrations.
 const schemaTable = "lifecycle_outbox_schema"

@@ -39,6 +39,7 @@ type Writer struct {
 	notify    *notifier // nil when notifications are off or the module is disabled
 	clock     Clock
 	log       *zap.Logger
+	trace     tracing
 }
 
 // NewWriter builds a writer. db is used only for post-commit notifications and may be nil
@@ -48,6 +49,9 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := checkPooledDB(cfg, db); err != nil {
+		return nil, err
+	}
 	if log == nil {
 		log = zap.NewNop()
 	}
@@ -55,7 +59,7 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &Writer{processID: id, disabled: cfg.Disabled, clock: cfg.Clock, log: log.Named("outbox.writer")}
+	w := &Writer{processID: id, disabled: cfg.Disabled, clock: cfg.Clock, log: log.Named("outbox.writer"), trace: newTracing(cfg.TracerProvider)}
 	if !cfg.Disabled && !cfg.NotifyDisabled {
 		if db == nil {
 			return nil, errors.New("outbox writer: a database is needed for notifications (or set NotifyDisabled)")
@@ -114,8 +118,13 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 	if d.PriorColumn != "" {
 		prior = &d.PriorColumn
 	}
-	err := tx.QueryRow(ctx, insertEventSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion,
-		w.clock.Offset(), ev.WriterProcessID, prior).Scan(&ev.OccurredAt)
+	var err error
+	if w.trace.tracer != nil {
+		err = w.insertTraced(ctx, tx, &ev, prior) // tracing.go
+	} else {
+		err = tx.QueryRow(ctx, insertEventSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion,
+			w.clock.Offset(), ev.WriterProcessID, prior).Scan(&ev.OccurredAt)
+	}
 	if err == nil {
 		return ev, true, nil
 	}

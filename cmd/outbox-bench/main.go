@@ -9,7 +9,7 @@
 // databases created on that server and migrated with the module's and the reference host's
 // migrations; -dsn points at an existing server instead (its role needs CREATEDB).
 //
-// Cases: write, sequence, drain, latency, fanout, ooo, reconcile, limits, retention, and all.
+// Cases: write, write-trace, sequence, drain, latency, fanout, ooo, reconcile, limits, retention, and all.
 // Run a case with -h for its flags.
 package main
 

@@ -2,6 +2,7 @@ package main_test
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -174,29 +175,29 @@ func TestMigrateAndVerify(t *testing.T) {
 
 	r = ctl(t, env, "migrate")
 	require.Equal(t, 2, r.code, "%s", r)
-	require.Contains(t, r.stderr, "outboxctl will apply 3 migrations to database")
-	require.Contains(t, r.stderr, "0001_outbox, 0002_consumers, 0003_row_level_security")
+	require.Contains(t, r.stderr, fmt.Sprintf("outboxctl will apply %d migrations to database", outbox.SchemaVersion))
+	require.Contains(t, r.stderr, "0001_outbox, 0002_consumers, 0003_row_level_security, ")
 	require.Contains(t, r.stderr, "pass --yes")
 
 	r = ctl(t, env, "migrate", "--yes")
 	require.Equal(t, 0, r.code, "%s", r)
-	require.Equal(t, "applied migrations 1, 2, 3; the schema is at version 3\n", r.stdout)
+	require.Equal(t, fmt.Sprintf("applied migrations %s; the schema is at version %d\n", allVersions(), outbox.SchemaVersion), r.stdout)
 
 	r = ctl(t, env, "verify")
 	require.Equal(t, 0, r.code, "%s", r)
 	header, rows := tableRows(t, r.stdout)
 	require.Equal(t, []string{"VERSION", "NAME", "CHECKSUM", "APPLIED_AT"}, header)
-	require.Len(t, rows, 4, "three migrations and the conclusion")
-	require.True(t, strings.HasSuffix(r.stdout, "the outbox schema is at version 3, as this build expects\n"))
+	require.Len(t, rows, outbox.SchemaVersion+1, "every migration and the conclusion")
+	require.True(t, strings.HasSuffix(r.stdout, fmt.Sprintf("the outbox schema is at version %d, as this build expects\n", outbox.SchemaVersion)))
 	type verified struct {
 		Version, Expected int
 		Current           bool
 	}
-	require.Equal(t, verified{3, 3, true}, decode[verified](t, ctl(t, env, "verify", "--json")))
+	require.Equal(t, verified{outbox.SchemaVersion, outbox.SchemaVersion, true}, decode[verified](t, ctl(t, env, "verify", "--json")))
 
 	r = ctl(t, env, "migrate", "--yes")
 	require.Equal(t, 0, r.code, "%s", r)
-	require.Equal(t, "the outbox schema is already at version 3; nothing to do\n", r.stderr)
+	require.Equal(t, fmt.Sprintf("the outbox schema is already at version %d; nothing to do\n", outbox.SchemaVersion), r.stderr)
 	r = ctl(t, env, "status")
 	require.Equal(t, 0, r.code, "%s", r)
 	require.Equal(t, "no consumer cursors match\n", r.stderr)
@@ -218,4 +219,13 @@ func TestHelp(t *testing.T) {
 			return strings.HasPrefix(strings.TrimSpace(l), c+" ")
 		}), "the help lists %s", c)
 	}
+}
+
+// allVersions lists the build's migration versions as migrate prints them: "1, 2, 3".
+func allVersions() string {
+	var vs []string
+	for _, m := range outbox.Migrations() {
+		vs = append(vs, fmt.Sprint(m.Version))
+	}
+	return strings.Join(vs, ", ")
 }

@@ -236,8 +236,10 @@ func (s *Store) WriteDeleteAuditTx(ctx context.Context, tx pgx.Tx, t Task) error
 		return err
 	}
 	meta, _ := json.Marshal(map[string]any{"column": t.Column, "archived": t.Archived})
+	// JSON goes as a string: in the exec and simple-protocol modes a pooler needs, pgx sends a
+	// []byte as bytea, which a json column refuses.
 	if _, err := tx.Exec(ctx, `INSERT INTO run_audit (project_id, task_id, action, actor, metadata) VALUES ($1, $2, 'task:deleted', $3, $4)`,
-		t.ProjectID, t.ID, s.actor, meta); err != nil {
+		t.ProjectID, t.ID, s.actor, string(meta)); err != nil {
 		return fmt.Errorf("write delete audit: %w", err)
 	}
 	return nil
@@ -316,7 +318,7 @@ func (s *Store) WriteAuditTx(ctx context.Context, tx pgx.Tx, rec outbox.AuditRec
 		taskID = &id
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO run_audit (project_id, task_id, action, actor, metadata) VALUES ($1, $2, $3, $4, $5)`,
-		rec.ProjectID, taskID, rec.Action, actor, b); err != nil {
+		rec.ProjectID, taskID, rec.Action, actor, string(b)); err != nil {
 		return fmt.Errorf("write run audit: %w", err)
 	}
 	return nil

@@ -180,6 +180,19 @@ func TestFaultSuite(t *testing.T) {
 		require.NoError(t, err, "OUTBOX_SOAK")
 		duration = d
 	}
+	runFaultSuite(t, duration, false)
+}
+
+// TestFaultSuiteThroughPgBouncer runs the suite once more, for half a minute, with every writer
+// and observer going through PgBouncer in transaction mode (pgtest.Bouncer: two server
+// connections for them all) and each observer's LISTEN connection straight to PostgreSQL
+// (ListenDSN). The suite's own checks and faults use the server directly.
+func TestFaultSuiteThroughPgBouncer(t *testing.T) {
+	runFaultSuite(t, 30*time.Second, true)
+}
+
+// runFaultSuite runs the faults for duration; pooled sends the children through PgBouncer.
+func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 	seed := uint64(time.Now().UnixNano())
 	if s := os.Getenv("OUTBOX_FAULT_SEED"); s != "" {
 		v, err := strconv.ParseUint(s, 10, 64)
@@ -195,6 +208,11 @@ func TestFaultSuite(t *testing.T) {
 	cluster := pgtest.Cluster(t)
 	pool := pgtest.Pool(t, db.URL)
 	dir := t.TempDir()
+	childDSN, listenDSN := db.URL, ""
+	if pooled {
+		childDSN, listenDSN = pgtest.PooledURL(t, db), db.URL
+		t.Logf("writers and observers go through PgBouncer at %s; observers LISTEN on PostgreSQL directly", childDSN)
+	}
 
 	// The world: four projects of tasks; three identities, one of them run by two processes
 	// competing for its leases; one identity whose listener always fails on chosen tasks.
@@ -225,7 +243,7 @@ func TestFaultSuite(t *testing.T) {
 		extra := all[((i+1)%3)*len(all)/3:][:len(all)/30]
 		tasks := append(append([]string(nil), share...), extra...)
 		writers = append(writers, &proc{name: fmt.Sprintf("writer-%d", i+1), role: "writer", args: roleArgs{
-			Name: fmt.Sprintf("writer-%d", i+1), DSN: db.URL, Scope: "writers", Projects: projects,
+			Name: fmt.Sprintf("writer-%d", i+1), DSN: childDSN, Pooled: pooled, Scope: "writers", Projects: projects,
 			Tasks: tasks, Rate: 30, Log: filepath.Join(dir, fmt.Sprintf("writer-%d.log", i+1))}})
 	}
 	for _, spec := range []struct {
@@ -233,7 +251,7 @@ func TestFaultSuite(t *testing.T) {
 		failing        []string
 	}{{"obs-a1", "obs-a", nil}, {"obs-a2", "obs-a", nil}, {"obs-b1", "obs-b", failing}, {"obs-c1", "obs-c", nil}} {
 		observers = append(observers, &proc{name: spec.name, role: "observer", args: roleArgs{
-			Name: spec.name, DSN: db.URL, Scope: identities[spec.identity], Projects: projects,
+			Name: spec.name, DSN: childDSN, ListenDSN: listenDSN, Pooled: pooled, Scope: identities[spec.identity], Projects: projects,
 			Log: filepath.Join(dir, spec.name+".log"), Failing: spec.failing}})
 	}
 	for _, p := range append(append([]*proc(nil), observers...), writers...) {

@@ -37,6 +37,9 @@ type roleArgs struct {
 	Rate     float64  `json:"rate"`     // writer: deletes per second
 	Log      string   `json:"log"`      // append-only log of what it applied (observers) or deleted (writers)
 	Failing  []string `json:"failing"`  // observer: task IDs whose events always fail
+	// Through PgBouncer: DSN goes through it, ListenDSN (observers) straight to PostgreSQL.
+	Pooled    bool   `json:"pooled,omitempty"`
+	ListenDSN string `json:"listenDsn,omitempty"`
 }
 
 // faultConfig is the deployment config of every child: short leases and a short backoff so
@@ -103,8 +106,13 @@ func withAppName(dsn, name string) string {
 }
 
 func hostConfig(a roleArgs) taskstore.HostConfig {
+	cfg := faultConfig()
+	cfg.TransactionPooler = a.Pooled
+	if a.ListenDSN != "" {
+		cfg.ListenDSN = withAppName(a.ListenDSN, a.Name)
+	}
 	return taskstore.HostConfig{DSN: withAppName(a.DSN, a.Name), Projects: a.Projects, SettingsScope: a.Scope,
-		Actor: a.Name, Outbox: faultConfig(), SweepInterval: time.Hour}
+		Actor: a.Name, Outbox: cfg, SweepInterval: time.Hour}
 }
 
 // errStoppedStarting means the child was told to stop while it was starting: a clean exit.

@@ -5,6 +5,9 @@
 // Docker engine answers a ping. With none of these, tests fail when CI=true and skip
 // otherwise. Each test gets its own database, created from a template that already holds the
 // outbox module's and the reference host's schemas, so a new database takes milliseconds.
+//
+// Bouncer (bouncer.go) puts one real PgBouncer, in transaction pooling mode, in front of the
+// throwaway cluster for the tests that must show the module works behind a pooler.
 package pgtest
 
 import (
@@ -63,6 +66,7 @@ func run(m *testing.M) int {
 	}
 	srv = s
 	code := m.Run()
+	stopBouncer() // before the server it points at
 	if srv != nil {
 		srv.close()
 	}

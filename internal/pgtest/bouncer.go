@@ -1,0 +1,111 @@
+package pgtest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"fusion/outbox/internal/pgbouncer"
+)
+
+// The PgBouncer part of the harness: one real PgBouncer per test binary, in transaction
+// pooling mode, in front of the throwaway cluster. It starts on first use and stops with the
+// cluster when the binary's tests end (and, like the cluster, is reaped if the binary dies).
+
+// Bouncer limits. MaxClientConn is small enough that a module which opened connections
+// without bound would be refused; DefaultPoolSize is two server connections per database and
+// role, so every client shares them and session state one client left behind would reach the
+// next.
+const (
+	BouncerMaxClientConn   = 60
+	BouncerDefaultPoolSize = 2
+	// PooledMaxConns is the pool size of NewPooledPool: what a host behind a pooler would give
+	// one process.
+	PooledMaxConns = 4
+)
+
+var (
+	bouncerOnce sync.Once
+	bouncer     *pgbouncer.Bouncer
+	bouncerErr  error
+)
+
+// startBouncer starts the binary's bouncer in front of the throwaway cluster.
+func startBouncer() (*pgbouncer.Bouncer, error) {
+	bouncerOnce.Do(func() {
+		if srv.cluster == nil {
+			bouncerErr = fmt.Errorf("the PgBouncer tests need the throwaway cluster (this run uses %s)", srv.kind)
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		bouncer, bouncerErr = pgbouncer.Start(ctx, pgbouncer.Options{
+			ServerSocketDir: srv.cluster.SocketDir(), ServerPort: 5432, PoolMode: "transaction",
+			MaxClientConn: BouncerMaxClientConn, DefaultPoolSize: BouncerDefaultPoolSize,
+		})
+	})
+	return bouncer, bouncerErr
+}
+
+// stopBouncer runs when the binary's tests end.
+func stopBouncer() {
+	if bouncer != nil {
+		bouncer.Stop()
+	}
+}
+
+// Bouncer returns the binary's PgBouncer, starting it on first use. Without one (PgBouncer not
+// installed, or no throwaway cluster) the test fails under CI=true and is skipped otherwise.
+func Bouncer(t testing.TB) *pgbouncer.Bouncer {
+	t.Helper()
+	skipOrFail(t)
+	b, err := startBouncer()
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("pgtest: CI=true and no PgBouncer: %v", err)
+		}
+		t.Skipf("pgtest: no PgBouncer (make deps installs it): %v", err)
+	}
+	return b
+}
+
+// PooledURL is db's superuser connection string through the bouncer, with the one pgx
+// execution mode that is safe behind a transaction pooler: default_query_exec_mode=exec
+// (see outbox.CheckPoolerSafe).
+func PooledURL(t testing.TB, db DB) string {
+	t.Helper()
+	return Bouncer(t).URL("postgres", db.Name) + "&default_query_exec_mode=exec"
+}
+
+// PooledURLAs is PooledURL for another role, which it first lists in the bouncer's auth file.
+func PooledURLAs(t testing.TB, db DB, role string) string {
+	t.Helper()
+	b := Bouncer(t)
+	if err := b.AddUser(role); err != nil {
+		t.Fatalf("pgtest: add %s to the bouncer: %v", role, err)
+	}
+	return b.URL(role, db.Name) + "&default_query_exec_mode=exec"
+}
+
+// NewPooledPool opens a pool on db through the bouncer (PooledMaxConns connections at most),
+// closed when t ends.
+func NewPooledPool(t testing.TB, db DB) *pgxpool.Pool {
+	t.Helper()
+	return PooledPool(t, PooledURL(t, db))
+}
+
+// PooledPool opens a pool of PooledMaxConns connections on url, closed when t ends.
+func PooledPool(t testing.TB, url string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("pgtest: parse %s: %v", url, err)
+	}
+	cfg.MaxConns = PooledMaxConns
+	return PoolConfig(t, cfg)
+}

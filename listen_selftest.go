@@ -1,0 +1,174 @@
+package outbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// The wake-up self-test. A LISTEN through a transaction-pooling proxy succeeds and then hears
+// nothing: the proxy ran it on a server connection the consumer no longer holds. Polling still
+// delivers every event, so the failure is silent unless someone looks. After each LISTEN the
+// consumer therefore sends one notification to itself through its pool, on the same channel,
+// the way writers send theirs, and expects it on the LISTEN connection within
+// Config.ListenCheckTimeout. When it arrives the wake-ups are proven; when it does not, the
+// consumer says once what to do, and Wakeups, Runner.Wakeups and the
+// outbox_listen_wakeups_working gauge say that it runs on polling alone. It keeps the LISTEN
+// connection (an idle client costs a proxy no server connection): should a notification
+// arrive after all (a database too slow for the bound, not a proxy), the wake-ups count as
+// working again.
+//
+// The payload is "selftest/<random hex>", which is not a project ID: other consumers on the
+// channel skip it as not theirs.
+
+// WakeupState says whether a consumer's LISTEN wake-ups were proven to arrive.
+type WakeupState string
+
+// Wake-up states.
+const (
+	// WakeupsUnchecked: the consumer has not listened yet, or its self-test is under way.
+	WakeupsUnchecked WakeupState = "unchecked"
+	// WakeupsWorking: the self-test notification (or another one) arrived on the LISTEN
+	// connection.
+	WakeupsWorking WakeupState = "working"
+	// WakeupsPollingOnly: the self-test notification did not arrive in time; the consumer
+	// finds events by polling alone, every Config.PollInterval. Set Config.ListenDSN to a
+	// direct connection to PostgreSQL to get wake-ups back.
+	WakeupsPollingOnly WakeupState = "polling-only"
+	// WakeupsDisabled: Config.NotifyDisabled; the consumer polls by design.
+	WakeupsDisabled WakeupState = "disabled"
+)
+
+const selfTestPrefix = "selftest/"
+
+const selfTestNotifySQL = `SELECT pg_notify($1, $2)`
+
+// wakeupCheck is a consumer's self-test state, shared by the listen goroutine, the self-test's
+// timer and readers.
+type wakeupCheck struct {
+	mu     sync.Mutex
+	state  WakeupState // "" until the first outcome
+	warned bool
+}
+
+func (w *wakeupCheck) load() WakeupState {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.state == "" {
+		return WakeupsUnchecked
+	}
+	return w.state
+}
+
+// Wakeups says whether the consumer's LISTEN wake-ups were proven to work (see WakeupState).
+func (c *Consumer) Wakeups() WakeupState {
+	if c.cfg.NotifyDisabled {
+		return WakeupsDisabled
+	}
+	return c.wakeups.load()
+}
+
+// WakeupsWorking reports whether notifications were seen to reach the LISTEN connection.
+func (c *Consumer) WakeupsWorking() bool { return c.Wakeups() == WakeupsWorking }
+
+// Wakeups is the running consumer's wake-up state, or "" when no consumer runs.
+func (r *Runner) Wakeups() WakeupState {
+	c := r.Consumer()
+	if c == nil {
+		return ""
+	}
+	return c.Wakeups()
+}
+
+// selfTest is one run of the self-test on a fresh LISTEN connection.
+type selfTest struct {
+	token string
+	timer *time.Timer
+}
+
+func (st *selfTest) stop() { st.timer.Stop() }
+
+// startSelfTest sends the self-test notification through the pool and arms its bound.
+func (c *Consumer) startSelfTest(ctx context.Context) (*selfTest, error) {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return nil, fmt.Errorf("wake-up self-test token: %w", err)
+	}
+	st := &selfTest{token: selfTestPrefix + hex.EncodeToString(b[:])}
+	sendCtx, stop := context.WithTimeout(ctx, 10*time.Second)
+	defer stop()
+	if _, err := c.pool.Exec(sendCtx, selfTestNotifySQL, c.cfg.NotifyChannel, st.token); err != nil {
+		return nil, fmt.Errorf("wake-up self-test: send: %w", err)
+	}
+	st.timer = time.AfterFunc(c.cfg.ListenCheckTimeout, c.selfTestTimedOut)
+	return st, nil
+}
+
+// heard records that a notification reached the LISTEN connection, which proves the channel
+// whatever its payload, and reports whether it was the self-test's own (not to be parsed).
+func (c *Consumer) heard(st *selfTest, payload string) bool {
+	w := &c.wakeups
+	// The lock covers the gauge and the log too, so that whoever reads the state sees what
+	// was said about it.
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	previous := w.state
+	w.state = WakeupsWorking
+	switch previous {
+	case WakeupsWorking:
+	case WakeupsPollingOnly:
+		c.metrics.wakeups(string(c.id), true)
+		c.log.Info("LISTEN wake-ups arrive after all; notifications wake the consumer again")
+	default:
+		c.metrics.wakeups(string(c.id), true)
+		c.log.Debug("wake-up self-test passed: notifications reach the LISTEN connection")
+	}
+	return payload == st.token
+}
+
+// selfTestTimedOut runs when the self-test's bound passes. Unless a notification arrived
+// meanwhile, the consumer runs on polling alone and says once what to do.
+func (c *Consumer) selfTestTimedOut() {
+	w := &c.wakeups
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.state == WakeupsWorking {
+		return
+	}
+	w.state = WakeupsPollingOnly
+	c.metrics.wakeups(string(c.id), false)
+	if w.warned {
+		return
+	}
+	w.warned = true
+	fix := "set ListenDSN (listen_dsn) to a connection string that reaches PostgreSQL directly, not through the pooler"
+	if c.cfg.ListenDSN != "" {
+		fix = "ListenDSN (listen_dsn) is set: point it at PostgreSQL directly, not at the pooler"
+	}
+	c.log.Warn("LISTEN wake-ups do not arrive (is the pool behind a transaction-pooling proxy?); the consumer runs on polling alone",
+		zap.String("channel", c.cfg.NotifyChannel), zap.Duration("self_test_timeout", c.cfg.ListenCheckTimeout),
+		zap.Duration("poll_interval", c.cfg.PollInterval), zap.String("fix", fix))
+}
+
+func newListenWakeupsGauge() *prometheus.GaugeVec {
+	return prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "outbox_listen_wakeups_working",
+		Help: "1 when the consumer's wake-up self-test notification arrived on its LISTEN connection, 0 when it did not and the consumer polls alone (set ListenDSN)."},
+		[]string{"consumer"})
+}
+
+func (m *Metrics) wakeups(consumer string, working bool) {
+	if m == nil {
+		return
+	}
+	v := 0.0
+	if working {
+		v = 1
+	}
+	m.listenWakeups.WithLabelValues(consumer).Set(v)
+}

@@ -1,0 +1,269 @@
+package outbox_test
+
+import (
+	"fmt"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/outboxtest"
+)
+
+// TestWholePathThroughPgBouncerLeavesNoSessionState runs every part of the module through
+// PgBouncer in transaction mode, with two server connections shared by all of them: the writer
+// hook inside the host's delete transaction, two consumers (leases, acknowledgements, the
+// sequencer, a retried event, a parked one and its replay, a reconciliation), the admin calls
+// and a retention sweep. Only the LISTEN connection goes to PostgreSQL directly (ListenDSN).
+// Then it holds both server connections at once and checks that nothing was left on them: no
+// prepared statement, no LISTEN, no advisory lock, no temporary table, no session setting.
+func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	projects := []string{"alpha", "beta"}
+	cfg := outbox.Config{PollInterval: 50 * time.Millisecond, LeaseTTL: 3 * time.Second, HeartbeatInterval: time.Second,
+		NewCursor: outbox.NewCursorOldest, TransactionPooler: true, ListenDSN: db.URL + "&application_name=" + directListen,
+		RetrySchedule: []time.Duration{10 * time.Millisecond, 20 * time.Millisecond}, MaxAttempts: 3}
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: projects, cfg: cfg})
+	for _, p := range projects {
+		_, err := writer.store.CreateMany(ctx, p, "t", 20)
+		require.NoError(t, err)
+	}
+
+	engine := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "engine", projects: projects, cfg: cfg, noStart: true})
+	var mu sync.Mutex
+	failures := map[string]int{}
+	fixed := false
+	engine.rec.setFail(func(ev outbox.ObservedEvent) error {
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case ev.TaskID == "t-2" && failures[ev.EventID] < 2: // retried twice, then delivered
+			failures[ev.EventID]++
+			return errListener
+		case ev.ProjectID == "alpha" && ev.TaskID == "t-4" && !fixed: // parked after three attempts
+			failures[ev.EventID]++
+			return errListener
+		}
+		return nil
+	})
+	engine.start(t)
+	waitWakeups(t, ctx, engine.consumer, outbox.WakeupsWorking)
+	for i := 1; i <= 10; i++ {
+		for _, p := range projects {
+			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
+			require.NoError(t, err)
+		}
+	}
+	for _, p := range projects {
+		waitCursor(t, ctx, writer.pool, p, "engine", 10)
+	}
+	require.Equal(t, "dead", deliveryOf(t, writer.pool, "engine", 4).State)
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerPoisoned))
+
+	// A consumer that starts late reconciles from the live tasks instead of replaying.
+	late := cfg
+	late.NewCursor = outbox.NewCursorReconcile
+	dashboard := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "dashboard", projects: projects, cfg: late})
+	for _, p := range projects {
+		waitCursor(t, ctx, writer.pool, p, "dashboard", 10)
+		require.Len(t, dashboard.store.Cache().Live(p), 10, "the live set came from the reconciliation")
+	}
+	require.Equal(t, 2, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE reconcile_reason IS NOT NULL`))
+	for i := 11; i <= 20; i++ {
+		for _, p := range projects {
+			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
+			require.NoError(t, err)
+		}
+	}
+
+	// The operator replays the parked event once the listener is fixed, through the pooler too.
+	mu.Lock()
+	fixed = true
+	mu.Unlock()
+	admin := outbox.NewAdmin(writer.pool, outbox.AdminOptions{Audit: writer.store})
+	_, err := admin.RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "alpha", ConsumerID: "engine", Sequence: 4,
+		Operator: outbox.Operator{Actor: "oncall", Reason: "FN-17"}})
+	require.NoError(t, err)
+	for _, c := range []string{"engine", "dashboard"} {
+		for _, p := range projects {
+			waitCursor(t, ctx, writer.pool, p, c, 20)
+		}
+	}
+	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "engine", 4).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	status, err := admin.Status(ctx, outbox.StatusFilter{})
+	require.NoError(t, err)
+	require.Len(t, status, 4)
+
+	got := map[string]int{}
+	attempts := map[string]int{}
+	for _, ev := range engine.rec.snapshot() {
+		got[ev.EventID]++
+		attempts[ev.EventID] = max(attempts[ev.EventID], ev.Attempt)
+	}
+	require.Len(t, got, 40, "every deletion reached the engine")
+	retried, replayed := 0, 0
+	for id, n := range attempts {
+		switch {
+		case strings.Contains(id, ":t-2:"):
+			require.Equal(t, 3, n, "%s: two failures, then the third attempt", id)
+			retried++
+		case strings.HasPrefix(id, "task-deleted:t-4:") && got[id] == 1 && n == 4:
+			replayed++ // alpha's t-4: three failed attempts, then the replay
+		}
+	}
+	require.Equal(t, 2, retried)
+	require.Equal(t, 1, replayed)
+	require.Len(t, dashboard.rec.snapshot(), 20, "the late consumer got what came after its reconciliation")
+
+	// Retention, with a clock a year ahead so that every acknowledged row is old enough.
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(365 * 24 * time.Hour)
+	rcfg := cfg
+	rcfg.Clock = clock
+	retention, err := outbox.NewRetention(writer.pool, rcfg, nil, nil)
+	require.NoError(t, err)
+	res, err := retention.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(40), res.Pruned())
+
+	engine.stop(t)
+	dashboard.stop(t)
+	require.NoError(t, writer.writer.Close(ctx))
+	requireNoSessionState(t, db)
+}
+
+// directListen names the LISTEN connections that go straight to PostgreSQL, so the session
+// state check can tell them from the bouncer's server connections.
+const directListen = "direct-listen"
+
+// TestSessionStateCheckSeesALeak makes sure the check above can fail: a plain SET through the
+// bouncer stays on the server connection, and the check names it.
+func TestSessionStateCheckSeesALeak(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.NewPooledPool(t, db)
+	_, err := pool.Exec(ctx, `SET statement_timeout = '1234s'`)
+	require.NoError(t, err)
+	leaks := sessionState(t, db)
+	require.NotEmpty(t, leaks)
+	require.Contains(t, strings.Join(leaks, "\n"), "statement_timeout")
+}
+
+// requireNoSessionState fails t when a server connection of db behind the bouncer carries
+// session state.
+func requireNoSessionState(t *testing.T, db pgtest.DB) {
+	t.Helper()
+	require.Empty(t, sessionState(t, db), "session state left on PgBouncer's server connections")
+}
+
+// trackedByBouncer are the parameters PgBouncer itself sets on a server connection to match
+// the client it hands it to.
+var trackedByBouncer = []string{"client_encoding", "DateStyle", "TimeZone", "standard_conforming_strings", "application_name"}
+
+const sessionStateSQL = `
+SELECT pg_backend_pid(),
+       (SELECT count(*) FROM pg_prepared_statements),
+       (SELECT count(*) FROM pg_listening_channels()),
+       (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()),
+       (SELECT count(*) FROM pg_class WHERE relnamespace = pg_my_temp_schema()),
+       coalesce((SELECT string_agg(name, ',' ORDER BY name) FROM pg_settings WHERE source = 'session' AND NOT (name = ANY ($1))), '')`
+
+// sessionState holds every server connection the bouncer has for db at once (one client
+// transaction each: in transaction mode each gets its own) and lists what state it carries.
+// It also checks that the connections it inspected are all the server connections there are.
+func sessionState(t *testing.T, db pgtest.DB) []string {
+	t.Helper()
+	ctx := ctxT(t)
+	url := pgtest.PooledURL(t, db)
+	var leaks []string
+	var pids []int32
+	var txs []pgx.Tx
+	for range pgtest.BouncerDefaultPoolSize {
+		conn, err := pgx.Connect(ctx, url)
+		require.NoError(t, err)
+		defer conn.Close(ctx)
+		tx, err := conn.Begin(ctx) // holds its server connection until the end of the check
+		require.NoError(t, err)
+		txs = append(txs, tx)
+		var pid int32
+		var prepared, listening, advisory, temp int
+		var settings string
+		require.NoError(t, tx.QueryRow(ctx, sessionStateSQL, trackedByBouncer).Scan(&pid, &prepared, &listening, &advisory, &temp, &settings))
+		pids = append(pids, pid)
+		for what, n := range map[string]int{"prepared statements": prepared, "LISTEN channels": listening, "advisory locks": advisory, "temporary tables": temp} {
+			if n > 0 {
+				leaks = append(leaks, fmt.Sprintf("server connection %d: %d %s", pid, n, what))
+			}
+		}
+		if settings != "" {
+			leaks = append(leaks, fmt.Sprintf("server connection %d: session settings %s", pid, settings))
+		}
+	}
+	direct := pgtest.Pool(t, db.URL)
+	rows, err := direct.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()
+		AND backend_type = 'client backend' AND application_name <> $1`, directListen)
+	require.NoError(t, err)
+	all, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	require.NoError(t, err)
+	for _, pid := range all {
+		require.True(t, slices.Contains(pids, pid), "backend %d of the test database was not inspected (inspected %v)", pid, pids)
+	}
+	for _, tx := range txs {
+		_ = tx.Rollback(ctx)
+	}
+	return leaks
+}
+
+// TestNoSessionStateInTheSource is the static half of the audit: no statement the module runs
+// sets a session-level setting, takes a session advisory lock, creates a temporary table or
+// prepares a named statement, and only the listen files LISTEN.
+func TestNoSessionStateInTheSource(t *testing.T) {
+	t.Parallel()
+	forbidden := []struct {
+		what string
+		re   *regexp.Regexp
+	}{
+		{"a session-level SET (use set_config(name, value, true) or SET LOCAL)", regexp.MustCompile(`(?is)^\s*(SET|RESET)\s+(SESSION\s+)?[a-z_.]+\s*(=|TO\b)`)},
+		{"set_config at session level", regexp.MustCompile(`(?i)set_config\([^)]*,\s*false\s*\)`)},
+		{"a session advisory lock (use pg_advisory_xact_lock)", regexp.MustCompile(`(?i)pg_(try_)?advisory_lock(_shared)?\s*\(`)},
+		{"a temporary table", regexp.MustCompile(`(?i)CREATE\s+(GLOBAL\s+|LOCAL\s+)?TEMP(ORARY)?\s`)},
+		{"a named prepared statement", regexp.MustCompile(`(?i)\bPREPARE\s+[a-z_]`)},
+		{"LISTEN", regexp.MustCompile(`(?i)\bLISTEN\s+`)},
+	}
+	for name, sql := range outbox.Statements {
+		for _, f := range forbidden {
+			require.False(t, f.re.MatchString(sql), "%s contains %s", name, f.what)
+		}
+	}
+	// Outside the SQL constants: LISTEN only in the listen files, and no .Prepare call.
+	files, err := os.ReadDir(".")
+	require.NoError(t, err)
+	for _, f := range files {
+		name := f.Name()
+		if !strings.HasSuffix(name, ".go") || strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		b, err := os.ReadFile(name)
+		require.NoError(t, err)
+		src := string(b)
+		if name != "listen.go" && name != "listen_selftest.go" {
+			require.NotRegexp(t, `"(UN)?LISTEN `, src, "%s: LISTEN belongs to the dedicated connection in listen.go", name)
+		}
+		require.NotContains(t, src, ".Prepare(", "%s: named prepared statements do not survive a transaction pooler", name)
+		require.NotRegexp(t, `(?i)pg_(try_)?advisory_lock(_shared)?\(`, src, "%s: session advisory lock", name)
+	}
+	for _, m := range outbox.Migrations() {
+		require.NotRegexp(t, `(?i)pg_(try_)?advisory_lock(_shared)?\s*\(`, m.SQL, "migration %d", m.Version)
+	}
+}

@@ -1,0 +1,320 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/trace"
+	"go.uber.org/fx"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
+
+	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/pgtest"
+)
+
+// The module behind a real PgBouncer in transaction pooling mode (pgtest.Bouncer).
+
+// pooledProcess is a simulated process whose pool goes through the bouncer: its writer, its
+// store and (with an identity) its consumer. logs holds its warnings and errors.
+type pooledProcess struct {
+	process
+	logs *observer.ObservedLogs
+}
+
+func startPooledProcess(t *testing.T, pool *pgxpool.Pool, o processOpts, metrics ...*outbox.Metrics) *pooledProcess {
+	t.Helper()
+	ctx := ctxT(t)
+	core, logs := observer.New(zap.WarnLevel)
+	log := zap.New(zapcore.NewTee(zaptest.NewLogger(t).Core(), core))
+	p := &pooledProcess{process: process{pool: pool, rec: newRecorder()}, logs: logs}
+	w, err := outbox.NewWriter(pool, o.cfg, log)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = w.Close(context.Background()) })
+	p.writer = w
+	p.store = taskstore.New(pool, taskstore.Options{Writer: w, Logger: log})
+	require.NoError(t, p.store.LoadCache(ctx, o.projects...))
+	if o.id == "" {
+		return p
+	}
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{
+		Listeners: append([]outbox.Listener{p.rec}, o.listeners...), Cache: p.store.Cache(),
+		SelfWriterID: w.ProcessID(), Timeout: o.cfg.WithDefaults().ListenerTimeout, Logger: log,
+	})
+	opts := outbox.ConsumerOptions{
+		ID: o.id, Pool: pool, Config: o.cfg, Projects: outbox.StaticProjects(o.projects), Dispatcher: d,
+		LiveTasks: p.store, Cache: p.store.Cache(), Audit: p.store, Logger: log,
+	}
+	if len(metrics) > 0 {
+		opts.Metrics = metrics[0]
+	}
+	c, err := outbox.NewConsumer(opts)
+	require.NoError(t, err)
+	p.consumer = c
+	if !o.noStart {
+		p.start(t)
+	}
+	return p
+}
+
+func TestCheckPoolerSafe(t *testing.T) {
+	t.Parallel()
+	base := "host=/tmp port=5432 user=postgres dbname=x"
+	for _, tc := range []struct {
+		mode string
+		safe bool
+	}{{"", false}, {"cache_statement", false}, {"cache_describe", false}, {"describe_exec", false}, {"exec", true}, {"simple_protocol", true}} {
+		t.Run("mode="+tc.mode, func(t *testing.T) {
+			dsn := base
+			if tc.mode != "" {
+				dsn += " default_query_exec_mode=" + tc.mode
+			}
+			err := outbox.CheckPoolerSafeDSN(dsn)
+			if tc.safe {
+				require.NoError(t, err)
+				return
+			}
+			var verr *outbox.ValidationError
+			require.ErrorAs(t, err, &verr)
+			require.Equal(t, "default_query_exec_mode", verr.Field)
+			require.Contains(t, err.Error(), "default_query_exec_mode=exec", "the error says what to set")
+		})
+	}
+	require.Error(t, outbox.CheckPoolerSafeDSN("host=/tmp default_query_exec_mode=bogus"))
+}
+
+// TestTransactionPoolerRefusesAnUnsafePool: with TransactionPooler set, every constructor
+// that is handed a pool refuses one in pgx's default mode and says what to set.
+func TestTransactionPoolerRefusesAnUnsafePool(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	unsafe := pgtest.Pool(t, db.URL)
+	safe := pgtest.Pool(t, db.URL+"&default_query_exec_mode=exec")
+	cfg := outbox.Config{TransactionPooler: true}
+
+	_, err := outbox.NewWriter(unsafe, cfg, nil)
+	require.ErrorContains(t, err, "TransactionPooler (transaction_pooler)")
+	require.ErrorContains(t, err, "default_query_exec_mode=exec")
+	_, err = outbox.NewRetention(unsafe, cfg, nil, nil)
+	require.ErrorContains(t, err, "default_query_exec_mode=exec")
+	_, err = outbox.NewConsumer(outbox.ConsumerOptions{ID: "c", Pool: unsafe, Config: cfg, Projects: outbox.StaticProjects{"p"},
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{})})
+	require.ErrorContains(t, err, "default_query_exec_mode=exec")
+
+	_, err = outbox.NewWriter(safe, cfg, nil)
+	require.NoError(t, err)
+	_, err = outbox.NewWriter(unsafe, outbox.Config{}, nil)
+	require.NoError(t, err, "without TransactionPooler the pool is the host's business")
+}
+
+// TestNamedStatementsBreakBehindPgBouncer shows why the module asks for
+// default_query_exec_mode=exec: with pgx's default mode a statement prepared on one server
+// connection is later bound on another, and PgBouncer 1.18 in transaction mode refuses it; the
+// same sequence in exec and simple_protocol mode works.
+func TestNamedStatementsBreakBehindPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	base := pgtest.Bouncer(t).URL("postgres", db.Name)
+	// run plays one client's statement, then another client holds the only idle server
+	// connection in a transaction while the first runs the same statement again: the proxy
+	// gives it the second server connection.
+	run := func(mode string) error {
+		url := base
+		if mode != "" {
+			url += "&default_query_exec_mode=" + mode
+		}
+		a, err := pgx.Connect(ctx, url)
+		require.NoError(t, err)
+		defer a.Close(ctx)
+		b, err := pgx.Connect(ctx, url)
+		require.NoError(t, err)
+		defer b.Close(ctx)
+		const q = `SELECT count(*) FROM lifecycle_outbox WHERE project_id = $1`
+		var n int
+		if err := a.QueryRow(ctx, q, "p").Scan(&n); err != nil {
+			return fmt.Errorf("first run: %w", err)
+		}
+		tx, err := b.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(ctx) }()
+		var one int
+		require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one))
+		if err := a.QueryRow(ctx, q, "p").Scan(&n); err != nil {
+			return fmt.Errorf("second run: %w", err)
+		}
+		return nil
+	}
+	err := run("")
+	require.Error(t, err, "pgx's default mode (named prepared statements) must break behind PgBouncer 1.18")
+	var pgErr *pgconn.PgError
+	require.True(t, errors.As(err, &pgErr), "%v", err)
+	require.Equal(t, "26000", pgErr.Code, "prepared statement does not exist: %v", err)
+	t.Logf("cache_statement through PgBouncer: %v", err)
+	require.NoError(t, run("exec"))
+	require.NoError(t, run("simple_protocol"))
+}
+
+// TestPooledListenFallsBackToPollingAndSaysSo: a consumer whose pool (and so its LISTEN
+// connection) goes through PgBouncer never hears its self-test notification. It says once what
+// to set, shows it in Wakeups and the gauge, and still delivers every event by polling.
+func TestPooledListenFallsBackToPollingAndSaysSo(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := outbox.Config{PollInterval: 100 * time.Millisecond, ListenCheckTimeout: 500 * time.Millisecond,
+		NewCursor: outbox.NewCursorOldest, TransactionPooler: true}
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}, cfg: cfg})
+	_, err = writer.store.CreateMany(ctx, "p", "t", 5)
+	require.NoError(t, err)
+	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "pooled", projects: []string{"p"}, cfg: cfg}, m)
+
+	waitWakeups(t, ctx, obs.consumer, outbox.WakeupsPollingOnly)
+	require.False(t, obs.consumer.WakeupsWorking())
+	entries := obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All()
+	require.Len(t, entries, 1, "said once")
+	fields := entries[0].ContextMap()
+	require.Contains(t, fields["fix"], "ListenDSN (listen_dsn)")
+	t.Logf("self-test log line: %s %v", entries[0].Message, fields)
+	requireSample(t, scrape(t, reg), 0, "outbox_listen_wakeups_working", "consumer", "pooled")
+
+	for i := 1; i <= 5; i++ {
+		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		require.NoError(t, err)
+	}
+	obs.rec.waitCount(t, ctx, 5)
+	waitCursor(t, ctx, obs.pool, "p", "pooled", 5)
+	require.Len(t, obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All(), 1, "still said once")
+}
+
+// TestListenDSNWakesAConsumerWhosePoolIsPooled: with ListenDSN straight to PostgreSQL the
+// self-test passes and notifications wake the consumer, while every other statement (the
+// writer's, the consumer's, the self-test's own NOTIFY) goes through PgBouncer. The poll
+// interval is an hour, so only a wake-up can deliver the deletions made after start.
+func TestListenDSNWakesAConsumerWhosePoolIsPooled(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := outbox.Config{PollInterval: time.Hour, ListenCheckTimeout: 10 * time.Second, NewCursor: outbox.NewCursorOldest,
+		TransactionPooler: true, ListenDSN: db.URL}
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}, cfg: cfg})
+	_, err = writer.store.CreateMany(ctx, "p", "t", 5)
+	require.NoError(t, err)
+	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "direct-listen", projects: []string{"p"}, cfg: cfg}, m)
+
+	waitWakeups(t, ctx, obs.consumer, outbox.WakeupsWorking)
+	require.True(t, obs.consumer.WakeupsWorking())
+	requireSample(t, scrape(t, reg), 1, "outbox_listen_wakeups_working", "consumer", "direct-listen")
+	for i := 1; i <= 5; i++ {
+		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		require.NoError(t, err)
+		obs.rec.waitCount(t, ctx, i) // woken by the notification, not by the hourly poll
+	}
+	waitCursor(t, ctx, obs.pool, "p", "direct-listen", 5)
+	require.Empty(t, obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All())
+}
+
+// waitWakeups waits until the consumer's self-test has the given outcome.
+func waitWakeups(t *testing.T, ctx context.Context, c *outbox.Consumer, want outbox.WakeupState) {
+	t.Helper()
+	for c.Wakeups() != want {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("wake-ups are %s, never %s", c.Wakeups(), want)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// TestEngineAppBehindPgBouncer builds an engine binary's app (outbox.Module and the reference
+// host) on a DSN through PgBouncer: with TransactionPooler it refuses pgx's default mode and
+// says what to add; in exec mode it runs, Runner.Wakeups says the pooled LISTEN polls alone,
+// and a TracerProvider in the graph turns tracing on.
+func TestEngineAppBehindPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	seed := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}})
+	_, err := seed.store.CreateMany(ctx, "p", "t", 3)
+	require.NoError(t, err)
+	require.NoError(t, taskstore.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "engine"))
+	cfg := outbox.Config{TransactionPooler: true, PollInterval: 50 * time.Millisecond, ListenCheckTimeout: 300 * time.Millisecond}
+
+	unsafe := fx.New(outbox.Module, taskstore.Module, fx.NopLogger,
+		fx.Supply(taskstore.HostConfig{DSN: pgtest.Bouncer(t).URL("postgres", db.Name), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg}, zap.NewNop()))
+	require.ErrorContains(t, unsafe.Err(), "default_query_exec_mode=exec")
+
+	tp := newTracedProcess(t)
+	app, logs, runner, _ := engineApp(t, taskstore.HostConfig{DSN: pgtest.PooledURL(t, db), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg},
+		fx.Supply(fx.Annotate(tp.tp, fx.As(new(trace.TracerProvider)))))
+	app.RequireStart()
+	require.Equal(t, outbox.StateRunning, runner.State())
+	for runner.Wakeups() != outbox.WakeupsPollingOnly {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("wake-ups are %q", runner.Wakeups())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	require.Len(t, logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All(), 1)
+	_, err = seed.store.Delete(ctx, "p", "t-1")
+	require.NoError(t, err)
+	waitCursor(t, ctx, seed.pool, "p", "engine", 1)
+	app.RequireStop()
+	require.Len(t, tp.spans("process p"), 1, "the graph's tracer provider traces the consumer")
+	require.Equal(t, outbox.WakeupState(""), (&outbox.Runner{}).Wakeups(), "no consumer, no state")
+}
+
+func TestWakeupsDisabled(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	cfg := fastConfig()
+	cfg.NotifyDisabled = true
+	p := startProcess(t, db.URL, processOpts{id: "poller", projects: []string{"p"}, cfg: cfg})
+	require.Equal(t, outbox.WakeupsDisabled, p.consumer.Wakeups())
+	require.False(t, p.consumer.WakeupsWorking())
+}
+
+// TestPooledListenIsNotSilent is the regression test of the silent failure: with only the
+// API that existed before the self-test, a consumer whose LISTEN goes through PgBouncer must
+// log a warning that names ListenDSN. On the code before the self-test it logged nothing.
+func TestPooledListenIsNotSilent(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.NewPooledPool(t, db)
+	core, logs := observer.New(zap.WarnLevel)
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "pooled", Pool: pool, Config: outbox.Config{PollInterval: 100 * time.Millisecond},
+		Projects: outbox.StaticProjects{"p"}, Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{}), Logger: zap.New(core)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	defer func() { require.NoError(t, c.Stop(ctx)) }()
+	require.Eventually(t, func() bool {
+		for _, e := range logs.All() {
+			for _, v := range e.ContextMap() {
+				if s, ok := v.(string); ok && strings.Contains(s, "ListenDSN") {
+					return true
+				}
+			}
+		}
+		return false
+	}, 10*time.Second, 50*time.Millisecond, "no warning that LISTEN through the pooler hears nothing (logged: %d entries)", logs.Len())
+}
