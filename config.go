@@ -5,6 +5,10 @@ import (
 	"fmt"
 	"regexp"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"fusion/outbox/internal/safetext"
 )
 
 // Config is the per-deployment configuration of the module. The zero value, after
@@ -65,10 +69,28 @@ type Config struct {
 	// bounds their cost under load. Defaults to 1ms; at most 1s.
 	NotifyGap time.Duration
 
+	// WakeInterval is the shortest time between two scans of one project that notifications
+	// start. Notifications for a project scanned more recently are coalesced into one scan
+	// when the interval has passed, so a flood of NOTIFYs (any role can send them) costs at
+	// most one scan per project per WakeInterval. Defaults to 10ms; between 1ms and
+	// PollInterval.
+	WakeInterval time.Duration
+
 	// ListenDSN, when set, is used for the consumer's dedicated LISTEN connection instead of
-	// a connection taken from the pool, for pools behind a transaction-pooling proxy.
-	// Defaults to empty (use the pool's configuration).
+	// a connection taken from the pool, for pools behind a transaction-pooling proxy. It must
+	// parse as a PostgreSQL URL or key=value string; errors about it never repeat it, since it
+	// may hold a password. Defaults to empty (use the pool's configuration).
 	ListenDSN string
+
+	// LockTimeout bounds every lock wait of the module's own transactions (the consumer's
+	// fenced writes and reconciliation, retention batches), set with SET LOCAL so that nothing
+	// stays behind on a pooled connection. A transaction that waits longer fails and is retried
+	// on the next scan or sweep. Defaults to 5s; between 1ms and 10m.
+	LockTimeout time.Duration
+
+	// StatementTimeout bounds every statement of those transactions, likewise. Defaults to
+	// 30s; between 1ms and 1h.
+	StatementTimeout time.Duration
 
 	// RetrySchedule is the wait before each retry of a failed event: the first entry after the
 	// first failure, and so on; the last entry repeats. Defaults to 1s, 5s, 30s, 5m, 15m.
@@ -146,6 +168,9 @@ func (c Config) WithDefaults() Config {
 		c.NotifyChannel = "lifecycle_outbox"
 	}
 	def(&c.NotifyGap, time.Millisecond)
+	def(&c.WakeInterval, min(10*time.Millisecond, c.PollInterval))
+	def(&c.LockTimeout, 5*time.Second)
+	def(&c.StatementTimeout, 30*time.Second)
 	if len(c.RetrySchedule) == 0 {
 		c.RetrySchedule = append([]time.Duration(nil), DefaultRetrySchedule...)
 	}
@@ -197,6 +222,20 @@ func (c Config) Validate() error {
 	if c.NotifyGap <= 0 || c.NotifyGap > time.Second {
 		bad("NotifyGap", "must be between 0 and 1s (got %s)", c.NotifyGap)
 	}
+	if c.WakeInterval < time.Millisecond || c.WakeInterval > c.PollInterval {
+		bad("WakeInterval", "must be between 1ms and PollInterval %s (got %s)", c.PollInterval, c.WakeInterval)
+	}
+	if c.ListenDSN != "" {
+		if _, err := pgx.ParseConfig(c.ListenDSN); err != nil {
+			bad("ListenDSN", "does not parse: %s (the value is not shown: it may hold a password)", safetext.DSNParseReason(err))
+		}
+	}
+	if c.LockTimeout < time.Millisecond || c.LockTimeout > 10*time.Minute {
+		bad("LockTimeout", "must be between 1ms and 10m (got %s)", c.LockTimeout)
+	}
+	if c.StatementTimeout < time.Millisecond || c.StatementTimeout > time.Hour {
+		bad("StatementTimeout", "must be between 1ms and 1h (got %s)", c.StatementTimeout)
+	}
 	for i, d := range c.RetrySchedule {
 		if d <= 0 || d > 24*time.Hour {
 			bad("RetrySchedule", "entry %d must be between 0 and 24h (got %s)", i, d)
@@ -238,4 +277,24 @@ func (c Config) retryDelay(attempts int) time.Duration {
 		return c.RetrySchedule[len(c.RetrySchedule)-1]
 	}
 	return c.RetrySchedule[attempts-1]
+}
+
+// txOptions are the options of the module's own transactions: the lock and statement timeouts
+// are set in the BEGIN itself with SET LOCAL, so they cost no round trip and end with the
+// transaction (no session state for a pooler to carry to another client).
+func (c Config) txOptions(iso pgx.TxIsoLevel, mode pgx.TxAccessMode) pgx.TxOptions {
+	return boundedTx(iso, mode, c.LockTimeout, c.StatementTimeout)
+}
+
+func boundedTx(iso pgx.TxIsoLevel, mode pgx.TxAccessMode, lock, stmt time.Duration) pgx.TxOptions {
+	begin := "BEGIN"
+	if iso != "" {
+		begin += " ISOLATION LEVEL " + string(iso)
+	}
+	if mode != "" {
+		begin += " " + string(mode)
+	}
+	// Integers only: nothing from outside reaches this text.
+	return pgx.TxOptions{BeginQuery: fmt.Sprintf("%s; SET LOCAL lock_timeout = %d; SET LOCAL statement_timeout = %d",
+		begin, max(lock.Milliseconds(), 1), max(stmt.Milliseconds(), 1))}
 }

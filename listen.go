@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+
+	"fusion/outbox/internal/safetext"
 )
 
 // The wake-up channel. Writers send one notification per project after commit; the payload
@@ -86,7 +88,13 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 // transaction-pooling proxy cannot LISTEN), else hijacked from the pool so it never returns.
 func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 	if c.cfg.ListenDSN != "" {
-		conn, err := pgx.Connect(ctx, c.cfg.ListenDSN)
+		// Config.Validate parsed it already; a parse error is still never wrapped, since pgx's
+		// message can hold part of a password and this one would be logged on every reconnect.
+		cfg, err := pgx.ParseConfig(c.cfg.ListenDSN)
+		if err != nil {
+			return nil, fmt.Errorf("connect for LISTEN: ListenDSN does not parse: %s", safetext.DSNParseReason(err))
+		}
+		conn, err := pgx.ConnectConfig(ctx, cfg)
 		if err != nil {
 			return nil, fmt.Errorf("connect for LISTEN: %w", err)
 		}
@@ -102,3 +110,57 @@ func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 	}
 	return conn, nil
 }
+
+// wakeLimiter coalesces the scans that notifications start. A project scanned for a
+// notification is not scanned for another until the wake interval has passed; notifications
+// in between are held and start one scan when it has. Anyone who may connect can NOTIFY on the
+// channel, so without this a flood of notifications would cost a scan (a sequencer call and a
+// read) each. The poll interval's full scans are not limited: they cover every project and
+// clear what is held. Only the consumer's loop goroutine uses it; it runs on the real clock,
+// like the poll interval.
+type wakeLimiter struct {
+	interval time.Duration
+	last     map[string]time.Time // when each project was last scanned for a notification
+	held     map[string]struct{}  // notified projects waiting for their interval to pass
+}
+
+func newWakeLimiter(interval time.Duration) *wakeLimiter {
+	return &wakeLimiter{interval: interval, last: map[string]time.Time{}, held: map[string]struct{}{}}
+}
+
+// admit takes the projects notified since the last call and returns those to scan now.
+func (w *wakeLimiter) admit(notified map[string]struct{}, now time.Time) map[string]struct{} {
+	for p := range notified {
+		if p != "" {
+			w.held[p] = struct{}{}
+		}
+	}
+	for p, at := range w.last {
+		if now.Sub(at) >= w.interval {
+			delete(w.last, p) // keeps the map to the projects notified within one interval
+		}
+	}
+	scan := make(map[string]struct{}, len(w.held))
+	for p := range w.held {
+		if _, recent := w.last[p]; recent {
+			continue
+		}
+		scan[p] = struct{}{}
+		w.last[p] = now
+		delete(w.held, p)
+	}
+	return scan
+}
+
+// next is when the earliest held project may be scanned; ok is false when none is held.
+func (w *wakeLimiter) next() (at time.Time, ok bool) {
+	for p := range w.held {
+		if t := w.last[p].Add(w.interval); !ok || t.Before(at) {
+			at, ok = t, true
+		}
+	}
+	return at, ok
+}
+
+// covered forgets what is held: a full scan is about to look at every project.
+func (w *wakeLimiter) covered() { clear(w.held) }

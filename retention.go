@@ -87,8 +87,8 @@ type PrunePlan struct {
 // is retired. A project with no active consumer may be pruned up to its head.
 const planSQL = `
 SELECT h.project_id, h.last_sequence, h.pruned_through,
-       coalesce(min(coalesce(c.last_acked_sequence, 0)) FILTER (WHERE c.consumer_id IS NOT NULL), h.last_sequence) AS through,
-       coalesce((array_agg(c.consumer_id ORDER BY coalesce(c.last_acked_sequence, 0), c.consumer_id)
+       coalesce(pg_catalog.min(coalesce(c.last_acked_sequence, 0)) FILTER (WHERE c.consumer_id IS NOT NULL), h.last_sequence) AS through,
+       coalesce((pg_catalog.array_agg(c.consumer_id ORDER BY coalesce(c.last_acked_sequence, 0), c.consumer_id)
                  FILTER (WHERE c.consumer_id IS NOT NULL))[1], '') AS held_by
 FROM lifecycle_outbox_heads h
 LEFT JOIN lifecycle_consumer_cursors c ON c.project_id = h.project_id AND c.retired_at IS NULL
@@ -99,14 +99,14 @@ ORDER BY h.project_id`
 // window ($4 before now shifted by $3), not pointed at by an open delivery of a live consumer.
 const prunableWhere = `
 o.project_id = $1 AND o.sequence IS NOT NULL AND o.sequence <= $2
-AND o.occurred_at < now() + $3::interval - $4::interval
+AND o.occurred_at < pg_catalog.now() + $3::interval - $4::interval
 AND NOT EXISTS (
     SELECT 1 FROM lifecycle_consumer_deliveries d
     JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
     WHERE d.project_id = o.project_id AND d.sequence = o.sequence
       AND d.state <> 'resolved' AND c.retired_at IS NULL)`
 
-const countPrunableSQL = `SELECT count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
+const countPrunableSQL = `SELECT pg_catalog.count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
 
 const pruneBatchSQL = `
 WITH doomed AS (
@@ -117,18 +117,18 @@ WITH doomed AS (
     DELETE FROM lifecycle_outbox o USING doomed WHERE o.ctid = doomed.row_id
     RETURNING o.sequence
 )
-SELECT count(*), coalesce(max(sequence), 0) FROM gone`
+SELECT pg_catalog.count(*), coalesce(pg_catalog.max(sequence), 0) FROM gone`
 
 const recordFloorSQL = `
 UPDATE lifecycle_outbox_heads
-SET pruned_through = greatest(pruned_through, $2), pruned_at = now() + $3::interval
+SET pruned_through = greatest(pruned_through, $2), pruned_at = pg_catalog.now() + $3::interval
 WHERE project_id = $1`
 
 const pruneDeadLettersSQL = `
 WITH doomed AS (
     SELECT d.ctid AS row_id FROM lifecycle_consumer_deliveries d
     JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
-    WHERE (d.state = 'resolved' AND d.resolved_at < now() + $1::interval - $2::interval)
+    WHERE (d.state = 'resolved' AND d.resolved_at < pg_catalog.now() + $1::interval - $2::interval)
        OR (d.state <> 'resolved' AND c.retired_at IS NOT NULL)
     LIMIT $3
 )
@@ -227,7 +227,7 @@ func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, re
 	}
 	started := time.Now()
 	var n, maxSeq int64
-	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, r.pool, r.cfg.txOptions("", ""), func(tx pgx.Tx) error {
 		if err := tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, p.Through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow, limit).Scan(&n, &maxSeq); err != nil {
 			return err
 		}

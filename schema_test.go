@@ -35,7 +35,7 @@ func TestMigrateFreshDatabase(t *testing.T) {
 
 	applied, err := outbox.Migrate(ctx, pool)
 	require.NoError(t, err)
-	require.Equal(t, []int{1, 2, 3}, applied)
+	require.Equal(t, []int{1, 2, 3, 4, 5}, applied)
 	require.NoError(t, outbox.VerifySchema(ctx, pool))
 
 	status, err := outbox.SchemaStatus(ctx, pool)
@@ -63,7 +63,7 @@ func TestMigrateUpgradePathIsIdempotent(t *testing.T) {
 
 	applied, err = outbox.Migrate(ctx, pool)
 	require.NoError(t, err)
-	require.Equal(t, []int{2, 3}, applied)
+	require.Equal(t, []int{2, 3, 4, 5}, applied)
 
 	applied, err = outbox.Migrate(ctx, pool)
 	require.NoError(t, err)
@@ -112,7 +112,7 @@ func TestConcurrentAppliersApplyEachMigrationOnce(t *testing.T) {
 		require.NoError(t, err, "applier %d", i)
 	}
 	sort.Ints(all)
-	require.Equal(t, []int{1, 2, 3}, all, "every migration applied exactly once across the appliers")
+	require.Equal(t, []int{1, 2, 3, 4, 5}, all, "every migration applied exactly once across the appliers")
 	require.NoError(t, outbox.VerifySchema(ctx, pgtest.Pool(t, db.URL)))
 }
 

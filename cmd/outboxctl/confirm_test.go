@@ -37,14 +37,14 @@ func TestInteractiveConfirmation(t *testing.T) {
 		code, stdout, stderr := migrate(answer)
 		require.Equal(t, exitFailure, code, "answer %q", answer)
 		require.Empty(t, stdout)
-		require.Contains(t, stderr, "outboxctl will apply 3 migrations")
+		require.Contains(t, stderr, "outboxctl will apply 5 migrations")
 		require.Contains(t, stderr, "Migrate? [y/N] ")
 		require.True(t, strings.HasSuffix(stderr, "outboxctl: not confirmed: nothing was changed\n"), "%q", stderr)
 		require.ErrorIs(t, verify(), outbox.ErrSchemaBehind, "answer %q changed nothing", answer)
 	}
 	code, stdout, stderr := migrate("yes\n")
 	require.Equal(t, exitOK, code, "%s", stderr)
-	require.Equal(t, "applied migrations 1, 2, 3; the schema is at version 3\n", stdout)
+	require.Equal(t, "applied migrations 1, 2, 3, 4, 5; the schema is at version 5\n", stdout)
 	require.NoError(t, verify())
 }
 

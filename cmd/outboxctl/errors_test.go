@@ -74,10 +74,10 @@ func TestConnectionErrors(t *testing.T) {
 	t.Run("a schema ahead of this build", func(t *testing.T) {
 		db := pgtest.NewDB(t)
 		pool := pgtest.Pool(t, db.URL)
-		_, err := pool.Exec(context.Background(), `INSERT INTO lifecycle_outbox_schema (version, name, checksum) VALUES (4, 'future', 'f00')`)
+		_, err := pool.Exec(context.Background(), `INSERT INTO lifecycle_outbox_schema (version, name, checksum) VALUES (6, 'future', 'f00')`)
 		require.NoError(t, err)
 		r := ctl(t, nil, "dead-letters", "--dsn", db.URL)
 		require.Equal(t, 1, r.code, "%s", r)
-		require.Contains(t, r.stderr, "database schema is ahead of this build: database has version 4 (future), this build knows up to 3; this outboxctl is older")
+		require.Contains(t, r.stderr, "database schema is ahead of this build: database has version 6 (future), this build knows up to 5; this outboxctl is older")
 	})
 }

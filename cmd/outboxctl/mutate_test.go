@@ -174,29 +174,29 @@ func TestMigrateAndVerify(t *testing.T) {
 
 	r = ctl(t, env, "migrate")
 	require.Equal(t, 2, r.code, "%s", r)
-	require.Contains(t, r.stderr, "outboxctl will apply 3 migrations to database")
-	require.Contains(t, r.stderr, "0001_outbox, 0002_consumers, 0003_row_level_security")
+	require.Contains(t, r.stderr, "outboxctl will apply 5 migrations to database")
+	require.Contains(t, r.stderr, "0001_outbox, 0002_consumers, 0003_row_level_security, 0004_isolation, 0005_validate_checks")
 	require.Contains(t, r.stderr, "pass --yes")
 
 	r = ctl(t, env, "migrate", "--yes")
 	require.Equal(t, 0, r.code, "%s", r)
-	require.Equal(t, "applied migrations 1, 2, 3; the schema is at version 3\n", r.stdout)
+	require.Equal(t, "applied migrations 1, 2, 3, 4, 5; the schema is at version 5\n", r.stdout)
 
 	r = ctl(t, env, "verify")
 	require.Equal(t, 0, r.code, "%s", r)
 	header, rows := tableRows(t, r.stdout)
 	require.Equal(t, []string{"VERSION", "NAME", "CHECKSUM", "APPLIED_AT"}, header)
-	require.Len(t, rows, 4, "three migrations and the conclusion")
-	require.True(t, strings.HasSuffix(r.stdout, "the outbox schema is at version 3, as this build expects\n"))
+	require.Len(t, rows, 6, "five migrations and the conclusion")
+	require.True(t, strings.HasSuffix(r.stdout, "the outbox schema is at version 5, as this build expects\n"))
 	type verified struct {
 		Version, Expected int
 		Current           bool
 	}
-	require.Equal(t, verified{3, 3, true}, decode[verified](t, ctl(t, env, "verify", "--json")))
+	require.Equal(t, verified{5, 5, true}, decode[verified](t, ctl(t, env, "verify", "--json")))
 
 	r = ctl(t, env, "migrate", "--yes")
 	require.Equal(t, 0, r.code, "%s", r)
-	require.Equal(t, "the outbox schema is already at version 3; nothing to do\n", r.stderr)
+	require.Equal(t, "the outbox schema is already at version 5; nothing to do\n", r.stderr)
 	r = ctl(t, env, "status")
 	require.Equal(t, 0, r.code, "%s", r)
 	require.Equal(t, "no consumer cursors match\n", r.stderr)
