@@ -65,6 +65,7 @@ type Consumer struct {
 	stats stats
 
 	seq      isolatingSequencer // owned by the loop goroutine
+	skipLog  logEvery           // owned by the loop goroutine
 	inflight *inflightAck       // owned by the loop goroutine (and by shutdown, after it)
 	runner   *listenerRunner    // the loop's listener goroutine, started on first use
 

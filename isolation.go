@@ -72,10 +72,38 @@ func (c *Consumer) skipFailed(step string, projects []string, err error) (kept [
 			continue
 		}
 		c.metrics.projectError(p, string(c.id), step)
-		c.log.Warn("consumer step failed for one project; it is skipped this scan and the others go on",
-			zap.String("step", step), zap.String("project_id", p), zap.Error(perr))
+		if n, ok := c.skipLog.due(step+"\x00"+p, time.Now()); ok {
+			c.log.Warn("consumer step failed for one project; it is skipped while the others go on",
+				zap.String("step", step), zap.String("project_id", p), zap.Int("times_since_last_logged", n), zap.Error(perr))
+		}
 	}
 	return kept, true
+}
+
+// skipLogInterval is how often a project that keeps failing the same step is logged again; the
+// metric counts every time.
+const skipLogInterval = time.Minute
+
+// logEvery says when a repeated failure is due to be logged again. Only the loop goroutine
+// uses it.
+type logEvery struct {
+	last  map[string]time.Time
+	count map[string]int
+}
+
+// due counts one failure under key and reports whether to log it now, with how many failures
+// it stands for.
+func (l *logEvery) due(key string, now time.Time) (int, bool) {
+	if l.last == nil {
+		l.last, l.count = map[string]time.Time{}, map[string]int{}
+	}
+	l.count[key]++
+	if last, ok := l.last[key]; ok && now.Sub(last) < skipLogInterval {
+		return 0, false
+	}
+	n := l.count[key]
+	l.last[key], l.count[key] = now, 0
+	return n, true
 }
 
 // rowChecks validates the identifiers of the rows of one read, remembering the last project
