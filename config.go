@@ -69,10 +69,11 @@ type Config struct {
 	// bounds their cost under load. Defaults to 1ms; at most 1s.
 	NotifyGap time.Duration
 
-	// WakeInterval is the shortest time between two scans of one project that notifications
-	// start. Notifications for a project scanned more recently are coalesced into one scan
-	// when the interval has passed, so a flood of NOTIFYs (any role can send them) costs at
-	// most one scan per project per WakeInterval. Defaults to 10ms; between 1ms and
+	// WakeInterval bounds the scans that notifications start for nothing. After a notified scan
+	// of a project found nothing to do, further notifications for it within WakeInterval are
+	// coalesced into one scan when the interval has passed, so a flood of NOTIFYs (any role can
+	// send them) costs at most one empty scan per project per WakeInterval; a notified scan
+	// that found events does not hold the next back. Defaults to 10ms; between 1ms and
 	// PollInterval.
 	WakeInterval time.Duration
 

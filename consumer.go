@@ -91,6 +91,7 @@ type streamState struct {
 	// clock (see now). An absolute time, so a timer re-armed later waits only what is left.
 	retryAt time.Time
 	blocked bool // the head-of-line event waits for its next attempt
+	found   bool // the last scan had events or deliveries to look at
 }
 
 // NewConsumer validates opts and builds a consumer. It does not touch the database.
@@ -309,7 +310,16 @@ func (c *Consumer) loop(ctx context.Context) {
 			wakes.covered()
 			failed = c.iterate(ctx, nil, true)
 		} else if scan := wakes.admit(dirty, time.Now()); len(scan) > 0 {
+			for p := range scan {
+				if st := c.state[p]; st != nil {
+					st.found = false // a project the scan skips found nothing
+				}
+			}
 			failed = c.iterate(ctx, scan, false)
+			for p := range scan {
+				st := c.state[p]
+				wakes.scanned(p, st != nil && st.found, time.Now())
+			}
 		}
 		if ctx.Err() != nil {
 			return
@@ -399,6 +409,9 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 // scanProject brings one project's stream up to its head, or to its first blocked event.
 func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, open []delivery) error {
 	st.blocked = false
+	// Whether this scan had anything to do: the wake limiter holds back notifications only for
+	// projects whose last notified scan found nothing.
+	st.found = head.Assigned > 0 || head.LastSequence > st.position || len(open) > 0
 	for _, d := range open {
 		if d.state == stateReplayRequested {
 			if err := c.replay(ctx, st, d); err != nil {

@@ -111,21 +111,23 @@ func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 	return conn, nil
 }
 
-// wakeLimiter coalesces the scans that notifications start. A project scanned for a
-// notification is not scanned for another until the wake interval has passed; notifications
-// in between are held and start one scan when it has. Anyone who may connect can NOTIFY on the
-// channel, so without this a flood of notifications would cost a scan (a sequencer call and a
-// read) each. The poll interval's full scans are not limited: they cover every project and
-// clear what is held. Only the consumer's loop goroutine uses it; it runs on the real clock,
-// like the poll interval.
+// wakeLimiter coalesces the scans that notifications start. Anyone who may connect can NOTIFY
+// on the channel, so without it a flood of notifications would cost a scan (a sequencer call and
+// a read) each. A notification for a project whose last notified scan found nothing to do, less
+// than the wake interval ago, is held, and the notifications held start one scan when the
+// interval has passed. A notified scan that found work does not hold the next one back: real
+// deletions are delivered at once however fast they come, since each scan then delivers
+// something, while a flood of empty notifications costs at most one scan per project per
+// interval. The poll interval's full scans are not limited and clear what is held. Only the
+// consumer's loop goroutine uses it; it runs on the real clock, like the poll interval.
 type wakeLimiter struct {
 	interval time.Duration
-	last     map[string]time.Time // when each project was last scanned for a notification
+	idle     map[string]time.Time // when a notified scan of each project last found nothing
 	held     map[string]struct{}  // notified projects waiting for their interval to pass
 }
 
 func newWakeLimiter(interval time.Duration) *wakeLimiter {
-	return &wakeLimiter{interval: interval, last: map[string]time.Time{}, held: map[string]struct{}{}}
+	return &wakeLimiter{interval: interval, idle: map[string]time.Time{}, held: map[string]struct{}{}}
 }
 
 // admit takes the projects notified since the last call and returns those to scan now.
@@ -135,27 +137,35 @@ func (w *wakeLimiter) admit(notified map[string]struct{}, now time.Time) map[str
 			w.held[p] = struct{}{}
 		}
 	}
-	for p, at := range w.last {
+	for p, at := range w.idle {
 		if now.Sub(at) >= w.interval {
-			delete(w.last, p) // keeps the map to the projects notified within one interval
+			delete(w.idle, p) // keeps the map to the projects notified within one interval
 		}
 	}
 	scan := make(map[string]struct{}, len(w.held))
 	for p := range w.held {
-		if _, recent := w.last[p]; recent {
+		if _, recent := w.idle[p]; recent {
 			continue
 		}
 		scan[p] = struct{}{}
-		w.last[p] = now
 		delete(w.held, p)
 	}
 	return scan
 }
 
+// scanned records what a notified scan of project found.
+func (w *wakeLimiter) scanned(project string, found bool, now time.Time) {
+	if found {
+		delete(w.idle, project)
+	} else {
+		w.idle[project] = now
+	}
+}
+
 // next is when the earliest held project may be scanned; ok is false when none is held.
 func (w *wakeLimiter) next() (at time.Time, ok bool) {
 	for p := range w.held {
-		if t := w.last[p].Add(w.interval); !ok || t.Before(at) {
+		if t := w.idle[p].Add(w.interval); !ok || t.Before(at) {
 			at, ok = t, true
 		}
 	}
