@@ -75,3 +75,28 @@ func TestNoPasswordFragmentInDSNErrors(t *testing.T) {
 		require.NotContains(t, r.stderr, "phrase", "%s", r)
 	}
 }
+
+// TestStatusShowsOtherProjectsWhenOneIsUnreadable: a lease that never expires (written before
+// the database refused it) cannot be read; status shows every other project, names the one it
+// left out, and exits 1.
+func TestStatusShowsOtherProjectsWhenOneIsUnreadable(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	url := pgtestEmpty(t)
+	pool := pgtest.Pool(t, url)
+	_, err := outbox.MigrateThrough(ctx, pool, 3)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at)
+		VALUES ('alpha', 'engine', 0, 'engine@0000000000000000', 1, 'infinity'), ('beta', 'engine', 0, NULL, 0, NULL)`)
+	require.NoError(t, err)
+	_, err = outbox.Migrate(ctx, pool)
+	require.NoError(t, err)
+
+	r := ctl(t, nil, "--dsn", url, "status")
+	require.Equal(t, 1, r.code, "%s", r)
+	_, rows := tableRows(t, r.stdout)
+	require.Contains(t, rows, "beta/engine")
+	require.NotContains(t, rows, "alpha/engine")
+	require.Contains(t, r.stderr, "project alpha")
+	require.Contains(t, r.stderr, "the other projects are shown above")
+}
