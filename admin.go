@@ -16,10 +16,12 @@ import (
 // Mutating calls take an actor and a reason, validate them as identifiers (never prose), and
 // audit what they did in the same transaction.
 type Admin struct {
-	pool  *pgxpool.Pool
-	clock Clock
-	audit AuditSink
-	log   *zap.Logger
+	pool        *pgxpool.Pool
+	clock       Clock
+	audit       AuditSink
+	log         *zap.Logger
+	lockTimeout time.Duration
+	stmtTimeout time.Duration
 }
 
 // AdminOptions configure an Admin.
@@ -27,6 +29,11 @@ type AdminOptions struct {
 	Audit  AuditSink // defaults to TableAuditSink
 	Clock  Clock     // defaults to RealClock
 	Logger *zap.Logger
+	// LockTimeout bounds each lock wait of a mutating call, which then fails rather than
+	// queue behind a stuck transaction. Defaults to 5s.
+	LockTimeout time.Duration
+	// StatementTimeout bounds each statement of a mutating call. Defaults to 30s.
+	StatementTimeout time.Duration
 }
 
 // NewAdmin returns the operator calls on pool.
@@ -40,7 +47,19 @@ func NewAdmin(pool *pgxpool.Pool, opts AdminOptions) *Admin {
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
-	return &Admin{pool: pool, clock: opts.Clock, audit: opts.Audit, log: opts.Logger.Named("outbox.admin")}
+	if opts.LockTimeout <= 0 {
+		opts.LockTimeout = 5 * time.Second
+	}
+	if opts.StatementTimeout <= 0 {
+		opts.StatementTimeout = 30 * time.Second
+	}
+	return &Admin{pool: pool, clock: opts.Clock, audit: opts.Audit, log: opts.Logger.Named("outbox.admin"),
+		lockTimeout: opts.LockTimeout, stmtTimeout: opts.StatementTimeout}
+}
+
+// begin starts a mutating call's transaction with its timeouts.
+func (a *Admin) begin(ctx context.Context) (pgx.Tx, error) {
+	return a.pool.BeginTx(ctx, boundedTx("", "", a.lockTimeout, a.stmtTimeout))
 }
 
 // StatusFilter narrows Status and DeadLetters; empty fields match everything.
@@ -80,16 +99,21 @@ ORDER BY c.project_id, c.consumer_id`
 
 // projectsStatusSQL is the status of every consumer of the given projects.
 const projectsStatusSQL = statusSelect + `
-WHERE c.project_id = ANY ($2)
+WHERE c.project_id = ANY ($2::text[])
 ORDER BY c.project_id, c.consumer_id`
+
+// statusProjectsSQL lists the projects a status call covers, for reading them one by one after
+// the read of them all failed.
+const statusProjectsSQL = `
+SELECT DISTINCT project_id FROM lifecycle_consumer_cursors WHERE ($1 = '' OR consumer_id = $1) ORDER BY 1`
 
 const statusSelect = `
 SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
        coalesce(h.last_sequence, 0), coalesce(h.pruned_through, 0),
        greatest(coalesce(h.last_sequence, 0) - coalesce(c.last_acked_sequence, 0), 0),
-       coalesce(greatest(extract(epoch FROM (now() + $1::interval) - o.occurred_at), 0), 0)::float8,
+       coalesce(greatest(extract(epoch FROM (pg_catalog.now() + $1::interval) - o.occurred_at), 0), 0)::float8,
        coalesce(c.lease_owner, ''), c.lease_epoch, c.lease_expires_at,
-       coalesce(c.lease_owner IS NOT NULL AND c.lease_expires_at > now() + $1::interval, false),
+       coalesce(c.lease_owner IS NOT NULL AND c.lease_expires_at > pg_catalog.now() + $1::interval, false),
        c.heartbeat_at, c.retired_at IS NOT NULL, c.retired_at, coalesce(c.retired_by, ''), coalesce(c.retired_reason, ''),
        coalesce(d.retrying, 0), coalesce(d.dead, 0), coalesce(d.replay, 0),
        c.reconciled_at, coalesce(c.reconcile_reason, '')
@@ -97,20 +121,69 @@ FROM lifecycle_consumer_cursors c
 LEFT JOIN lifecycle_outbox_heads h ON h.project_id = c.project_id
 LEFT JOIN lifecycle_outbox o ON o.project_id = c.project_id AND o.sequence = coalesce(c.last_acked_sequence, 0) + 1
 LEFT JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE state = 'retrying')::int AS retrying,
-           count(*) FILTER (WHERE state = 'dead')::int AS dead,
-           count(*) FILTER (WHERE state = 'replay_requested')::int AS replay
+    SELECT pg_catalog.count(*) FILTER (WHERE state = 'retrying')::int AS retrying,
+           pg_catalog.count(*) FILTER (WHERE state = 'dead')::int AS dead,
+           pg_catalog.count(*) FILTER (WHERE state = 'replay_requested')::int AS replay
     FROM lifecycle_consumer_deliveries d
     WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
 ) d ON true`
 
-// Status reports every matching cursor: position, head, lag, lease and open deliveries.
+// Status reports every matching cursor: position, head, lag, lease and open deliveries. When
+// the rows of some projects cannot be read (a time that is not finite, written before the
+// database checked it, say), it returns the other projects' rows with a *ProjectErrors naming
+// those left out.
 func (a *Admin) Status(ctx context.Context, f StatusFilter) ([]ConsumerStatus, error) {
 	return consumerStatus(ctx, a.pool, a.clock, f)
 }
 
 func consumerStatus(ctx context.Context, db DBTX, clock Clock, f StatusFilter) ([]ConsumerStatus, error) {
-	return queryStatus(ctx, db, statusSQL, clock.Offset(), f.ProjectID, f.ConsumerID)
+	out, err := queryStatus(ctx, db, statusSQL, clock.Offset(), f.ProjectID, f.ConsumerID)
+	if err == nil || f.ProjectID != "" || ctx.Err() != nil || !readIsolatable(err) {
+		return out, err
+	}
+	rows, lerr := db.Query(ctx, statusProjectsSQL, f.ConsumerID)
+	if lerr != nil {
+		return nil, err
+	}
+	projects, lerr := pgx.CollectRows(rows, pgx.RowTo[string])
+	if lerr != nil {
+		return nil, err
+	}
+	return statusEach(ctx, projects, func(p string) ([]ConsumerStatus, error) {
+		return queryStatus(ctx, db, statusSQL, clock.Offset(), p, f.ConsumerID)
+	})
+}
+
+// projectsStatus is the status of every consumer of projects, isolated per project like Status.
+func projectsStatus(ctx context.Context, db DBTX, clock Clock, projects []string) ([]ConsumerStatus, error) {
+	out, err := queryStatus(ctx, db, projectsStatusSQL, clock.Offset(), projects)
+	if err == nil || len(projects) < 2 || ctx.Err() != nil || !readIsolatable(err) {
+		return out, err
+	}
+	return statusEach(ctx, projects, func(p string) ([]ConsumerStatus, error) {
+		return queryStatus(ctx, db, projectsStatusSQL, clock.Offset(), []string{p})
+	})
+}
+
+// statusEach reads the status of each project alone, after the read of them all failed.
+func statusEach(ctx context.Context, projects []string, read func(project string) ([]ConsumerStatus, error)) ([]ConsumerStatus, error) {
+	var out []ConsumerStatus
+	failed := map[string]error{}
+	for _, p := range projects {
+		rows, err := read(p)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("status: %w", ctx.Err())
+			}
+			failed[p] = err
+			continue
+		}
+		out = append(out, rows...)
+	}
+	if len(failed) > 0 {
+		return out, &ProjectErrors{Op: "status", Failed: failed}
+	}
+	return out, nil
 }
 
 func queryStatus(ctx context.Context, db DBTX, sql string, args ...any) ([]ConsumerStatus, error) {
@@ -194,7 +267,7 @@ type ReplayRequest struct {
 
 const requestReplaySQL = `
 UPDATE lifecycle_consumer_deliveries
-SET state = 'replay_requested', replay_requested_at = now() + $6::interval, replay_requested_by = $4, replay_reason = $5
+SET state = 'replay_requested', replay_requested_at = pg_catalog.now() + $6::interval, replay_requested_by = $4, replay_reason = $5
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'dead'
 RETURNING event_id`
 
@@ -215,7 +288,7 @@ func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID str
 	if err := ValidateProjectID(r.ProjectID); err != nil {
 		return "", &ValidationError{Field: "project", Reason: err.Error()}
 	}
-	err = a.pool.QueryRow(ctx, requestReplaySQL, r.ProjectID, r.ConsumerID, r.Sequence, r.Actor, r.Reason, a.clock.Offset()).Scan(&eventID)
+	err = a.requestReplay(ctx, r, &eventID)
 	if err == nil {
 		a.log.Info("replay requested", zap.String("project_id", r.ProjectID), zap.String("consumer_id", r.ConsumerID),
 			zap.Int64("sequence", r.Sequence), zap.String("event_id", eventID), zap.String("actor", r.Actor))
@@ -235,6 +308,18 @@ func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID str
 		return "", fmt.Errorf("request replay: %w", err)
 	}
 	return "", fmt.Errorf("%w: the delivery at sequence %d of project %q for consumer %q is %s", ErrNotDeadLetter, r.Sequence, r.ProjectID, r.ConsumerID, state)
+}
+
+func (a *Admin) requestReplay(ctx context.Context, r ReplayRequest, eventID *string) error {
+	tx, err := a.begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if err := tx.QueryRow(ctx, requestReplaySQL, r.ProjectID, r.ConsumerID, r.Sequence, r.Actor, r.Reason, a.clock.Offset()).Scan(eventID); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
 }
 
 func (a *Admin) requireConsumer(ctx context.Context, consumer, project string) error {
@@ -260,7 +345,7 @@ type RetireRequest struct {
 
 const retireSQL = `
 UPDATE lifecycle_consumer_cursors
-SET retired_at = now() + $5::interval, retired_by = $3, retired_reason = $4, lease_owner = NULL, lease_expires_at = NULL
+SET retired_at = pg_catalog.now() + $5::interval, retired_by = $3, retired_reason = $4, lease_owner = NULL, lease_expires_at = NULL
 WHERE consumer_id = $1 AND ($2 = '' OR project_id = $2) AND retired_at IS NULL
 RETURNING project_id`
 
@@ -294,7 +379,7 @@ func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql, action str
 	if err := a.requireConsumer(ctx, r.ConsumerID, r.ProjectID); err != nil {
 		return nil, err
 	}
-	tx, err := a.pool.Begin(ctx)
+	tx, err := a.begin(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", action, err)
 	}

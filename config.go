@@ -6,7 +6,10 @@ import (
 	"regexp"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/trace"
+
+	"fusion/outbox/internal/safetext"
 )
 
 // Config is the per-deployment configuration of the module. The zero value, after
@@ -72,9 +75,18 @@ type Config struct {
 	// bounds their cost under load. Defaults to 1ms; at most 1s.
 	NotifyGap time.Duration `yaml:"notify_gap" json:"notify_gap"`
 
+	// WakeInterval bounds the scans that notifications start for nothing. After a notified scan
+	// of a project found nothing to do, further notifications for it within WakeInterval are
+	// coalesced into one scan when the interval has passed, so a flood of NOTIFYs (any role can
+	// send them) costs at most one empty scan per project per WakeInterval; a notified scan
+	// that found events does not hold the next back. Defaults to 10ms; between 1ms and
+	// PollInterval.
+	WakeInterval time.Duration `yaml:"wake_interval" json:"wake_interval"`
+
 	// ListenDSN, when set, is used for the consumer's dedicated LISTEN connection instead of
-	// a connection taken from the pool, for pools behind a transaction-pooling proxy.
-	// Defaults to empty (use the pool's configuration).
+	// a connection taken from the pool, for pools behind a transaction-pooling proxy. It must
+	// parse as a PostgreSQL URL or key=value string; errors about it never repeat it, since it
+	// may hold a password. Defaults to empty (use the pool's configuration).
 	ListenDSN string `yaml:"listen_dsn" json:"listen_dsn"`
 
 	// ListenCheckTimeout bounds the consumer's wake-up self-test: after each LISTEN it sends
@@ -90,6 +102,16 @@ type Config struct {
 	// round trip of its own (see CheckPoolerSafe): set default_query_exec_mode=exec in the
 	// DSN. Defaults to false (the pool is not checked).
 	TransactionPooler bool `yaml:"transaction_pooler" json:"transaction_pooler"`
+
+	// LockTimeout bounds every lock wait of the module's own transactions (the consumer's
+	// fenced writes and reconciliation, retention batches), set with SET LOCAL so that nothing
+	// stays behind on a pooled connection. A transaction that waits longer fails and is retried
+	// on the next scan or sweep. Defaults to 5s; between 1ms and 10m.
+	LockTimeout time.Duration `yaml:"lock_timeout" json:"lock_timeout"`
+
+	// StatementTimeout bounds every statement of those transactions, likewise. Defaults to
+	// 30s; between 1ms and 1h.
+	StatementTimeout time.Duration `yaml:"statement_timeout" json:"statement_timeout"`
 
 	// RetrySchedule is the wait before each retry of a failed event: the first entry after the
 	// first failure, and so on; the last entry repeats. Defaults to 1s, 5s, 30s, 5m, 15m.
@@ -175,6 +197,9 @@ func (c Config) WithDefaults() Config {
 	}
 	def(&c.NotifyGap, time.Millisecond)
 	def(&c.ListenCheckTimeout, 2*time.Second)
+	def(&c.WakeInterval, min(10*time.Millisecond, c.PollInterval))
+	def(&c.LockTimeout, 5*time.Second)
+	def(&c.StatementTimeout, 30*time.Second)
 	if len(c.RetrySchedule) == 0 {
 		c.RetrySchedule = append([]time.Duration(nil), DefaultRetrySchedule...)
 	}
@@ -232,6 +257,20 @@ func (c Config) Validate() error {
 	if c.ListenCheckTimeout < 10*time.Millisecond || c.ListenCheckTimeout > time.Minute {
 		bad("ListenCheckTimeout", "must be between 10ms and 1m (got %s)", c.ListenCheckTimeout)
 	}
+	if c.WakeInterval < time.Millisecond || c.WakeInterval > c.PollInterval {
+		bad("WakeInterval", "must be between 1ms and PollInterval %s (got %s)", c.PollInterval, c.WakeInterval)
+	}
+	if c.ListenDSN != "" {
+		if _, err := pgx.ParseConfig(c.ListenDSN); err != nil {
+			bad("ListenDSN", "does not parse: %s (the value is not shown: it may hold a password)", safetext.DSNParseReason(err))
+		}
+	}
+	if c.LockTimeout < time.Millisecond || c.LockTimeout > 10*time.Minute {
+		bad("LockTimeout", "must be between 1ms and 10m (got %s)", c.LockTimeout)
+	}
+	if c.StatementTimeout < time.Millisecond || c.StatementTimeout > time.Hour {
+		bad("StatementTimeout", "must be between 1ms and 1h (got %s)", c.StatementTimeout)
+	}
 	for i, d := range c.RetrySchedule {
 		if d <= 0 || d > 24*time.Hour {
 			bad("RetrySchedule", "entry %d must be between 0 and 24h (got %s)", i, d)
@@ -273,4 +312,24 @@ func (c Config) retryDelay(attempts int) time.Duration {
 		return c.RetrySchedule[len(c.RetrySchedule)-1]
 	}
 	return c.RetrySchedule[attempts-1]
+}
+
+// txOptions are the options of the module's own transactions: the lock and statement timeouts
+// are set in the BEGIN itself with SET LOCAL, so they cost no round trip and end with the
+// transaction (no session state for a pooler to carry to another client).
+func (c Config) txOptions(iso pgx.TxIsoLevel, mode pgx.TxAccessMode) pgx.TxOptions {
+	return boundedTx(iso, mode, c.LockTimeout, c.StatementTimeout)
+}
+
+func boundedTx(iso pgx.TxIsoLevel, mode pgx.TxAccessMode, lock, stmt time.Duration) pgx.TxOptions {
+	begin := "BEGIN"
+	if iso != "" {
+		begin += " ISOLATION LEVEL " + string(iso)
+	}
+	if mode != "" {
+		begin += " " + string(mode)
+	}
+	// Integers only: nothing from outside reaches this text.
+	return pgx.TxOptions{BeginQuery: fmt.Sprintf("%s; SET LOCAL lock_timeout = %d; SET LOCAL statement_timeout = %d",
+		begin, max(lock.Milliseconds(), 1), max(stmt.Milliseconds(), 1))}
 }

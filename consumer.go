@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 )
@@ -64,9 +65,11 @@ type Consumer struct {
 	heartbeatControl
 	stats stats
 
-	wakeups  wakeupCheck  // the LISTEN self-test's outcome (listen_selftest.go)
-	inflight *inflightAck // owned by the loop goroutine (and by shutdown, after it)
-	run      dispatchRun  // the loop's listener runner (started on first use) and timeout
+	wakeups  wakeupCheck        // the LISTEN self-test's outcome (listen_selftest.go)
+	seq      isolatingSequencer // owned by the loop goroutine
+	skipLog  logEvery           // owned by the loop goroutine
+	inflight *inflightAck       // owned by the loop goroutine (and by shutdown, after it)
+	run      dispatchRun        // the loop's listener runner (started on first use) and timeout
 
 	wake    chan struct{}
 	dirtyMu sync.Mutex
@@ -99,6 +102,7 @@ type streamState struct {
 	// clock (see now). An absolute time, so a timer re-armed later waits only what is left.
 	retryAt time.Time
 	blocked bool // the head-of-line event waits for its next attempt
+	found   bool // the last scan had events or deliveries to look at
 }
 
 // NewConsumer validates opts and builds a consumer. It does not touch the database.
@@ -365,10 +369,26 @@ func (c *Consumer) loop(ctx context.Context) {
 		poll.Reset(d)
 	}
 	full := true
+	wakes := newWakeLimiter(c.cfg.WakeInterval)
 	for {
 		dirty, all := c.takeDirty()
 		full = full || all
-		failed := c.iterate(ctx, dirty, full)
+		var failed bool
+		if full {
+			wakes.covered()
+			failed = c.iterate(ctx, nil, true)
+		} else if scan := wakes.admit(dirty, time.Now()); len(scan) > 0 {
+			for p := range scan {
+				if st := c.state[p]; st != nil {
+					st.found = false // a project the scan skips found nothing
+				}
+			}
+			failed = c.iterate(ctx, scan, false)
+			for p := range scan {
+				st := c.state[p]
+				wakes.scanned(p, st != nil && st.found, time.Now())
+			}
+		}
 		if ctx.Err() != nil {
 			return
 		}
@@ -386,16 +406,26 @@ func (c *Consumer) loop(ctx context.Context) {
 			retry = c.clock.NewTimer(wait) // fires at once when the retry is already due
 			retryC = retry.C()
 		}
+		var held *time.Timer
+		var heldC <-chan time.Time
+		if at, ok := wakes.next(); ok {
+			held = time.NewTimer(time.Until(at)) // notifications held back by the wake interval
+			heldC = held.C
+		}
 		select {
 		case <-ctx.Done():
 		case <-poll.C:
 			full = true
 		case <-c.wake:
+		case <-heldC:
 		case <-retryC:
 			full = true
 		}
 		if retry != nil {
 			retry.Stop()
+		}
+		if held != nil {
+			held.Stop()
 		}
 		if ctx.Err() != nil {
 			return
@@ -419,16 +449,16 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 	if len(held) == 0 {
 		return false
 	}
+	c.stats.scans.Add(1)
+	// One project's broken rows cost only that project: a step that failed for some projects
+	// skips them this scan and the others go on.
 	heads, err := c.sequence(ctx, held)
-	if err != nil {
-		c.logTransient("sequence", err)
-		return true
+	if held, failed = c.skipFailed("sequence", held, err); len(held) == 0 {
+		return failed
 	}
 	open, err := c.openDeliveries(ctx, held)
-	if err != nil {
-		c.logTransient("read open deliveries", err)
-		return true
-	}
+	held, stepFailed := c.skipFailed("read open deliveries", held, err)
+	failed = failed || stepFailed
 	for _, p := range held {
 		if ctx.Err() != nil {
 			break
@@ -447,6 +477,9 @@ func (c *Consumer) iterate(ctx context.Context, dirty map[string]struct{}, full 
 // scanProject brings one project's stream up to its head, or to its first blocked event.
 func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, open []delivery) error {
 	st.blocked = false
+	// Whether this scan had anything to do: the wake limiter holds back notifications only for
+	// projects whose last notified scan found nothing.
+	st.found = head.Assigned > 0 || head.LastSequence > st.position || len(open) > 0
 	for _, d := range open {
 		if d.state == stateReplayRequested {
 			if err := c.replay(ctx, st, d); err != nil {
@@ -501,13 +534,23 @@ func (c *Consumer) scanProject(ctx context.Context, st *streamState, head Head, 
 
 // dispatchBatch delivers events in order. It stops at the first failure (which it records) or
 // when the lease is gone; stop reports that the stream cannot go further this scan.
-func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []Event, retrying *delivery) (stop bool, err error) {
-	for _, ev := range batch {
+func (c *Consumer) dispatchBatch(ctx context.Context, st *streamState, batch []storedEvent, retrying *delivery) (stop bool, err error) {
+	for _, row := range batch {
+		ev := row.Event
 		if ev.Sequence != st.position+1 {
 			return true, fmt.Errorf("project %s: read sequence %d after %d", st.project, ev.Sequence, st.position)
 		}
 		if ctx.Err() != nil || !c.leases.valid(st.project, st.epoch, c.now()) {
 			return true, nil // stopping, or the lease is gone: nothing more is handed over
+		}
+		if row.bad != nil {
+			// No attempt can decode it: park it now rather than wedge the stream.
+			c.flushAcks(ctx, []ack{{st.project, st.epoch, st.position}})
+			if _, err := c.parkUndecodable(ctx, st, row); err != nil {
+				return true, err
+			}
+			retrying = nil
+			continue
 		}
 		if ev.Sequence <= st.delivered {
 			// Delivered by this instance before a lease change: a re-delivery, not new work.
@@ -674,7 +717,7 @@ WHERE project_id = $1 AND sequence > $2
 ORDER BY sequence
 LIMIT $3`
 
-func (c *Consumer) readEvents(ctx context.Context, project string, after int64, limit int) ([]Event, error) {
+func (c *Consumer) readEvents(ctx context.Context, project string, after int64, limit int) ([]storedEvent, error) {
 	rows, err := c.pool.Query(ctx, readEventsSQL, project, after, limit)
 	if err != nil {
 		return nil, fmt.Errorf("read events: %w", err)
@@ -682,20 +725,44 @@ func (c *Consumer) readEvents(ctx context.Context, project string, after int64, 
 	return scanEvents(rows, limit)
 }
 
+// storedEvent is an outbox row as read: the event, or why it cannot be delivered.
+type storedEvent struct {
+	Event
+	// bad is why the row cannot be delivered as it is (a timestamp that is not finite, an
+	// identifier the writer would have refused); Event then holds what could be read, its
+	// Sequence always.
+	bad error
+}
+
 // scanEvents decodes outbox rows without reflection (the drain path reads many of them) and
-// formats each event's ID from its identity columns.
-func scanEvents(rows pgx.Rows, capacity int) ([]Event, error) {
+// formats each event's ID from its identity columns. A row that cannot be decoded, or that
+// holds what the writer never writes, is returned with its reason instead of failing the batch:
+// the consumer parks it as a dead letter and the stream goes on.
+func scanEvents(rows pgx.Rows, capacity int) ([]storedEvent, error) {
 	defer rows.Close()
-	out := make([]Event, 0, capacity)
+	out := make([]storedEvent, 0, capacity)
+	var checked rowChecks
 	for rows.Next() {
-		var e Event
+		var e storedEvent
 		var version int16
-		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &e.DeletedAt,
-			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &e.OccurredAt, &version, &e.traceContext); err != nil {
-			return nil, fmt.Errorf("decode event: %w", err)
+		var deletedAt, occurredAt pgtype.Timestamptz
+		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &deletedAt,
+			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &occurredAt, &version, &e.traceContext); err != nil {
+			bad, ok := undecodableRow(rows, err)
+			if !ok {
+				return nil, fmt.Errorf("decode event: %w", err)
+			}
+			out = append(out, bad)
+			continue
 		}
 		e.PayloadVersion = int(version)
-		e.EventID = TaskDeletedEventID(e.TaskID, e.DeletedAt)
+		e.DeletedAt, e.OccurredAt = deletedAt.Time, occurredAt.Time
+		e.bad = checked.check(&e.Event, deletedAt, occurredAt)
+		if e.bad == nil {
+			e.EventID = TaskDeletedEventID(e.TaskID, e.DeletedAt)
+		} else {
+			e.EventID = undecodableEventID(e.TaskID, deletedAt)
+		}
 		out = append(out, e)
 	}
 	if err := rows.Err(); err != nil {
@@ -721,13 +788,14 @@ func (c *Consumer) pendingAcks() []ack {
 	return out
 }
 
+// ROWS FROM spells out the multi-argument unnest, whose shorthand exists only unqualified.
 const ackSQL = `
 UPDATE lifecycle_consumer_cursors c
-SET last_acked_sequence = a.sequence, acked_at = now()
-FROM unnest($3::text[], $4::bigint[], $5::bigint[]) AS a(project_id, epoch, sequence)
+SET last_acked_sequence = a.sequence, acked_at = pg_catalog.now()
+FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[]), pg_catalog.unnest($5::bigint[])) AS a(project_id, epoch, sequence)
 WHERE c.consumer_id = $1 AND c.lease_owner = $2
   AND c.project_id = a.project_id AND c.lease_epoch = a.epoch
-  AND c.lease_expires_at > now() + $6::interval AND c.retired_at IS NULL
+  AND c.lease_expires_at > pg_catalog.now() + $6::interval AND c.retired_at IS NULL
   AND (c.last_acked_sequence IS NULL OR c.last_acked_sequence <= a.sequence)
 RETURNING c.project_id`
 
@@ -823,10 +891,11 @@ type Stats struct {
 	Replayed        int64 // dead letters replayed successfully
 	Reconciliations int64
 	LeaseLosses     int64
+	Scans           int64 // scans of at least one project, each starting with a sequencer call
 }
 
 type stats struct {
-	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses atomic.Int64
+	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans atomic.Int64
 }
 
 // Stats returns the consumer's counters.
@@ -835,5 +904,6 @@ func (c *Consumer) Stats() Stats {
 	return Stats{
 		Delivered: s.delivered.Load(), Own: s.own.Load(), Suppressed: s.suppressed.Load(), Failures: s.failures.Load(),
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
+		Scans: s.scans.Load(),
 	}
 }

@@ -85,6 +85,19 @@
 // (tracing.go). Config decodes from YAML and JSON with the keys of its field tags
 // (LoadConfigFile).
 //
+// # Isolation
+//
+// Every role, row and client may be hostile or broken, and the database refuses what must never
+// happen. Each component runs as a role of its own (GrantWriterRole, GrantConsumerRole,
+// GrantOperatorRole) holding only the column privileges it uses, none of which allows a lock
+// that blocks another project; row-level security scopes every table by project and the writes
+// of cursors and deliveries by consumer identity; checks refuse malformed identifiers and times;
+// the functions pin their search_path and the module's SQL qualifies every built-in it calls.
+// One project's trouble stays in that project: the sequencer call, the read of open deliveries,
+// status and metrics fall back to one project at a time and report what they skipped
+// (ProjectErrors), and a row the consumer cannot decode becomes a dead letter of class
+// undecodable_event. docs/operations.md has the threat model.
+//
 // # Wiring
 //
 // Every piece has a plain constructor (NewWriter, NewDispatcher, NewConsumer, NewRetention,

@@ -36,6 +36,12 @@ var (
 	ErrSchemaBehind   = migrate.ErrBehind
 	ErrSchemaAhead    = migrate.ErrAhead
 	ErrSchemaChecksum = migrate.ErrChecksum
+
+	// ErrSchemaDrift is returned by VerifySchema when the version and checksums match but an
+	// object the isolation rests on was changed by hand: row-level security disabled or not
+	// forced, a policy dropped, a function's search_path no longer pinned, or the sequencer made
+	// executable by PUBLIC.
+	ErrSchemaDrift = errors.New("database objects differ from what the module's migrations made")
 )
 
 // FenceError says which writer-owned operation an observed context attempted.

@@ -91,34 +91,34 @@ func (t *leaseTable) take() map[string]lease {
 
 const ensureCursorsSQL = `
 INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id)
-SELECT p, $1 FROM unnest($2::text[]) AS p
+SELECT p, $1 FROM pg_catalog.unnest($2::text[]) AS p
 ON CONFLICT (project_id, consumer_id) DO NOTHING`
 
 const retiredSQL = `
 SELECT project_id FROM lifecycle_consumer_cursors
-WHERE consumer_id = $1 AND project_id = ANY ($2) AND retired_at IS NOT NULL
+WHERE consumer_id = $1 AND project_id = ANY ($2::text[]) AND retired_at IS NOT NULL
 ORDER BY project_id`
 
 const acquireSQL = `
 UPDATE lifecycle_consumer_cursors c
 SET lease_owner = $3, lease_epoch = c.lease_epoch + 1,
-    lease_expires_at = now() + $5::interval + $4::interval, heartbeat_at = now() + $5::interval
-WHERE c.consumer_id = $1 AND c.project_id = ANY ($2) AND c.retired_at IS NULL
-  AND (c.lease_owner IS NULL OR c.lease_expires_at IS NULL OR c.lease_expires_at <= now() + $5::interval)
+    lease_expires_at = pg_catalog.now() + $5::interval + $4::interval, heartbeat_at = pg_catalog.now() + $5::interval
+WHERE c.consumer_id = $1 AND c.project_id = ANY ($2::text[]) AND c.retired_at IS NULL
+  AND (c.lease_owner IS NULL OR c.lease_expires_at IS NULL OR c.lease_expires_at <= pg_catalog.now() + $5::interval)
 RETURNING c.project_id, c.lease_epoch, coalesce(c.last_acked_sequence, -1)`
 
 const renewSQL = `
 UPDATE lifecycle_consumer_cursors c
-SET lease_expires_at = now() + $4::interval + $3::interval, heartbeat_at = now() + $4::interval
-FROM unnest($5::text[], $6::bigint[]) AS h(project_id, epoch)
+SET lease_expires_at = pg_catalog.now() + $4::interval + $3::interval, heartbeat_at = pg_catalog.now() + $4::interval
+FROM ROWS FROM (pg_catalog.unnest($5::text[]), pg_catalog.unnest($6::bigint[])) AS h(project_id, epoch)
 WHERE c.consumer_id = $1 AND c.lease_owner = $2 AND c.project_id = h.project_id AND c.lease_epoch = h.epoch
-  AND c.lease_expires_at > now() + $4::interval AND c.retired_at IS NULL
+  AND c.lease_expires_at > pg_catalog.now() + $4::interval AND c.retired_at IS NULL
 RETURNING c.project_id`
 
 const releaseSQL = `
 UPDATE lifecycle_consumer_cursors c
 SET lease_owner = NULL, lease_expires_at = NULL
-FROM unnest($3::text[], $4::bigint[]) AS h(project_id, epoch)
+FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[])) AS h(project_id, epoch)
 WHERE c.consumer_id = $1 AND c.lease_owner = $2 AND c.project_id = h.project_id AND c.lease_epoch = h.epoch`
 
 func (c *Consumer) ensureCursors(ctx context.Context, projects []string) error {

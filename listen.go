@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+
+	"fusion/outbox/internal/safetext"
 )
 
 // The wake-up channel. Writers send one notification per project after commit; the payload
@@ -94,7 +96,13 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 // transaction-pooling proxy cannot LISTEN), else hijacked from the pool so it never returns.
 func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 	if c.cfg.ListenDSN != "" {
-		conn, err := pgx.Connect(ctx, c.cfg.ListenDSN)
+		// Config.Validate parsed it already; a parse error is still never wrapped, since pgx's
+		// message can hold part of a password and this one would be logged on every reconnect.
+		cfg, err := pgx.ParseConfig(c.cfg.ListenDSN)
+		if err != nil {
+			return nil, fmt.Errorf("connect for LISTEN: ListenDSN does not parse: %s", safetext.DSNParseReason(err))
+		}
+		conn, err := pgx.ConnectConfig(ctx, cfg)
 		if err != nil {
 			return nil, fmt.Errorf("connect for LISTEN: %w", err)
 		}
@@ -110,3 +118,67 @@ func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 	}
 	return conn, nil
 }
+
+// wakeLimiter coalesces the scans that notifications start. Anyone who may connect can NOTIFY
+// on the channel, so without it a flood of notifications would cost a scan (a sequencer call and
+// a read) each. A notification for a project whose last notified scan found nothing to do, less
+// than the wake interval ago, is held, and the notifications held start one scan when the
+// interval has passed. A notified scan that found work does not hold the next one back: real
+// deletions are delivered at once however fast they come, since each scan then delivers
+// something, while a flood of empty notifications costs at most one scan per project per
+// interval. The poll interval's full scans are not limited and clear what is held. Only the
+// consumer's loop goroutine uses it; it runs on the real clock, like the poll interval.
+type wakeLimiter struct {
+	interval time.Duration
+	idle     map[string]time.Time // when a notified scan of each project last found nothing
+	held     map[string]struct{}  // notified projects waiting for their interval to pass
+}
+
+func newWakeLimiter(interval time.Duration) *wakeLimiter {
+	return &wakeLimiter{interval: interval, idle: map[string]time.Time{}, held: map[string]struct{}{}}
+}
+
+// admit takes the projects notified since the last call and returns those to scan now.
+func (w *wakeLimiter) admit(notified map[string]struct{}, now time.Time) map[string]struct{} {
+	for p := range notified {
+		if p != "" {
+			w.held[p] = struct{}{}
+		}
+	}
+	for p, at := range w.idle {
+		if now.Sub(at) >= w.interval {
+			delete(w.idle, p) // keeps the map to the projects notified within one interval
+		}
+	}
+	scan := make(map[string]struct{}, len(w.held))
+	for p := range w.held {
+		if _, recent := w.idle[p]; recent {
+			continue
+		}
+		scan[p] = struct{}{}
+		delete(w.held, p)
+	}
+	return scan
+}
+
+// scanned records what a notified scan of project found.
+func (w *wakeLimiter) scanned(project string, found bool, now time.Time) {
+	if found {
+		delete(w.idle, project)
+	} else {
+		w.idle[project] = now
+	}
+}
+
+// next is when the earliest held project may be scanned; ok is false when none is held.
+func (w *wakeLimiter) next() (at time.Time, ok bool) {
+	for p := range w.held {
+		if t := w.idle[p].Add(w.interval); !ok || t.Before(at) {
+			at, ok = t, true
+		}
+	}
+	return at, ok
+}
+
+// covered forgets what is held: a full scan is about to look at every project.
+func (w *wakeLimiter) covered() { clear(w.held) }

@@ -47,7 +47,7 @@ const (
 
 const selfTestPrefix = "selftest/"
 
-const selfTestNotifySQL = `SELECT pg_notify($1, $2)`
+const selfTestNotifySQL = `SELECT pg_catalog.pg_notify($1, $2)`
 
 // wakeupCheck is a consumer's self-test state, shared by the listen goroutine, the self-test's
 // timer and readers.

@@ -2,12 +2,14 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
 )
 
 // Metrics are the module's Prometheus measurements. Build them with NewMetrics only when the
@@ -27,6 +29,7 @@ type Metrics struct {
 	prunedDead        prometheus.Counter
 	listenReconnects  *prometheus.CounterVec
 	listenWakeups     *prometheus.GaugeVec
+	projectErrors     *prometheus.CounterVec
 	status            *statusCollector
 }
 
@@ -57,6 +60,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Resolved dead letters pruned by retention."}),
 		listenReconnects: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_listen_reconnects_total",
 			Help: "Times the LISTEN connection was lost and re-opened."}, []string{"consumer"}),
+		projectErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_project_errors_total",
+			Help: "Scans in which a step failed for one project, which was skipped while the others went on, by step."}, append(pc, "step")),
 		status: &statusCollector{},
 	}
 	m.listenWakeups = newListenWakeupsGauge() // listen_selftest.go
@@ -69,9 +74,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.status.retrying = prometheus.NewDesc("outbox_deliveries_retrying",
 		"Events waiting for their next attempt.", pc, nil)
 	m.status.errors = prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_status_errors_total",
-		Help: "Scrapes whose lag and dead-letter gauges could not be read from the database."})
+		Help: "Projects whose lag and dead-letter gauges could not be read from the database at a scrape (each left out of that scrape)."})
 	for _, c := range []prometheus.Collector{m.dispatched, m.duration, m.failures, m.parkedTotal, m.replayedTotal,
-		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects, m.listenWakeups, m.status} {
+		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects,
+		m.listenWakeups, m.projectErrors, m.status} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register outbox metrics: %w", err)
 		}
@@ -148,6 +154,12 @@ func (m *Metrics) prunedDeadLetters(n int64) {
 	}
 }
 
+func (m *Metrics) projectError(project, consumer, step string) {
+	if m != nil {
+		m.projectErrors.WithLabelValues(project, consumer, step).Inc()
+	}
+}
+
 func (m *Metrics) listenReconnect(consumer string) {
 	if m != nil {
 		m.listenReconnects.WithLabelValues(consumer).Inc()
@@ -172,8 +184,10 @@ func (m *Metrics) unwatch(c *Consumer) {
 // consumer of the projects its process observes, not only the process's own: the lag of a
 // consumer whose process is down is what an operator most needs to see, and only a live
 // process can show it. Several processes observing one project report the same series; alert
-// on max by (project, consumer). A failed read skips the gauges for that scrape (and counts
-// in outbox_status_errors_total) rather than failing the whole /metrics page.
+// on max by (project, consumer). A read that fails is repeated project by project; each
+// project that still fails is left out of that scrape and counted in
+// outbox_status_errors_total, so one project's broken rows never blind the others' alerts, and
+// the rest of the /metrics page is served.
 type statusCollector struct {
 	lagEvents, lagSeconds, deadOutstanding, retrying *prometheus.Desc
 	errors                                           prometheus.Counter
@@ -224,9 +238,18 @@ func (s *statusCollector) Collect(ch chan<- prometheus.Metric) {
 	slices.Sort(projects)
 	projects = slices.Compact(projects)
 	c := consumers[0]
-	rows, err := queryStatus(ctx, c.pool, projectsStatusSQL, c.clock.Offset(), projects)
-	if err != nil {
-		s.errors.Inc()
+	rows, err := projectsStatus(ctx, c.pool, c.clock, projects)
+	var pe *ProjectErrors
+	switch {
+	case errors.As(err, &pe):
+		for _, p := range pe.Projects() {
+			s.errors.Inc()
+			c.log.Warn("status of one project could not be read; its gauges are left out of this scrape",
+				zap.String("project_id", p), zap.Error(pe.Failed[p]))
+		}
+	case err != nil:
+		s.errors.Add(float64(len(projects)))
+		c.log.Warn("status could not be read; the gauges are left out of this scrape", zap.Error(err))
 		return
 	}
 	for _, r := range rows {

@@ -42,16 +42,25 @@ func AsListener(ctor any) any {
 type Params struct {
 	fx.In
 
-	Lifecycle  fx.Lifecycle
-	Pool       *pgxpool.Pool
-	Config     Config                `optional:"true"`
-	Logger     *zap.Logger           `optional:"true"`
-	Settings   Settings              `optional:"true"`
-	Cache      TaskCache             `optional:"true"`
-	LiveTasks  LiveTasks             `optional:"true"`
-	Audit      AuditSink             `optional:"true"`
-	Projects   Projects              `optional:"true"`
-	Registerer prometheus.Registerer `optional:"true"`
+	Lifecycle fx.Lifecycle
+	// Pool is the host's pool: the writer's wake-ups use it, and every other part unless the
+	// host gives it a pool of its own below.
+	Pool *pgxpool.Pool
+	// ConsumerPool, when the host provides one named "outbox_consumer", is the consumer's pool,
+	// logged in as a role granted with GrantConsumerRole.
+	ConsumerPool *pgxpool.Pool `name:"outbox_consumer" optional:"true"`
+	// OperatorPool, when the host provides one named "outbox_operator", is the pool of the
+	// retention sweep and the admin calls, logged in as a role granted with GrantOperatorRole.
+	// Without these two, Pool's role needs the privileges of all three (GrantRuntimeRole).
+	OperatorPool *pgxpool.Pool         `name:"outbox_operator" optional:"true"`
+	Config       Config                `optional:"true"`
+	Logger       *zap.Logger           `optional:"true"`
+	Settings     Settings              `optional:"true"`
+	Cache        TaskCache             `optional:"true"`
+	LiveTasks    LiveTasks             `optional:"true"`
+	Audit        AuditSink             `optional:"true"`
+	Projects     Projects              `optional:"true"`
+	Registerer   prometheus.Registerer `optional:"true"`
 	// TracerProvider turns tracing on when Config.TracerProvider is not set.
 	TracerProvider trace.TracerProvider `optional:"true"`
 	Listeners      []Listener           `group:"outbox_listeners"`
@@ -100,13 +109,20 @@ func provide(p Params) (Result, error) {
 	}
 	dispatcher := NewDispatcher(DispatcherOptions{Listeners: p.Listeners, Cache: p.Cache,
 		SelfWriterID: writer.ProcessID(), Timeout: cfg.ListenerTimeout, Logger: log})
-	retention, err := NewRetention(p.Pool, cfg, log, metrics)
+	consumerPool, operatorPool := p.Pool, p.Pool
+	if p.ConsumerPool != nil {
+		consumerPool = p.ConsumerPool
+	}
+	if p.OperatorPool != nil {
+		operatorPool = p.OperatorPool
+	}
+	retention, err := NewRetention(operatorPool, cfg, log, metrics)
 	if err != nil {
 		return Result{}, err
 	}
 	runner := &Runner{
 		pool: p.Pool, cfg: cfg, log: log.Named("outbox"), settings: p.Settings, projects: p.Projects,
-		opts: ConsumerOptions{Pool: p.Pool, Config: cfg, Projects: p.Projects, Dispatcher: dispatcher,
+		opts: ConsumerOptions{Pool: consumerPool, Config: cfg, Projects: p.Projects, Dispatcher: dispatcher,
 			LiveTasks: p.LiveTasks, Cache: p.Cache, Audit: audit, Metrics: metrics, Logger: log},
 	}
 	p.Lifecycle.Append(fx.Hook{
@@ -117,7 +133,8 @@ func provide(p Params) (Result, error) {
 		},
 	})
 	res := Result{Writer: writer, Dispatcher: dispatcher, Runner: runner, Retention: retention,
-		Admin: NewAdmin(p.Pool, AdminOptions{Audit: audit, Clock: cfg.Clock, Logger: log})}
+		Admin: NewAdmin(operatorPool, AdminOptions{Audit: audit, Clock: cfg.Clock, Logger: log,
+			LockTimeout: cfg.LockTimeout, StatementTimeout: cfg.StatementTimeout})}
 	if !cfg.Disabled {
 		res.Tasks = []MaintenanceTask{retention.Task()}
 	}

@@ -7,33 +7,184 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// runtimeGrants are the privileges a runtime role needs for the writer, the consumer and
-// retention: no DDL, no ownership, no BYPASSRLS. Row-level security then limits the role to the
-// projects granted in lifecycle_project_access.
-var runtimeGrants = []struct{ privileges, object string }{
-	{"SELECT, INSERT, UPDATE (sequence), DELETE", "TABLE lifecycle_outbox"},
-	{"SELECT, INSERT, UPDATE (last_sequence, sequenced_at, pruned_through, pruned_at)", "TABLE lifecycle_outbox_heads"},
-	{"SELECT, INSERT, UPDATE", "TABLE lifecycle_consumer_cursors"},
-	{"SELECT, INSERT, UPDATE, DELETE", "TABLE lifecycle_consumer_deliveries"},
-	{"SELECT, INSERT", "TABLE lifecycle_audit"},
+// One component, one role. Each role gets only the privileges its component uses, column by
+// column where a table-level grant would give more: no role below holds table-level UPDATE or
+// TRUNCATE, and only the operator holds DELETE, so a writer or consumer role can take no lock
+// that blocks another project (LOCK TABLE in any mode stronger than ROW EXCLUSIVE needs one of
+// those three). Row-level security then limits a role to the projects granted in
+// lifecycle_project_access and, for cursors, deliveries and audit rows, to the consumer
+// identities granted in lifecycle_consumer_access. None of the roles needs DDL, ownership or
+// BYPASSRLS. docs/operations.md ("Roles and grants") has the table and the threat model.
+
+type grant struct{ privileges, object string }
+
+// writerGrants: the writer hook inserts one row per first deletion and reads it back on a
+// repeat. It cannot choose a sequence, change or delete a row, or touch any other table.
+var writerGrants = []grant{
+	{"SELECT, INSERT (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context)",
+		"TABLE lifecycle_outbox"},
+	{"SELECT", "TABLE lifecycle_project_access"},
+	{"SELECT", "TABLE " + schemaTable},
+}
+
+// consumerGrants: the consumer sequences (numbering rows that have no sequence, moving the
+// head), reads events, and writes its own cursors, leases and delivery attempts, and the
+// poison and replay audit rows. It cannot retire anyone, ask for a replay, prune or delete.
+var consumerGrants = []grant{
+	{"SELECT, UPDATE (sequence)", "TABLE lifecycle_outbox"},
+	{"SELECT, INSERT (project_id), UPDATE (last_sequence, sequenced_at)", "TABLE lifecycle_outbox_heads"},
+	{"SELECT, INSERT (project_id, consumer_id), UPDATE (last_acked_sequence, acked_at, lease_owner, lease_epoch, " +
+		"lease_expires_at, heartbeat_at, reconciled_at, reconcile_reason)", "TABLE lifecycle_consumer_cursors"},
+	{"SELECT, INSERT (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, " +
+		"first_failed_at, last_failed_at, parked_at), UPDATE (state, attempts, next_attempt_at, last_failure_class, last_failed_at, " +
+		"parked_at, resolved_at)", "TABLE lifecycle_consumer_deliveries"},
+	{"INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)", "TABLE lifecycle_audit"},
 	{"SELECT", "TABLE lifecycle_project_access"},
 	{"SELECT", "TABLE " + schemaTable},
 	{"EXECUTE", "FUNCTION lifecycle_outbox_sequence(text[], integer)"},
 }
 
-// GrantRuntimeRole gives role the privileges the module needs at run time and scopes it to
-// projects ("*" for every project). Run it as the owner of the module's tables.
-func GrantRuntimeRole(ctx context.Context, db DBTX, role string, projects ...string) error {
-	ident := pgx.Identifier{role}.Sanitize()
-	for _, g := range runtimeGrants {
-		if _, err := db.Exec(ctx, fmt.Sprintf("GRANT %s ON %s TO %s", g.privileges, g.object, ident)); err != nil {
-			return fmt.Errorf("grant %s on %s: %w", g.privileges, g.object, err)
-		}
+// operatorGrants: outboxctl and the retention sweep read status, request replays, retire and
+// reinstate consumers, prune acknowledged events and resolved dead letters, and audit it all.
+// DELETE, which pruning needs, is the one table-level write privilege any role holds.
+var operatorGrants = []grant{
+	{"SELECT, DELETE", "TABLE lifecycle_outbox"},
+	{"SELECT, UPDATE (pruned_through, pruned_at)", "TABLE lifecycle_outbox_heads"},
+	{"SELECT, UPDATE (retired_at, retired_by, retired_reason, lease_owner, lease_expires_at)", "TABLE lifecycle_consumer_cursors"},
+	{"SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason), DELETE", "TABLE lifecycle_consumer_deliveries"},
+	{"SELECT, INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)", "TABLE lifecycle_audit"},
+	{"SELECT", "TABLE lifecycle_project_access"},
+	{"SELECT", "TABLE " + schemaTable},
+}
+
+// moduleObjects is everything the grants above name, for RevokeModulePrivileges.
+var moduleObjects = []string{
+	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_consumer_cursors",
+	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
+	"TABLE " + schemaTable, "FUNCTION lifecycle_outbox_sequence(text[], integer)",
+}
+
+// GrantWriterRole gives role what the writer hook needs (see writerGrants) in the given
+// projects ("*" for every project). The host's delete transaction runs as this role, so it also
+// needs the host's own grants on its tables. Run it as the owner of the module's tables.
+func GrantWriterRole(ctx context.Context, db DBTX, role string, projects ...string) error {
+	if err := grantAll(ctx, db, role, writerGrants); err != nil {
+		return err
 	}
 	return GrantProjectAccess(ctx, db, role, projects...)
 }
 
-// GrantProjectAccess lets role see and write the given projects' outbox state.
+// GrantConsumerRole gives role what a consumer with identity consumer needs (see
+// consumerGrants) in the given projects. The role may read every cursor and delivery of those
+// projects (status and metrics report them all) but write only those of consumer; give it
+// further identities with GrantConsumerAccess. Run it as the owner of the module's tables.
+func GrantConsumerRole(ctx context.Context, db DBTX, role string, consumer ConsumerID, projects ...string) error {
+	if err := grantAll(ctx, db, role, consumerGrants); err != nil {
+		return err
+	}
+	if err := GrantConsumerAccess(ctx, db, role, string(consumer)); err != nil {
+		return err
+	}
+	return GrantProjectAccess(ctx, db, role, projects...)
+}
+
+// GrantOperatorRole gives role what outboxctl and the retention sweep need (see
+// operatorGrants) in the given projects, acting on every consumer of them. Run it as the
+// owner of the module's tables.
+func GrantOperatorRole(ctx context.Context, db DBTX, role string, projects ...string) error {
+	if err := grantAll(ctx, db, role, operatorGrants); err != nil {
+		return err
+	}
+	if err := GrantConsumerAccess(ctx, db, role, "*"); err != nil {
+		return err
+	}
+	return GrantProjectAccess(ctx, db, role, projects...)
+}
+
+// GrantRuntimeRole gives role the writer's, the consumer's and the operator's privileges
+// together, acting for every consumer identity, in the given projects. It is for a host that
+// runs every component on one pool; such a role can take the blocking locks, move any
+// consumer's cursor and request replays, which the per-component roles cannot. Prefer
+// GrantWriterRole, GrantConsumerRole and GrantOperatorRole, one role per component.
+func GrantRuntimeRole(ctx context.Context, db DBTX, role string, projects ...string) error {
+	for _, gs := range [][]grant{writerGrants, consumerGrants, operatorGrants} {
+		if err := grantAll(ctx, db, role, gs); err != nil {
+			return err
+		}
+	}
+	if err := GrantConsumerAccess(ctx, db, role, "*"); err != nil {
+		return err
+	}
+	return GrantProjectAccess(ctx, db, role, projects...)
+}
+
+// RevokeModulePrivileges takes from role every privilege on the module's objects and every row
+// of lifecycle_project_access and lifecycle_consumer_access naming it, for moving a role
+// granted with GrantRuntimeRole to per-component grants.
+func RevokeModulePrivileges(ctx context.Context, db DBTX, role string) error {
+	ident := pgx.Identifier{role}.Sanitize()
+	for _, o := range moduleObjects {
+		if _, err := db.Exec(ctx, fmt.Sprintf("REVOKE ALL ON %s FROM %s", o, ident)); err != nil {
+			return fmt.Errorf("revoke privileges on %s: %w", o, err)
+		}
+	}
+	if _, err := db.Exec(ctx, revokeAllAccessSQL, role); err != nil {
+		return fmt.Errorf("revoke access rows of %s: %w", role, err)
+	}
+	return nil
+}
+
+func grantAll(ctx context.Context, db DBTX, role string, grants []grant) error {
+	ident := pgx.Identifier{role}.Sanitize()
+	if err := grantSchemaUsage(ctx, db, ident); err != nil {
+		return err
+	}
+	for _, g := range grants {
+		if _, err := db.Exec(ctx, fmt.Sprintf("GRANT %s ON %s TO %s", g.privileges, g.object, ident)); err != nil {
+			return fmt.Errorf("grant %s on %s: %w", g.privileges, g.object, err)
+		}
+	}
+	return nil
+}
+
+// moduleSchemaSQL names the schema the module's tables are in and whether this role may grant
+// USAGE on it (it owns it), for a module installed in a schema of its own.
+const moduleSchemaSQL = `
+SELECT n.nspname, pg_catalog.has_schema_privilege(n.oid, 'USAGE WITH GRANT OPTION')
+FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = pg_catalog.to_regclass('lifecycle_outbox')`
+
+func grantSchemaUsage(ctx context.Context, db DBTX, ident string) error {
+	var schema string
+	var canGrant bool
+	if err := db.QueryRow(ctx, moduleSchemaSQL).Scan(&schema, &canGrant); err != nil {
+		return fmt.Errorf("find the module's schema: %w", err)
+	}
+	if !canGrant {
+		return nil // public, usually, where every role has USAGE
+	}
+	if _, err := db.Exec(ctx, "GRANT USAGE ON SCHEMA "+pgx.Identifier{schema}.Sanitize()+" TO "+ident); err != nil {
+		return fmt.Errorf("grant usage on schema %s: %w", schema, err)
+	}
+	return nil
+}
+
+// The access statements name every function they call with its schema: run by the owner, an
+// overload a closer match than the built-in (public.unnest(text[]), say) would otherwise run
+// with the owner's rights and could grant itself every project.
+const (
+	grantProjectAccessSQL = `INSERT INTO lifecycle_project_access (role_name, project_id)
+SELECT $1, p FROM pg_catalog.unnest($2::text[]) AS p ON CONFLICT DO NOTHING`
+	revokeProjectAccessSQL = `DELETE FROM lifecycle_project_access WHERE role_name = $1 AND project_id = ANY ($2::text[])`
+	grantConsumerAccessSQL = `INSERT INTO lifecycle_consumer_access (role_name, consumer_id)
+SELECT $1, c FROM pg_catalog.unnest($2::text[]) AS c ON CONFLICT DO NOTHING`
+	revokeConsumerAccessSQL = `DELETE FROM lifecycle_consumer_access WHERE role_name = $1 AND consumer_id = ANY ($2::text[])`
+	revokeAllAccessSQL      = `WITH p AS (DELETE FROM lifecycle_project_access WHERE role_name = $1)
+DELETE FROM lifecycle_consumer_access WHERE role_name = $1`
+)
+
+// GrantProjectAccess lets role see and write the given projects' outbox state ("*" for every
+// project).
 func GrantProjectAccess(ctx context.Context, db DBTX, role string, projects ...string) error {
 	for _, p := range projects {
 		if p != "*" {
@@ -42,9 +193,7 @@ func GrantProjectAccess(ctx context.Context, db DBTX, role string, projects ...s
 			}
 		}
 	}
-	_, err := db.Exec(ctx, `INSERT INTO lifecycle_project_access (role_name, project_id)
-		SELECT $1, p FROM unnest($2::text[]) AS p ON CONFLICT DO NOTHING`, role, projects)
-	if err != nil {
+	if _, err := db.Exec(ctx, grantProjectAccessSQL, role, projects); err != nil {
 		return fmt.Errorf("grant project access to %s: %w", role, err)
 	}
 	return nil
@@ -52,9 +201,32 @@ func GrantProjectAccess(ctx context.Context, db DBTX, role string, projects ...s
 
 // RevokeProjectAccess removes role's access to the given projects.
 func RevokeProjectAccess(ctx context.Context, db DBTX, role string, projects ...string) error {
-	_, err := db.Exec(ctx, `DELETE FROM lifecycle_project_access WHERE role_name = $1 AND project_id = ANY ($2)`, role, projects)
-	if err != nil {
+	if _, err := db.Exec(ctx, revokeProjectAccessSQL, role, projects); err != nil {
 		return fmt.Errorf("revoke project access from %s: %w", role, err)
+	}
+	return nil
+}
+
+// GrantConsumerAccess lets role write the cursors, deliveries and audit rows of the given
+// consumer identities ("*" for every one), within its projects.
+func GrantConsumerAccess(ctx context.Context, db DBTX, role string, consumers ...string) error {
+	for _, c := range consumers {
+		if c != "*" {
+			if _, err := ParseConsumerID(c); err != nil {
+				return err
+			}
+		}
+	}
+	if _, err := db.Exec(ctx, grantConsumerAccessSQL, role, consumers); err != nil {
+		return fmt.Errorf("grant consumer access to %s: %w", role, err)
+	}
+	return nil
+}
+
+// RevokeConsumerAccess removes role's right to act for the given consumer identities.
+func RevokeConsumerAccess(ctx context.Context, db DBTX, role string, consumers ...string) error {
+	if _, err := db.Exec(ctx, revokeConsumerAccessSQL, role, consumers); err != nil {
+		return fmt.Errorf("revoke consumer access from %s: %w", role, err)
 	}
 	return nil
 }

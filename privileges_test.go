@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -21,28 +22,90 @@ import (
 // is not a superuser runs the migrations, and runtime roles get only the module's runtime
 // grants (plus the host's own), each scoped to its projects.
 type leastPrivilege struct {
-	db    pgtest.DB
-	owner *pgxpool.Pool
-	name  string
+	db     pgtest.DB
+	owner  *pgxpool.Pool
+	name   string
+	schema string // where the module and the host's tables live; "" for public
 }
 
-func newLeastPrivilege(t *testing.T) *leastPrivilege {
+// lpOptions vary the setup.
+type lpOptions struct {
+	through      int    // migrate the module only through this version (0: every migration)
+	publicCreate bool   // let every role CREATE in public, as PostgreSQL 14 and older do
+	schema       string // install the module and the host's tables in this schema instead of public
+}
+
+func newLeastPrivilege(t *testing.T) *leastPrivilege { return newLeastPrivilegeWith(t, lpOptions{}) }
+
+func newLeastPrivilegeWith(t *testing.T, o lpOptions) *leastPrivilege {
 	t.Helper()
 	ctx := ctxT(t)
 	db := pgtest.NewEmptyDB(t)
 	admin := pgtest.Pool(t, db.URL)
-	lp := &leastPrivilege{db: db, name: fmt.Sprintf("%s_%d", db.Name, roleCounter.Add(1))}
+	lp := &leastPrivilege{db: db, name: fmt.Sprintf("%s_%d", db.Name, roleCounter.Add(1)), schema: o.schema}
 	owner := lp.name + "_owner"
 	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{owner}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
 	require.NoError(t, err)
-	_, err = admin.Exec(ctx, `GRANT CREATE, USAGE ON SCHEMA public TO `+pgx.Identifier{owner}.Sanitize())
-	require.NoError(t, err)
 	t.Cleanup(func() { dropRole(admin, owner) })
-	lp.owner = pgtest.Pool(t, db.As(owner))
-	_, err = outbox.Migrate(ctx, lp.owner)
+	if o.schema != "" {
+		_, err = admin.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{o.schema}.Sanitize()+` AUTHORIZATION `+pgx.Identifier{owner}.Sanitize())
+	} else {
+		_, err = admin.Exec(ctx, `GRANT CREATE, USAGE ON SCHEMA public TO `+pgx.Identifier{owner}.Sanitize())
+	}
+	require.NoError(t, err)
+	if o.publicCreate {
+		_, err = admin.Exec(ctx, `GRANT CREATE ON SCHEMA public TO PUBLIC`)
+		require.NoError(t, err)
+	}
+	lp.owner = pgtest.Pool(t, lp.url(owner))
+	if o.through > 0 {
+		_, err = outbox.MigrateThrough(ctx, lp.owner, o.through)
+	} else {
+		_, err = outbox.Migrate(ctx, lp.owner)
+	}
 	require.NoError(t, err, "the owner role migrates without superuser")
 	require.NoError(t, schema.Migrate(ctx, lp.owner))
 	return lp
+}
+
+// url is the database's connection string for role, on the module's schema.
+func (lp *leastPrivilege) url(role string) string {
+	u := lp.db.As(role)
+	if lp.schema == "" {
+		return u
+	}
+	if strings.HasPrefix(u, "postgres://") || strings.HasPrefix(u, "postgresql://") {
+		sep := "?"
+		if strings.Contains(u, "?") {
+			sep = "&"
+		}
+		return u + sep + "search_path=" + lp.schema
+	}
+	return u + " search_path=" + lp.schema
+}
+
+// finishMigration applies the migrations newLeastPrivilegeWith left out.
+func (lp *leastPrivilege) finishMigration(t *testing.T) {
+	t.Helper()
+	_, err := outbox.Migrate(ctxT(t), lp.owner)
+	require.NoError(t, err)
+}
+
+// component creates a login role, lets grant give it a component's privileges (run as the
+// owner), adds the reference host's grants on its own tables, and returns a pool logged in as
+// it and its name.
+func (lp *leastPrivilege) component(t *testing.T, suffix string, grant func(ctx context.Context, db outbox.DBTX, role string) error) (*pgxpool.Pool, string) {
+	t.Helper()
+	ctx := ctxT(t)
+	role := lp.name + "_" + suffix
+	admin := pgtest.Pool(t, lp.db.URL)
+	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
+	require.NoError(t, err)
+	t.Cleanup(func() { dropRole(admin, role) })
+	require.NoError(t, grant(ctx, lp.owner, role))
+	_, err = lp.owner.Exec(ctx, `GRANT SELECT, INSERT, UPDATE ON tasks, run_audit, mailbox_notices, settings TO `+pgx.Identifier{role}.Sanitize())
+	require.NoError(t, err)
+	return pgtest.Pool(t, lp.url(role)), role
 }
 
 func dropRole(admin *pgxpool.Pool, role string) {
@@ -64,7 +127,7 @@ func (lp *leastPrivilege) runtime(t *testing.T, suffix string, projects ...strin
 	// The reference host's own tables: its business, granted by its owner.
 	_, err = lp.owner.Exec(ctx, `GRANT SELECT, INSERT, UPDATE ON tasks, run_audit, mailbox_notices, settings TO `+pgx.Identifier{role}.Sanitize())
 	require.NoError(t, err)
-	return pgtest.Pool(t, lp.db.As(role))
+	return pgtest.Pool(t, lp.url(role))
 }
 
 func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
@@ -138,7 +201,9 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 		require.NoError(t, err)
 		_, err = outbox.Sequence(ctx, rtB, nil, 100)
 		require.NoError(t, err)
-		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('proj-b', 'dash', 0)`)
+		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('proj-b', 'dash')`)
+		require.NoError(t, err)
+		_, err = rtB.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 0 WHERE project_id = 'proj-b' AND consumer_id = 'dash'`)
 		require.NoError(t, err)
 		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at)
 			SELECT 'proj-b', 'dash', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, now() FROM lifecycle_outbox WHERE project_id = 'proj-b'`)

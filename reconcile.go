@@ -22,12 +22,12 @@ const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_hea
 
 const reconcileCursorSQL = `
 UPDATE lifecycle_consumer_cursors
-SET last_acked_sequence = $3, acked_at = now(), reconciled_at = now() + $5::interval, reconcile_reason = $4
+SET last_acked_sequence = $3, acked_at = pg_catalog.now(), reconciled_at = pg_catalog.now() + $5::interval, reconcile_reason = $4
 WHERE project_id = $1 AND consumer_id = $2`
 
 const supersedeRetriesSQL = `
 UPDATE lifecycle_consumer_deliveries
-SET state = 'resolved', resolved_at = now() + $4::interval, next_attempt_at = NULL
+SET state = 'resolved', resolved_at = pg_catalog.now() + $4::interval, next_attempt_at = NULL
 WHERE project_id = $1 AND consumer_id = $2 AND state = 'retrying' AND sequence <= $3`
 
 // reconcile rebuilds the project's live set when its history cannot be replayed, and restarts
@@ -117,7 +117,7 @@ func (c *Consumer) removeDeletedSince(ctx context.Context, project string, head 
 
 // snapshot reads the head and the live task IDs in one REPEATABLE READ transaction.
 func (c *Consumer) snapshot(ctx context.Context, project string) (int64, []string, error) {
-	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	tx, err := c.pool.BeginTx(ctx, c.cfg.txOptions(pgx.RepeatableRead, pgx.ReadOnly))
 	if err != nil {
 		return 0, nil, fmt.Errorf("reconcile: begin snapshot: %w", err)
 	}
@@ -141,14 +141,14 @@ func (c *Consumer) snapshot(ctx context.Context, project string) (int64, []strin
 const fenceSQL = `
 SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
 WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch = $4
-  AND lease_expires_at > now() + $5::interval AND retired_at IS NULL
+  AND lease_expires_at > pg_catalog.now() + $5::interval AND retired_at IS NULL
 FOR UPDATE`
 
 // fencedTx runs fn in a transaction that first locks the cursor row under the stream's lease.
 // When the lease no longer matches it returns ErrLeaseLost and fn never runs. Holding the row
 // lock until commit keeps a takeover from slipping in between the check and the writes.
 func (c *Consumer) fencedTx(ctx context.Context, st *streamState, fn func(pgx.Tx) error) error {
-	tx, err := c.pool.Begin(ctx)
+	tx, err := c.pool.BeginTx(ctx, c.cfg.txOptions("", ""))
 	if err != nil {
 		return err
 	}

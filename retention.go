@@ -93,8 +93,8 @@ type PrunePlan struct {
 // is retired. A project with no active consumer may be pruned up to its head.
 const planSQL = `
 SELECT h.project_id, h.last_sequence, h.pruned_through,
-       coalesce(min(coalesce(c.last_acked_sequence, 0)) FILTER (WHERE c.consumer_id IS NOT NULL), h.last_sequence) AS through,
-       coalesce((array_agg(c.consumer_id ORDER BY coalesce(c.last_acked_sequence, 0), c.consumer_id)
+       coalesce(pg_catalog.min(coalesce(c.last_acked_sequence, 0)) FILTER (WHERE c.consumer_id IS NOT NULL), h.last_sequence) AS through,
+       coalesce((pg_catalog.array_agg(c.consumer_id ORDER BY coalesce(c.last_acked_sequence, 0), c.consumer_id)
                  FILTER (WHERE c.consumer_id IS NOT NULL))[1], '') AS held_by
 FROM lifecycle_outbox_heads h
 LEFT JOIN lifecycle_consumer_cursors c ON c.project_id = h.project_id AND c.retired_at IS NULL
@@ -105,7 +105,7 @@ ORDER BY h.project_id`
 // transaction: a cursor created or reinstated since the plan was made holds rows back too.
 const slowestCursorSQL = `
 SELECT coalesce(
-    (SELECT min(coalesce(last_acked_sequence, 0)) FROM lifecycle_consumer_cursors
+    (SELECT pg_catalog.min(coalesce(last_acked_sequence, 0)) FROM lifecycle_consumer_cursors
      WHERE project_id = $1 AND retired_at IS NULL),
     (SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1),
     0)`
@@ -114,14 +114,14 @@ SELECT coalesce(
 // window ($4 before now shifted by $3), not pointed at by an open delivery of a live consumer.
 const prunableWhere = `
 o.project_id = $1 AND o.sequence IS NOT NULL AND o.sequence <= $2
-AND o.occurred_at < now() + $3::interval - $4::interval
+AND o.occurred_at < pg_catalog.now() + $3::interval - $4::interval
 AND NOT EXISTS (
     SELECT 1 FROM lifecycle_consumer_deliveries d
     JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
     WHERE d.project_id = o.project_id AND d.sequence = o.sequence
       AND d.state <> 'resolved' AND c.retired_at IS NULL)`
 
-const countPrunableSQL = `SELECT count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
+const countPrunableSQL = `SELECT pg_catalog.count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
 
 const pruneBatchSQL = `
 WITH doomed AS (
@@ -132,18 +132,18 @@ WITH doomed AS (
     DELETE FROM lifecycle_outbox o USING doomed WHERE o.ctid = doomed.row_id
     RETURNING o.sequence
 )
-SELECT count(*), coalesce(max(sequence), 0) FROM gone`
+SELECT pg_catalog.count(*), coalesce(pg_catalog.max(sequence), 0) FROM gone`
 
 const recordFloorSQL = `
 UPDATE lifecycle_outbox_heads
-SET pruned_through = greatest(pruned_through, $2), pruned_at = now() + $3::interval
+SET pruned_through = greatest(pruned_through, $2), pruned_at = pg_catalog.now() + $3::interval
 WHERE project_id = $1`
 
 const pruneDeadLettersSQL = `
 WITH doomed AS (
     SELECT d.ctid AS row_id FROM lifecycle_consumer_deliveries d
     JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
-    WHERE (d.state = 'resolved' AND d.resolved_at < now() + $1::interval - $2::interval)
+    WHERE (d.state = 'resolved' AND d.resolved_at < pg_catalog.now() + $1::interval - $2::interval)
        OR (d.state <> 'resolved' AND c.retired_at IS NOT NULL)
     LIMIT $3
 )
@@ -255,7 +255,7 @@ func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, re
 	}
 	started := time.Now()
 	var n, maxSeq int64
-	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, r.pool, r.cfg.txOptions("", ""), func(tx pgx.Tx) error {
 		var through int64
 		if err := tx.QueryRow(ctx, slowestCursorSQL, p.ProjectID).Scan(&through); err != nil {
 			return err

@@ -34,15 +34,59 @@ type delivery struct {
 	wait     time.Duration // until next_attempt_at, for a retry not yet due
 }
 
+// FailureUndecodableEvent is the class of a row the consumer cannot decode or deliver as it is
+// (a deleted_at that is not finite, an identifier the writer would refuse): it is parked at
+// once, since no retry can change it.
+const FailureUndecodableEvent FailureClass = "undecodable_event"
+
+// openDeliveriesSQL reads a consumer's head-of-line retries and replay requests. A retry falls
+// due at its next_attempt_at, or a day after its last failure if that is sooner: the longest
+// delay the configuration allows, and all the database accepts since it checks the column, so
+// a next_attempt_at centuries ahead (or 'infinity') written before cannot hold a stream back
+// for ever. The wait is computed without subtracting a time that may not be finite, and is
+// capped at that day.
 const openDeliveriesSQL = `
 SELECT project_id, sequence, event_id, state, attempts,
-       coalesce(next_attempt_at <= now() + $3::interval + interval '1 millisecond', true),
-       coalesce(greatest(0, extract(epoch FROM next_attempt_at - (now() + $3::interval))), 0)::float8
-FROM lifecycle_consumer_deliveries
-WHERE consumer_id = $1 AND project_id = ANY ($2) AND state IN ('retrying', 'replay_requested')
+       coalesce(due_at <= pg_catalog.now() + $3::interval + interval '1 millisecond', true),
+       CASE WHEN due_at IS NULL OR due_at <= pg_catalog.now() + $3::interval THEN 0
+            WHEN due_at >= pg_catalog.now() + $3::interval + interval '1 day' THEN 86400
+            ELSE extract(epoch FROM due_at - (pg_catalog.now() + $3::interval))::float8
+       END
+FROM (
+    SELECT project_id, sequence, event_id, state, attempts,
+           least(next_attempt_at, last_failed_at + interval '1 day') AS due_at
+    FROM lifecycle_consumer_deliveries
+    WHERE consumer_id = $1 AND project_id = ANY ($2::text[]) AND state IN ('retrying', 'replay_requested')
+) d
 ORDER BY project_id, sequence`
 
+// openDeliveries reads the open deliveries of projects. When the read of them all fails it
+// reads each project alone and returns, with a *ProjectErrors, what the others have.
 func (c *Consumer) openDeliveries(ctx context.Context, projects []string) (map[string][]delivery, error) {
+	out, err := c.queryOpenDeliveries(ctx, projects)
+	if err == nil || len(projects) < 2 || ctx.Err() != nil || !readIsolatable(err) {
+		return out, err
+	}
+	out = map[string][]delivery{}
+	failed := map[string]error{}
+	for _, p := range projects {
+		got, err := c.queryOpenDeliveries(ctx, []string{p})
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			failed[p] = err
+			continue
+		}
+		out[p] = got[p]
+	}
+	if len(failed) > 0 {
+		return out, &ProjectErrors{Op: "read open deliveries", Failed: failed}
+	}
+	return out, nil
+}
+
+func (c *Consumer) queryOpenDeliveries(ctx context.Context, projects []string) (map[string][]delivery, error) {
 	rows, err := c.pool.Query(ctx, openDeliveriesSQL, c.id, projects, c.offset())
 	if err != nil {
 		return nil, err
@@ -56,7 +100,7 @@ func (c *Consumer) openDeliveries(ctx context.Context, projects []string) (map[s
 		if err := rows.Scan(&p, &d.sequence, &d.eventID, &d.state, &d.attempts, &d.due, &waitSeconds); err != nil {
 			return nil, err
 		}
-		d.wait = time.Duration(waitSeconds * float64(time.Second))
+		d.wait = clampWait(waitSeconds)
 		out[p] = append(out[p], d)
 	}
 	return out, rows.Err()
@@ -70,7 +114,7 @@ FOR UPDATE`
 const upsertRetryingSQL = `
 INSERT INTO lifecycle_consumer_deliveries AS d
     (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, first_failed_at, last_failed_at)
-VALUES ($1, $2, $3, $4, 'retrying', $5, now() + $7::interval + $6::interval, $8, now() + $7::interval, now() + $7::interval)
+VALUES ($1, $2, $3, $4, 'retrying', $5, pg_catalog.now() + $7::interval + $6::interval, $8, pg_catalog.now() + $7::interval, pg_catalog.now() + $7::interval)
 ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
 SET state = 'retrying', attempts = excluded.attempts, next_attempt_at = excluded.next_attempt_at,
     last_failure_class = excluded.last_failure_class, last_failed_at = excluded.last_failed_at`
@@ -78,13 +122,13 @@ SET state = 'retrying', attempts = excluded.attempts, next_attempt_at = excluded
 const upsertDeadSQL = `
 INSERT INTO lifecycle_consumer_deliveries AS d
     (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, first_failed_at, last_failed_at, parked_at)
-VALUES ($1, $2, $3, $4, 'dead', $5, $7, now() + $6::interval, now() + $6::interval, now() + $6::interval)
+VALUES ($1, $2, $3, $4, 'dead', $5, $7, pg_catalog.now() + $6::interval, pg_catalog.now() + $6::interval, pg_catalog.now() + $6::interval)
 ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
 SET state = 'dead', attempts = excluded.attempts, next_attempt_at = NULL, last_failure_class = excluded.last_failure_class,
     last_failed_at = excluded.last_failed_at, parked_at = excluded.parked_at`
 
 const advanceCursorSQL = `
-UPDATE lifecycle_consumer_cursors SET last_acked_sequence = $3, acked_at = now()
+UPDATE lifecycle_consumer_cursors SET last_acked_sequence = $3, acked_at = pg_catalog.now()
 WHERE project_id = $1 AND consumer_id = $2 AND (last_acked_sequence IS NULL OR last_acked_sequence < $3)`
 
 // recordFailure persists one failed attempt of ev, parking it when the attempts are spent; it
@@ -99,7 +143,7 @@ func (c *Consumer) recordFailure(ctx context.Context, st *streamState, ev Event,
 			return err
 		}
 		attempts++
-		if attempts < c.cfg.MaxAttempts {
+		if attempts < c.cfg.MaxAttempts && class != FailureUndecodableEvent {
 			_, err := tx.Exec(ctx, upsertRetryingSQL, st.project, c.id, ev.Sequence, ev.EventID, attempts,
 				c.cfg.retryDelay(attempts), c.offset(), string(class))
 			return err
@@ -127,16 +171,28 @@ func (c *Consumer) recordFailure(ctx context.Context, st *streamState, ev Event,
 		return false, nil
 	}
 	st.acked, st.position = ev.Sequence, ev.Sequence
-	c.dispatch.applyToCache(ctx, ev)
+	if class != FailureUndecodableEvent {
+		c.dispatch.applyToCache(ctx, ev)
+	}
 	c.stats.parked.Add(1)
 	c.metrics.parked(st.project, string(c.id))
 	c.log.Error("event parked as a dead letter; the stream moves on", fields...)
 	return true, nil
 }
 
+// parkUndecodable parks a row that cannot be delivered as a dead letter of its own class, with
+// the consumer-poisoned audit row, and moves the cursor past it in the same fenced
+// transaction. Its task is left in the cache: what the row names cannot be trusted.
+func (c *Consumer) parkUndecodable(ctx context.Context, st *streamState, row storedEvent) (bool, error) {
+	c.log.Error("event cannot be decoded; parking it as a dead letter", zap.String("project_id", st.project),
+		zap.Int64("sequence", row.Sequence), zap.String("event_id", row.EventID), zap.Error(row.bad))
+	c.metrics.observeDispatch(st.project, string(c.id), Failed, 0)
+	return c.recordFailure(ctx, st, row.Event, FailureUndecodableEvent)
+}
+
 const resolveRetriedSQL = `
 UPDATE lifecycle_consumer_deliveries
-SET state = 'resolved', attempts = attempts + 1, resolved_at = now() + $4::interval, next_attempt_at = NULL
+SET state = 'resolved', attempts = attempts + 1, resolved_at = pg_catalog.now() + $4::interval, next_attempt_at = NULL
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'retrying'`
 
 // resolveRetried closes a retried event's delivery row and acknowledges it in one transaction.
@@ -162,18 +218,18 @@ WHERE project_id = $1 AND sequence = $2`
 
 const replayResolvedSQL = `
 UPDATE lifecycle_consumer_deliveries
-SET state = 'resolved', attempts = attempts + 1, resolved_at = now() + $4::interval
+SET state = 'resolved', attempts = attempts + 1, resolved_at = pg_catalog.now() + $4::interval
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'
 RETURNING attempts, coalesce(replay_requested_by, ''), coalesce(replay_reason, '')`
 
 const replayMissingSQL = `
-UPDATE lifecycle_consumer_deliveries SET state = 'dead', parked_at = now() + $4::interval
+UPDATE lifecycle_consumer_deliveries SET state = 'dead', parked_at = pg_catalog.now() + $4::interval
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
 
 const replayFailedSQL = `
 UPDATE lifecycle_consumer_deliveries
 SET state = 'dead', attempts = attempts + 1, last_failure_class = $5,
-    last_failed_at = now() + $4::interval, parked_at = now() + $4::interval
+    last_failed_at = pg_catalog.now() + $4::interval, parked_at = pg_catalog.now() + $4::interval
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
 
 // replay re-dispatches a dead letter an operator asked to replay. Only the consumer that owns
@@ -198,11 +254,14 @@ func (c *Consumer) replay(ctx context.Context, st *streamState, d delivery) erro
 			return err
 		})
 	}
-	ev := evs[0]
+	ev := evs[0].Event
 	started := time.Now()
-	pctx, oev, span := c.processSpan(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: d.attempts + 1, Replay: true})
-	outcome, class := c.dispatch.dispatch(pctx, oev, &c.run)
-	endProcessSpan(span, outcome, class)
+	outcome, class := Failed, FailureUndecodableEvent
+	if evs[0].bad == nil {
+		pctx, oev, span := c.processSpan(ctx, ObservedEvent{Event: ev, ConsumerID: c.id, Attempt: d.attempts + 1, Replay: true})
+		outcome, class = c.dispatch.dispatch(pctx, oev, &c.run)
+		endProcessSpan(span, outcome, class)
+	}
 	c.metrics.observeDispatch(st.project, string(c.id), outcome, time.Since(started))
 	if outcome == Interrupted {
 		return nil
@@ -226,6 +285,13 @@ func (c *Consumer) replay(ctx context.Context, st *streamState, d delivery) erro
 		var actor, reason string
 		if err := tx.QueryRow(ctx, replayResolvedSQL, st.project, c.id, ev.Sequence, c.offset()).Scan(&attempts, &actor, &reason); err != nil {
 			return err
+		}
+		// The audit row names who asked only if it is an identifier: a request written before
+		// the database checked it could hold anything, and no free text reaches the sink.
+		if (Operator{Actor: actor, Reason: reason}).Validate() != nil {
+			c.log.Warn("replay request names no valid actor and reason; the audit row leaves them out",
+				zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence))
+			actor, reason = "", ""
 		}
 		return c.audit.WriteAuditTx(ctx, tx, AuditRecord{Action: AuditConsumerReplayed, ProjectID: st.project, ConsumerID: c.id,
 			EventID: ev.EventID, Sequence: ev.Sequence, Attempts: attempts, Actor: actor, Reason: reason})

@@ -37,7 +37,7 @@ var errBelowFloor = errors.New("below the pruned floor")
 // sseHeadSQL is a project's last assigned sequence: where a new client of a project the
 // handler has not seen yet starts.
 const sseHeadSQL = `
-SELECT coalesce(max(last_sequence), 0) FROM lifecycle_outbox_heads WHERE project_id = $1`
+SELECT coalesce(pg_catalog.max(last_sequence), 0) FROM lifecycle_outbox_heads WHERE project_id = $1`
 
 // ssePageSQL reads one page of a project's events together with its head and pruned floor,
 // in one statement, so that the page and the bounds it is judged by come from one snapshot.

@@ -93,7 +93,7 @@ func endSpan(span trace.Span, err error, attrs ...attribute.KeyValue) {
 const insertTracedEventSQL = `
 INSERT INTO lifecycle_outbox
     (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context)
-VALUES ($1, $2, $3, 'task:deleted', $4, $5, now() + $6::interval, $7, $8, $9)
+VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7, $8, $9)
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
@@ -165,10 +165,10 @@ func (ev ObservedEvent) listenerContext(ctx context.Context) context.Context {
 // sequence is the consumer's sequencer call, in a span when tracing is on.
 func (c *Consumer) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
 	if c.trace.tracer == nil {
-		return Sequence(ctx, c.pool, projects, c.cfg.SequenceBatchSize)
+		return c.seq.sequence(ctx, c.pool, projects, c.cfg.SequenceBatchSize)
 	}
 	ctx, span := c.trace.start(ctx, spanSequence, semconv.MessagingConsumerGroupName(string(c.id)), attrProjects.Int(len(projects)))
-	heads, err := Sequence(ctx, c.pool, projects, c.cfg.SequenceBatchSize)
+	heads, err := c.seq.sequence(ctx, c.pool, projects, c.cfg.SequenceBatchSize)
 	assigned := 0
 	for _, h := range heads {
 		assigned += h.Assigned

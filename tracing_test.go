@@ -15,8 +15,10 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
+	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/outboxtest"
 )
@@ -274,4 +276,36 @@ func TestNoSDKInTheModuleBuild(t *testing.T) {
 		require.False(t, strings.HasPrefix(dep, "go.opentelemetry.io/otel/sdk"), "the module's build depends on %s", dep)
 	}
 	require.Contains(t, string(out), "go.opentelemetry.io/otel/trace\n")
+}
+
+// TestTracedWriterRoleRecordsTheTraceContext: the writer role's column grant covers the trace
+// context, so a host that traces can run its writer under GrantWriterRole, and a consumer role
+// reads the stored context back to link its span.
+func TestTracedWriterRoleRecordsTheTraceContext(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilege(t)
+	writerPool, _ := lp.component(t, "writer", writerGrant("proj-a"))
+	wt := newTracedProcess(t)
+	_, err := taskstore.New(lp.owner, taskstore.Options{}).CreateMany(ctx, "proj-a", "t", 1)
+	require.NoError(t, err)
+	w, err := outbox.NewWriter(writerPool, outbox.Config{TracerProvider: wt.tp}, zaptest.NewLogger(t))
+	require.NoError(t, err)
+	defer func() { _ = w.Close(ctx) }()
+	_, err = taskstore.New(writerPool, taskstore.Options{Writer: w}).Delete(ctx, "proj-a", "t-1")
+	require.NoError(t, err, "a traced delete as the writer role")
+	require.Len(t, wt.spans("create proj-a"), 1)
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE trace_context IS NOT NULL`))
+
+	consumerPool, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
+	cfg := fastConfig()
+	cfg.NewCursor = outbox.NewCursorOldest
+	ct := newTracedProcess(t)
+	cfg.TracerProvider = ct.tp
+	_, rec := startConsumer(t, consumerPool, "dash", []string{"proj-a"}, cfg, nil)
+	rec.waitCount(t, ctx, 1)
+	require.Eventually(t, func() bool { return len(ct.spans("process proj-a")) == 1 }, 10*time.Second, 5*time.Millisecond)
+	span := ct.spans("process proj-a")[0]
+	require.Len(t, span.Links, 1)
+	require.Equal(t, wt.spans("create proj-a")[0].SpanContext.TraceID(), span.Links[0].SpanContext.TraceID())
 }

@@ -77,7 +77,7 @@ func (w *Writer) ProcessID() string { return w.processID }
 const insertEventSQL = `
 INSERT INTO lifecycle_outbox
     (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
-VALUES ($1, $2, $3, 'task:deleted', $4, $5, now() + $6::interval, $7, $8)
+VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7, $8)
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
@@ -206,7 +206,7 @@ type notifier struct {
 // notifySQL sends the wake-ups in a transaction of their own that does not wait for its commit
 // record to reach disk: a notifying transaction gets a transaction ID and a commit record, and
 // a hint has no need to be durable, so it should not add a WAL flush beside the deletes.
-const notifySQL = `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, p) FROM unnest($2::text[]) AS p`
+const notifySQL = `SELECT pg_catalog.set_config('synchronous_commit', 'off', true), pg_catalog.pg_notify($1, p) FROM pg_catalog.unnest($2::text[]) AS p`
 
 func (n *notifier) enqueue(projects []string) {
 	n.mu.Lock()

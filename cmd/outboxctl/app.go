@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/safetext"
 )
 
 // Exit codes.
@@ -59,12 +60,12 @@ func run(ctx context.Context, args []string, c console) int {
 	}
 	var f *failure
 	if errors.As(err, &f) {
-		fmt.Fprintf(c.stderr, "outboxctl: %s\n", a.describe(f.err))
+		fmt.Fprintf(c.stderr, "outboxctl: %s\n", safetext.Printable(a.describe(f.err)))
 		return exitFailure
 	}
 	// Everything else is bad usage: cobra's own errors (unknown command or flag, missing
 	// required flag, wrong argument count) and our usageErrors.
-	fmt.Fprintf(c.stderr, "outboxctl: %s\nRun '%s --help' for usage.\n", err, cmd.CommandPath())
+	fmt.Fprintf(c.stderr, "outboxctl: %s\nRun '%s --help' for usage.\n", safetext.Printable(err.Error()), cmd.CommandPath())
 	return exitUsage
 }
 

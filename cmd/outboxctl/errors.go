@@ -4,13 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
-	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/safetext"
 )
 
 // usageError is bad usage: the command line is wrong, and nothing was done. Exit code 2.
@@ -42,6 +41,8 @@ func (a *app) describe(err error) string {
 		return msg + "; run `outboxctl migrate` as the schema owner to apply the missing migrations"
 	case errors.Is(err, outbox.ErrSchemaAhead):
 		return msg + "; this outboxctl is older than the schema: use the build that migrated the database"
+	case errors.Is(err, outbox.ErrSchemaDrift):
+		return msg + "; an object the isolation rests on was changed by hand: restore it as the migrations made it (see docs/operations.md, \"Roles and grants\")"
 	case errors.Is(err, outbox.ErrSchemaChecksum):
 		return msg + "; the database was migrated by a different build: find out which before changing anything"
 	case errors.Is(err, context.DeadlineExceeded):
@@ -52,24 +53,9 @@ func (a *app) describe(err error) string {
 	return msg
 }
 
-// parseReason says why a DSN does not parse without repeating the DSN, which may hold a
-// password: pgx redacts passwords on a best-effort basis only, and a url.Error quotes the
-// whole string.
-func parseReason(err error) string {
-	var ue *url.Error
-	if errors.As(err, &ue) {
-		return ue.Err.Error()
-	}
-	var pe *pgconn.ParseConfigError
-	if errors.As(err, &pe) {
-		s := pe.Error()
-		if i := strings.LastIndex(s, "`: "); i >= 0 {
-			return s[i+len("`: "):]
-		}
-		return "not a PostgreSQL URL or key=value connection string"
-	}
-	return err.Error()
-}
+// parseReason says why a DSN does not parse without repeating any of it: it may hold a
+// password, which pgx redacts on a best-effort basis only.
+func parseReason(err error) string { return safetext.DSNParseReason(err) }
 
 // connectError says which server could not be reached, as whom, and why.
 func connectError(cfg *pgxpool.Config, err error) error {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -8,13 +9,19 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"fusion/outbox/internal/safetext"
 )
 
 // printJSON writes v as indented JSON on stdout.
 func (a *app) printJSON(v any) error {
-	enc := json.NewEncoder(a.stdout)
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
 	enc.SetIndent("", "  ")
 	if err := enc.Encode(v); err != nil {
+		return fmt.Errorf("write JSON: %w", err)
+	}
+	if _, err := a.stdout.Write(safetext.JSON(buf.Bytes())); err != nil {
 		return fmt.Errorf("write JSON: %w", err)
 	}
 	return nil
@@ -29,8 +36,15 @@ func newTable(w io.Writer, header ...string) *table {
 	return t
 }
 
+// row writes one line. Every cell is escaped: cells hold strings read from the database, which
+// any role that writes a row chooses, and a control character in one could rewrite what the
+// operator sees (an event ID holding "\r\x1b[K" once printed a fake "all checks passed").
 func (t *table) row(cells ...string) {
-	fmt.Fprintln(t.tw, strings.Join(cells, "\t"))
+	escaped := make([]string, len(cells))
+	for i, c := range cells {
+		escaped[i] = safetext.Escape(c)
+	}
+	fmt.Fprintln(t.tw, strings.Join(escaped, "\t"))
 }
 
 func (t *table) flush() error {
@@ -43,7 +57,26 @@ func (t *table) flush() error {
 // note writes a line for the operator on stderr: plans, hints, empty results. Stdout stays
 // for results, so that --json output is never mixed with prose.
 func (a *app) note(format string, args ...any) {
-	fmt.Fprintf(a.stderr, format+"\n", args...)
+	fmt.Fprintln(a.stderr, human(format, args...))
+}
+
+// say writes a result line for the operator on stdout.
+func (a *app) say(format string, args ...any) {
+	fmt.Fprintln(a.stdout, human(format, args...))
+}
+
+// human formats a line for a person: string arguments are escaped as cells are, and the whole
+// line is then kept to printable characters, whatever the arguments held.
+func human(format string, args ...any) string {
+	for i, v := range args {
+		switch v := v.(type) {
+		case string:
+			args[i] = safetext.Escape(v)
+		case error:
+			args[i] = safetext.Escape(v.Error())
+		}
+	}
+	return safetext.Printable(fmt.Sprintf(format, args...))
 }
 
 func itoa[T ~int | ~int64](v T) string { return strconv.FormatInt(int64(v), 10) }

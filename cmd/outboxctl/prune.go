@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"sort"
 	"time"
 
@@ -137,7 +136,7 @@ func (p *pruneCmd) run(ctx context.Context, cmd *cobra.Command, _ []string) erro
 			return err
 		}
 	}
-	fmt.Fprintf(a.stdout, "pruned %d outbox rows and %d dead letters in %s\n", out.Pruned, out.DeadLettersPruned, plural(out.Batches, "batch", "batches"))
+	a.say("pruned %d outbox rows and %d dead letters in %s", out.Pruned, out.DeadLettersPruned, plural(out.Batches, "batch", "batches"))
 	if out.BudgetExhausted {
 		a.note("the sweep stopped at its row budget; run prune again (or let the next maintenance sweep) to continue")
 	}

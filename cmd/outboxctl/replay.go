@@ -101,7 +101,7 @@ func (r *replayCmd) run(ctx context.Context, cmd *cobra.Command, args []string) 
 		it.EventID, it.State = eventID, "replay_requested"
 		done = append(done, it)
 		if !a.json {
-			fmt.Fprintf(a.stdout, "replay requested: project %s, consumer %s, sequence %d, event %s\n", it.ProjectID, it.ConsumerID, it.Sequence, eventID)
+			a.say("replay requested: project %s, consumer %s, sequence %d, event %s", it.ProjectID, it.ConsumerID, it.Sequence, eventID)
 		}
 	}
 	if a.json {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -128,7 +127,7 @@ func (r *retireCmd) run(ctx context.Context, cmd *cobra.Command, _ []string) err
 		return a.printJSON(res)
 	}
 	past := map[bool]string{false: "retired", true: "reinstated"}[r.reinstate]
-	fmt.Fprintf(a.stdout, "%s consumer %s in %s: %s (audited: actor %s, reason %s)\n", past, a.consumer,
+	a.say("%s consumer %s in %s: %s (audited: actor %s, reason %s)", past, a.consumer,
 		plural(len(projects), "project", "projects"), strings.Join(projects, ", "), op.Actor, op.Reason)
 	return nil
 }

@@ -44,6 +44,8 @@ type schemaResult struct {
 	Applied  []int                     `json:"applied,omitempty"` // by this run of migrate
 	Current  bool                      `json:"current"`
 	History  []outbox.AppliedMigration `json:"history,omitempty"`
+	// UnvalidatedChecks are checks that rows written before them violate (table.constraint).
+	UnvalidatedChecks []string `json:"unvalidatedChecks,omitempty"`
 }
 
 func (a *app) runMigrate(ctx context.Context, cmd *cobra.Command, f *changeFlags) error {
@@ -94,14 +96,14 @@ func (a *app) runMigrate(ctx context.Context, cmd *cobra.Command, f *changeFlags
 		return a.printJSON(schemaResult{Version: outbox.SchemaVersion, Expected: outbox.SchemaVersion, Applied: nonNil(versions), Current: true})
 	}
 	if len(versions) == 0 {
-		fmt.Fprintf(a.stdout, "another process applied the migrations meanwhile; the schema is at version %d\n", outbox.SchemaVersion)
+		a.say("another process applied the migrations meanwhile; the schema is at version %d", outbox.SchemaVersion)
 		return nil
 	}
 	labels := make([]string, len(versions))
 	for i, v := range versions {
 		labels[i] = itoa(v)
 	}
-	fmt.Fprintf(a.stdout, "applied migrations %s; the schema is at version %d\n", strings.Join(labels, ", "), outbox.SchemaVersion)
+	a.say("applied migrations %s; the schema is at version %d", strings.Join(labels, ", "), outbox.SchemaVersion)
 	return nil
 }
 
@@ -123,9 +125,12 @@ func (a *app) verifyCommand() *cobra.Command {
 		Use:   "verify",
 		Short: "Check that the database schema is the one this build expects",
 		Long: fmt.Sprintf(`verify checks that the outbox schema is at version %d with the same migration checksums as
-this build, and lists the applied migrations. It only reads, so the runtime role can run it.
-It fails (exit 1) when the schema is behind (run outboxctl migrate), ahead (use a newer
-build) or was changed (a checksum differs).`, outbox.SchemaVersion),
+this build, and lists the applied migrations. It also checks what the isolation rests on:
+row-level security enabled and forced, every policy present, the functions' search_path pinned
+and the sequencer not executable by PUBLIC. It only reads, so any of the module's roles can run
+it. It fails (exit 1) when the schema is behind (run outboxctl migrate), ahead (use a newer
+build) or was changed (a checksum differs, or an object was altered by hand). It notes the
+checks that rows written before an upgrade violate.`, outbox.SchemaVersion),
 		Example: `  outboxctl verify
   outboxctl verify --json`,
 		Args: cobra.NoArgs,
@@ -146,8 +151,13 @@ func (a *app) runVerify(ctx context.Context, cmd *cobra.Command, _ []string) err
 	if err != nil {
 		return err
 	}
+	unvalidated, err := outbox.UnvalidatedChecks(ctx, a.pool)
+	if err != nil {
+		return err
+	}
 	if a.json {
-		return a.printJSON(schemaResult{Version: len(history), Expected: outbox.SchemaVersion, Current: true, History: history})
+		return a.printJSON(schemaResult{Version: len(history), Expected: outbox.SchemaVersion, Current: true, History: history,
+			UnvalidatedChecks: unvalidated})
 	}
 	t := newTable(a.stdout, "VERSION", "NAME", "CHECKSUM", "APPLIED_AT")
 	for _, m := range history {
@@ -156,6 +166,11 @@ func (a *app) runVerify(ctx context.Context, cmd *cobra.Command, _ []string) err
 	if err := t.flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(a.stdout, "the outbox schema is at version %d, as this build expects\n", outbox.SchemaVersion)
+	a.say("the outbox schema is at version %d, as this build expects", outbox.SchemaVersion)
+	if len(unvalidated) > 0 {
+		a.note("rows written before the upgrade violate %s; new rows are checked, and readers park or skip the old ones.",
+			plural(len(unvalidated), "check", "checks"))
+		a.note("Mend those rows and validate (docs/operations.md, \"Rows the checks refuse\"): %s", strings.Join(unvalidated, ", "))
+	}
 	return nil
 }

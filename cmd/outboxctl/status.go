@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -45,18 +46,24 @@ func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, _ []string) err
 		return err
 	}
 	rows, err := a.admin().Status(ctx, a.filter())
-	if err != nil {
+	// Projects whose rows cannot be read are left out and named; the others are shown, and the
+	// command still fails so that a script sees the status is incomplete.
+	var partial *outbox.ProjectErrors
+	if err != nil && !errors.As(err, &partial) {
 		return err
 	}
-	if len(rows) == 0 && a.consumer != "" {
+	if len(rows) == 0 && a.consumer != "" && partial == nil {
 		return a.unknownConsumer()
 	}
 	if a.json {
-		return a.printJSON(nonNil(rows))
+		if err := a.printJSON(nonNil(rows)); err != nil {
+			return err
+		}
+		return partialError(partial)
 	}
 	if len(rows) == 0 {
 		a.note("no consumer cursors match")
-		return nil
+		return partialError(partial)
 	}
 	t := newTable(a.stdout, "PROJECT", "CONSUMER", "CURSOR", "HEAD", "LAG_EVENTS", "LAG_SECONDS",
 		"LEASE_HOLDER", "LEASE_EXPIRES", "RETIRED", "RETRYING", "DEAD", "REPLAYING")
@@ -69,7 +76,18 @@ func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, _ []string) err
 			strconv.FormatFloat(r.LagSeconds, 'f', 1, 64), holder, timeText(r.LeaseExpiresAt),
 			yesNo(r.Retired), itoa(r.Retrying), itoa(r.Dead), itoa(r.ReplayRequested))
 	}
-	return t.flush()
+	if err := t.flush(); err != nil {
+		return err
+	}
+	return partialError(partial)
+}
+
+// partialError is the failure of a status left incomplete, or nil.
+func partialError(p *outbox.ProjectErrors) error {
+	if p == nil {
+		return nil
+	}
+	return fmt.Errorf("%w (the other projects are shown above)", p)
 }
 
 func (a *app) deadLettersCommand() *cobra.Command {

@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/safetext"
 )
 
 // HostConfig is the reference host's per-deployment configuration.
@@ -79,7 +80,8 @@ var Module = fx.Module("taskstore",
 func newPool(lc fx.Lifecycle, c HostConfig) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(c.DSN)
 	if err != nil {
-		return nil, fmt.Errorf("database DSN: %w", err)
+		// Not %w: pgx's message can repeat part of a password.
+		return nil, fmt.Errorf("database DSN does not parse: %s", safetext.DSNParseReason(err))
 	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {

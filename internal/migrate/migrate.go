@@ -17,6 +17,7 @@ import (
 	"regexp"
 	"sort"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -79,9 +80,14 @@ func Load(fsys fs.FS, dir string) ([]Migration, error) {
 
 // Set is a list of migrations with the table that records them and the lock that guards them.
 type Set struct {
-	Table      string // bookkeeping table, e.g. lifecycle_outbox_schema
-	LockKey    int64  // pg_advisory_xact_lock key, fixed per set
-	Migrations []Migration
+	Table   string // bookkeeping table, e.g. lifecycle_outbox_schema
+	LockKey int64  // pg_advisory_xact_lock key, fixed per set
+	// LockTimeout bounds each wait of a migration's statements for a table lock (SET LOCAL
+	// lock_timeout), so that a migration queued behind a long transaction fails instead of
+	// holding every other statement on that table in the queue behind its own lock request.
+	// Zero leaves the server's setting.
+	LockTimeout time.Duration
+	Migrations  []Migration
 }
 
 // Beginner is what Apply needs: a pool, a connection, or anything else that begins transactions.
@@ -126,7 +132,9 @@ func (s Set) ApplyThrough(ctx context.Context, db Beginner, target int) ([]int, 
 	if target < 0 || target > len(s.Migrations) {
 		return nil, fmt.Errorf("target version %d out of range 0..%d", target, len(s.Migrations))
 	}
-	return Set{Table: s.Table, LockKey: s.LockKey, Migrations: s.Migrations[:target]}.Apply(ctx, db)
+	t := s
+	t.Migrations = s.Migrations[:target]
+	return t.Apply(ctx, db)
 }
 
 // applyNext applies the lowest missing migration in its own transaction and returns its
@@ -137,14 +145,21 @@ func (s Set) applyNext(ctx context.Context, db Beginner) (int, error) {
 		return 0, fmt.Errorf("begin migration: %w", err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, s.LockKey); err != nil {
-		return 0, fmt.Errorf("take migration lock: %w", err)
+	if s.LockTimeout > 0 {
+		// Local to this transaction: nothing stays behind on a pooled connection.
+		if _, err := tx.Exec(ctx, `SELECT pg_catalog.set_config('lock_timeout', $1, true)`,
+			strconv.FormatInt(s.LockTimeout.Milliseconds(), 10)); err != nil {
+			return 0, fmt.Errorf("set migration lock timeout: %w", err)
+		}
+	}
+	if err := s.lock(ctx, tx); err != nil {
+		return 0, err
 	}
 	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+pgx.Identifier{s.Table}.Sanitize()+` (
 		version    integer PRIMARY KEY CHECK (version > 0),
 		name       text NOT NULL,
 		checksum   text NOT NULL,
-		applied_at timestamptz NOT NULL DEFAULT now()
+		applied_at timestamptz NOT NULL DEFAULT pg_catalog.now()
 	)`); err != nil {
 		return 0, fmt.Errorf("create %s: %w", s.Table, err)
 	}
@@ -169,6 +184,83 @@ func (s Set) applyNext(ctx context.Context, db Beginner) (int, error) {
 		return 0, fmt.Errorf("commit migration %04d_%s: %w", m.Version, m.Name, err)
 	}
 	return m.Version, nil
+}
+
+// tryLockSQL takes the set's lock if it is free. Polling it, rather than waiting in
+// pg_advisory_xact_lock, lets Apply say who holds the lock when its context ends.
+const tryLockSQL = `SELECT pg_catalog.pg_try_advisory_xact_lock($1)`
+
+// lockHolderSQL names the sessions holding the advisory lock with key ($1 << 32 | $2) in this
+// database. pg_locks and pg_stat_activity's pid, user and application name are readable by
+// every role.
+const lockHolderSQL = `
+SELECT l.pid, coalesce(a.usename::text, ''), coalesce(a.application_name, '')
+FROM pg_catalog.pg_locks l
+LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+  AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
+ORDER BY l.pid`
+
+// Holder is a session holding the migration lock.
+type Holder struct {
+	PID             int32
+	User            string
+	ApplicationName string
+}
+
+func (h Holder) String() string {
+	return fmt.Sprintf("pid %d (user %q, application %q)", h.PID, h.User, h.ApplicationName)
+}
+
+// lock takes the set's advisory lock in tx, polling until it is free or ctx ends. The error for
+// an ended context names the sessions that held the lock at the last try: the key is fixed and
+// any role can take it, so an operator needs to know whom to ask (or which pid to end).
+func (s Set) lock(ctx context.Context, tx pgx.Tx) error {
+	wait := 5 * time.Millisecond
+	var holders []Holder
+	for {
+		var ok bool
+		if err := tx.QueryRow(ctx, tryLockSQL, s.LockKey).Scan(&ok); err != nil {
+			return lockError(err, holders)
+		}
+		if ok {
+			return nil
+		}
+		h, err := s.holders(ctx, tx)
+		if err != nil {
+			return lockError(err, holders)
+		}
+		holders = h
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return lockError(ctx.Err(), holders)
+		case <-t.C:
+		}
+		wait = min(wait*2, 250*time.Millisecond)
+	}
+}
+
+func (s Set) holders(ctx context.Context, tx pgx.Tx) ([]Holder, error) {
+	key := uint64(s.LockKey)
+	rows, err := tx.Query(ctx, lockHolderSQL, int64(key>>32), int64(key&0xffffffff))
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowToStructByPos[Holder])
+}
+
+func lockError(err error, holders []Holder) error {
+	if len(holders) == 0 {
+		return fmt.Errorf("take migration lock: %w", err)
+	}
+	names := make([]string, len(holders))
+	for i, h := range holders {
+		names[i] = h.String()
+	}
+	return fmt.Errorf("take migration lock: %w; the lock is held by %s", err, strings.Join(names, ", "))
 }
 
 // MarkAppliedTx writes the bookkeeping row for m, for hosts that run the SQL with their own

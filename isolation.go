@@ -1,0 +1,189 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"time"
+	"unicode"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"go.uber.org/zap"
+)
+
+// One project's trouble stays in that project. A step of the consumer's scan that serves
+// several projects at once (the sequencer call, the read of open deliveries) and fails for
+// some of them skips those this scan, says so, and lets the others go on; a row that cannot be
+// delivered is parked as a dead letter instead of wedging its stream; and a time read from the
+// database is clamped before it becomes a wait.
+
+// maxRetryWait is the longest a consumer waits for a delivery's next attempt before it looks
+// again: the longest retry delay the configuration allows, and what the database's check on
+// next_attempt_at enforces for every row written since.
+const maxRetryWait = 24 * time.Hour
+
+// clampWait turns the seconds until a delivery's next attempt into a wait within
+// [0, maxRetryWait]: a next_attempt_at centuries ahead (written before the database checked it)
+// would overflow a time.Duration into a negative wait and spin the consumer.
+func clampWait(seconds float64) time.Duration {
+	switch {
+	case math.IsNaN(seconds) || seconds <= 0:
+		return 0
+	case seconds >= maxRetryWait.Seconds():
+		return maxRetryWait
+	}
+	return time.Duration(seconds * float64(time.Second))
+}
+
+// readIsolatable reports whether a read over several projects that failed with err is worth
+// repeating project by project: a row it could not decode or a statement the server refused
+// may be one project's doing; a connection that could not be had, or a context that ended,
+// would fail every project's read alike.
+func readIsolatable(err error) bool {
+	var ce *pgconn.ConnectError
+	switch {
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded), errors.As(err, &ce), pgconn.SafeToRetry(err):
+		return false
+	}
+	return true
+}
+
+// skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
+// names from this scan (each logged and counted) and keeps the rest; any other error drops
+// them all. failed reports whether anything was dropped, so the loop scans again soon.
+func (c *Consumer) skipFailed(step string, projects []string, err error) (kept []string, failed bool) {
+	if err == nil {
+		return projects, false
+	}
+	var pe *ProjectErrors
+	if !errors.As(err, &pe) {
+		c.logTransient(step, err)
+		return nil, true
+	}
+	kept = projects[:0:0]
+	for _, p := range projects {
+		perr, bad := pe.Failed[p]
+		if !bad {
+			kept = append(kept, p)
+			continue
+		}
+		c.metrics.projectError(p, string(c.id), step)
+		if n, ok := c.skipLog.due(step+"\x00"+p, time.Now()); ok {
+			c.log.Warn("consumer step failed for one project; it is skipped while the others go on",
+				zap.String("step", step), zap.String("project_id", p), zap.Int("times_since_last_logged", n), zap.Error(perr))
+		}
+	}
+	return kept, true
+}
+
+// skipLogInterval is how often a project that keeps failing the same step is logged again; the
+// metric counts every time.
+const skipLogInterval = time.Minute
+
+// logEvery says when a repeated failure is due to be logged again. Only the loop goroutine
+// uses it.
+type logEvery struct {
+	last  map[string]time.Time
+	count map[string]int
+}
+
+// due counts one failure under key and reports whether to log it now, with how many failures
+// it stands for.
+func (l *logEvery) due(key string, now time.Time) (int, bool) {
+	if l.last == nil {
+		l.last, l.count = map[string]time.Time{}, map[string]int{}
+	}
+	l.count[key]++
+	if last, ok := l.last[key]; ok && now.Sub(last) < skipLogInterval {
+		return 0, false
+	}
+	n := l.count[key]
+	l.last[key], l.count[key] = now, 0
+	return n, true
+}
+
+// rowChecks validates the identifiers of the rows of one read, remembering the last project
+// and writer ID it accepted: they repeat from row to row, and the drain path reads many rows.
+type rowChecks struct {
+	project, writer string
+}
+
+// check reports why a decoded row cannot be delivered as it is, or nil. It is the writer's
+// validation applied again on the way out, for rows that predate the database's checks.
+func (r *rowChecks) check(e *Event, deletedAt, occurredAt pgtype.Timestamptz) error {
+	if deletedAt.InfinityModifier != pgtype.Finite || !deletedAt.Valid {
+		return invalid("deleted_at", "is not a finite time")
+	}
+	if occurredAt.InfinityModifier != pgtype.Finite || !occurredAt.Valid {
+		return invalid("occurred_at", "is not a finite time")
+	}
+	if y := e.DeletedAt.UTC().Year(); y < 1 || y > 9999 {
+		return invalid("deleted_at", "year %d is out of range", y)
+	}
+	if e.ProjectID != r.project {
+		if err := ValidateProjectID(e.ProjectID); err != nil {
+			return invalid("project_id", "%v", err)
+		}
+		r.project = e.ProjectID
+	}
+	if e.WriterProcessID != r.writer {
+		if err := checkID("writer process ID", e.WriterProcessID); err != nil {
+			return invalid("writer_process_id", "%v", err)
+		}
+		r.writer = e.WriterProcessID
+	}
+	if err := validateTaskID(e.TaskID); err != nil {
+		return err
+	}
+	if len(e.PriorColumn) > 128 || strings.IndexFunc(e.PriorColumn, unicode.IsControl) >= 0 {
+		return invalid("prior_column", "must be at most 128 bytes without control characters")
+	}
+	return nil
+}
+
+// undecodableRow salvages the sequence of a row that failed to scan at all, so that it can be
+// parked; ok is false when even that is impossible.
+func undecodableRow(rows pgx.Rows, scanErr error) (storedEvent, bool) {
+	raw := rows.RawValues()
+	fields := rows.FieldDescriptions()
+	if len(raw) < 2 || len(fields) < 2 || raw[1] == nil {
+		return storedEvent{}, false
+	}
+	var seq int64
+	if err := rows.Conn().TypeMap().Scan(pgtype.Int8OID, fields[1].Format, raw[1], &seq); err != nil {
+		return storedEvent{}, false
+	}
+	e := storedEvent{bad: fmt.Errorf("decode event: %w", scanErr)}
+	e.Sequence = seq
+	if raw[0] != nil {
+		e.ProjectID = string(raw[0])
+	}
+	e.EventID = undecodableEventID("", pgtype.Timestamptz{})
+	return e, true
+}
+
+// undecodableEventID names a row that cannot be delivered in its dead letter and audit row. It
+// keeps the event ID's shape, with what could not be read replaced, so that it passes the
+// database's check on event IDs and shows no control character to an operator.
+func undecodableEventID(taskID string, deletedAt pgtype.Timestamptz) string {
+	task := taskID
+	if validateTaskID(task) != nil {
+		task = "invalid-task-id"
+	}
+	var at string
+	switch {
+	case !deletedAt.Valid:
+		at = "invalid-time"
+	case deletedAt.InfinityModifier == pgtype.Infinity:
+		at = "infinity"
+	case deletedAt.InfinityModifier == pgtype.NegativeInfinity:
+		at = "-infinity"
+	default:
+		at = deletedAt.Time.UTC().Format(eventIDTime)
+	}
+	return eventIDPrefix + task + ":" + at
+}
