@@ -62,6 +62,9 @@ func (c *Consumer) skipFailed(step string, projects []string, err error) (kept [
 	var pe *ProjectErrors
 	if !errors.As(err, &pe) {
 		c.logTransient(step, err)
+		for _, p := range projects {
+			c.unblock(p)
+		}
 		return nil, true
 	}
 	kept = projects[:0:0]
@@ -71,6 +74,7 @@ func (c *Consumer) skipFailed(step string, projects []string, err error) (kept [
 			kept = append(kept, p)
 			continue
 		}
+		c.unblock(p)
 		c.metrics.projectError(p, string(c.id), step)
 		if n, ok := c.skipLog.due(step+"\x00"+p, time.Now()); ok {
 			c.log.Warn("consumer step failed for one project; it is skipped while the others go on",
@@ -78,6 +82,15 @@ func (c *Consumer) skipFailed(step string, projects []string, err error) (kept [
 		}
 	}
 	return kept, true
+}
+
+// unblock forgets that a skipped project waits for a retry: its due time would otherwise keep
+// firing the loop's retry timer at once, a full scan each time, while the step keeps failing.
+// The failed step already brings the next scan within a second, which finds the retry again.
+func (c *Consumer) unblock(project string) {
+	if st := c.state[project]; st != nil {
+		st.blocked = false
+	}
 }
 
 // skipLogInterval is how often a project that keeps failing the same step is logged again; the

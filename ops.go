@@ -196,7 +196,13 @@ func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string)
 		v.CSRF = h.token(h.cookie(w, r))
 	}
 	projects, err := h.load(r)
-	if err != nil {
+	var partial *ProjectErrors
+	switch {
+	case errors.As(err, &partial):
+		// One project's unreadable rows cost only that project: the others are shown.
+		h.log.Warn("ops page: some projects unavailable", zap.Strings("projects", partial.Projects()), zap.Error(err))
+		v.Error = "status unavailable for " + strings.Join(partial.Projects(), ", ") + " (see the host's log); the other projects are shown"
+	case err != nil:
 		h.log.Warn("ops page: status unavailable", zap.Error(err))
 		v.Error = "status unavailable: the database did not answer (see the host's log)"
 	}
@@ -207,11 +213,13 @@ func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string)
 	}
 }
 
-// load reads the status and the dead letters and groups them per project and consumer.
+// load reads the status and the dead letters and groups them per project and consumer. When
+// some projects' status cannot be read it returns the others with a *ProjectErrors.
 func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
-	status, err := h.admin.Status(r.Context(), h.opts.Filter)
-	if err != nil {
-		return nil, err
+	status, statusErr := h.admin.Status(r.Context(), h.opts.Filter)
+	var partial *ProjectErrors
+	if statusErr != nil && !errors.As(statusErr, &partial) {
+		return nil, statusErr
 	}
 	letters, err := h.admin.DeadLetters(r.Context(), h.opts.Filter)
 	if err != nil {
@@ -241,7 +249,7 @@ func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 		l := &p.DeadLetters[len(p.DeadLetters)-1]
 		l.Letters = append(l.Letters, d)
 	}
-	return out, nil
+	return out, statusErr
 }
 
 // cookie returns the browser's CSRF secret, setting a new one when it has none.

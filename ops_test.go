@@ -240,3 +240,30 @@ func TestOpsHandlerOptions(t *testing.T) {
 		require.ErrorContains(t, err, field)
 	}
 }
+
+// TestOpsPageShowsOtherProjectsWhenOneIsUnreadable: a cursor row the status read cannot decode
+// (written before the database checked its times) costs the page that project only: the other
+// projects are shown, and the page names the one left out.
+func TestOpsPageShowsOtherProjectsWhenOneIsUnreadable(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	seedEvents(t, pool, "proj-a", 1)
+	seedEvents(t, pool, "proj-b", 1)
+	_, err := pool.Exec(ctx, `ALTER TABLE lifecycle_consumer_cursors DROP CONSTRAINT lifecycle_consumer_cursors_times_finite`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at)
+		VALUES ('proj-a', 'ghost', 0, 'ghost@0000000000000000', 1, 'infinity'), ('proj-b', 'dash', 0, NULL, 0, NULL)`)
+	require.NoError(t, err)
+	h, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	resp, err := srv.Client().Get(srv.URL + "/")
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	require.Contains(t, string(body), "dash", "the readable project's consumer is shown")
+	require.Contains(t, string(body), "status unavailable for proj-a")
+}

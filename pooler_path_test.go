@@ -32,7 +32,10 @@ func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
 	projects := []string{"alpha", "beta"}
 	cfg := outbox.Config{PollInterval: 50 * time.Millisecond, LeaseTTL: 3 * time.Second, HeartbeatInterval: time.Second,
 		NewCursor: outbox.NewCursorOldest, TransactionPooler: true, ListenDSN: db.URL + "&application_name=" + directListen,
-		RetrySchedule: []time.Duration{10 * time.Millisecond, 20 * time.Millisecond}, MaxAttempts: 3}
+		RetrySchedule: []time.Duration{10 * time.Millisecond, 20 * time.Millisecond}, MaxAttempts: 3,
+		// The self-test's NOTIFY goes through a bouncer whose two server connections everything
+		// shares: a loaded machine must not turn a slow notification into polling-only.
+		ListenCheckTimeout: 10 * time.Second}
 	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: projects, cfg: cfg})
 	for _, p := range projects {
 		_, err := writer.store.CreateMany(ctx, p, "t", 20)

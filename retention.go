@@ -187,7 +187,9 @@ func (r *Retention) plan(ctx context.Context) ([]PrunePlan, error) {
 	return plans, nil
 }
 
-// Sweep prunes in bounded batches until nothing is left or the budget is spent.
+// Sweep prunes in bounded batches until nothing is left or the budget is spent. When some
+// projects could not be pruned it prunes the others and returns what it did together with a
+// *ProjectErrors naming them.
 func (r *Retention) Sweep(ctx context.Context) (RetentionResult, error) {
 	ctx, span := r.trace.start(ctx, spanRetention)
 	res, err := r.sweep(ctx)
@@ -203,11 +205,21 @@ func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 		return res, err
 	}
 	budget := int64(r.cfg.RetentionBudget)
+	// One project's trouble (a heads row another role holds, a row the checks refuse) costs
+	// that project's pruning only: the others and the dead letters are pruned all the same.
+	failed := map[string]error{}
 	for _, p := range plans {
 		for budget > 0 {
 			n, err := r.pruneBatch(ctx, p, min(int64(r.cfg.RetentionBatchSize), budget), &res)
-			if err != nil {
+			if err != nil && ctx.Err() != nil {
 				return res, err
+			}
+			if err != nil {
+				failed[p.ProjectID] = err
+				r.metrics.projectError(p.ProjectID, "", "retention")
+				r.log.Warn("retention skipped a project whose pruning failed; the others go on",
+					zap.String("project_id", p.ProjectID), zap.Error(err))
+				break
 			}
 			budget -= n
 			if n < int64(r.cfg.RetentionBatchSize) {
@@ -236,10 +248,14 @@ func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 	}
 	r.metrics.prunedDeadLetters(res.DeadLettersPruned)
 	res.Elapsed = time.Since(started)
+	if len(failed) > 0 {
+		err = &ProjectErrors{Op: "retention", Failed: failed}
+	}
 	r.log.Info("retention sweep", zap.Int64("pruned_rows", res.Pruned()), zap.Int("projects", len(res.PrunedByProject)),
 		zap.Int64("dead_letters_pruned", res.DeadLettersPruned), zap.Int("batches", res.Batches),
-		zap.Duration("longest_batch", res.LongestBatch), zap.Bool("budget_exhausted", res.BudgetExhausted), zap.Duration("elapsed", res.Elapsed))
-	return res, nil
+		zap.Duration("longest_batch", res.LongestBatch), zap.Bool("budget_exhausted", res.BudgetExhausted),
+		zap.Int("failed_projects", len(failed)), zap.Duration("elapsed", res.Elapsed))
+	return res, err
 }
 
 // pruneBatch deletes up to limit rows of one project and raises its floor, in one transaction.

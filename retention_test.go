@@ -303,3 +303,30 @@ func TestSweepRechecksCursorsInEachBatch(t *testing.T) {
 	require.Equal(t, int64(4), res.Pruned())
 	require.Equal(t, int64(4), floorOf(t, w.pool, "p"))
 }
+
+// TestSweepPrunesOtherProjectsWhenOneFails: a project whose heads row another role holds
+// (the threat model lets a consumer of that project do so) times out on its lock; the sweep
+// still prunes every other project and returns a *ProjectErrors naming the one it skipped.
+func TestSweepPrunesOtherProjectsWhenOneFails(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	seedEvents(t, pool, "a", 5)
+	seedEvents(t, pool, "b", 5)
+	_, err := pool.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = now() - interval '2 hours'`)
+	require.NoError(t, err)
+	holder, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT 1 FROM lifecycle_outbox_heads WHERE project_id = 'a' FOR UPDATE`)
+	require.NoError(t, err)
+
+	r := newRetention(t, pool, outbox.Config{RetentionWindow: time.Hour, LockTimeout: 100 * time.Millisecond})
+	res, err := r.Sweep(ctx)
+	var pe *outbox.ProjectErrors
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, []string{"a"}, pe.Projects())
+	require.Equal(t, int64(5), res.PrunedByProject["b"], "b is pruned although a is locked")
+	require.Empty(t, outboxSequences(t, pool, "b"))
+	require.Len(t, outboxSequences(t, pool, "a"), 5, "a keeps its rows until its lock is free")
+}

@@ -519,6 +519,14 @@ func (h *SSEHandler) appendFrames(c *sseClient, i int, frames []sseFrame, fromOu
 	replayed := 0
 	for _, f := range frames {
 		c.pos[i] = f.seq
+		if f.data == nil {
+			// A row that cannot be delivered: only the position moves. An ID-only block sets
+			// the browser's Last-Event-ID without dispatching an event.
+			b = append(b, "id: "...)
+			b = appendStreamID(b, c.fingerprint, c.pos)
+			b = append(b, "\n\n"...)
+			continue
+		}
 		if f.seq <= c.replayTo[i] {
 			replayed++
 		}

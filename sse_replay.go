@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgtype"
 	"golang.org/x/sync/singleflight"
 )
 
@@ -177,22 +178,29 @@ func (o *outboxReplay) readPage(ctx context.Context, key pageKey) (*replayPage, 
 	defer rows.Close()
 	p := &replayPage{}
 	var head int64
+	var checks rowChecks
 	for rows.Next() {
 		var (
-			seq, version       *int64
-			typ, task, writer  *string
-			prior              *string
-			archived           *bool
-			deletedAt, occured *time.Time
+			seq, version          *int64
+			typ, task, writer     *string
+			prior                 *string
+			archived              *bool
+			deletedAt, occurredAt pgtype.Timestamptz
 		)
-		if err := rows.Scan(&head, &p.floor, &seq, &typ, &task, &deletedAt, &prior, &archived, &writer, &occured, &version); err != nil {
+		if err := rows.Scan(&head, &p.floor, &seq, &typ, &task, &deletedAt, &prior, &archived, &writer, &occurredAt, &version); err != nil {
 			return nil, fmt.Errorf("decode %s event: %w", key.project, err)
 		}
 		if seq == nil {
 			continue // the project has a head but no event in this page
 		}
-		ev := Event{ProjectID: key.project, Sequence: *seq, EventType: *typ, TaskID: *task, DeletedAt: *deletedAt,
-			PriorColumn: *prior, Archived: *archived, WriterProcessID: *writer, OccurredAt: *occured, PayloadVersion: int(*version)}
+		ev := Event{ProjectID: key.project, Sequence: *seq, EventType: *typ, TaskID: *task, DeletedAt: deletedAt.Time,
+			PriorColumn: *prior, Archived: *archived, WriterProcessID: *writer, OccurredAt: occurredAt.Time, PayloadVersion: int(*version)}
+		if checks.check(&ev, deletedAt, occurredAt) != nil {
+			// A row the consumer parks as undecodable (written before the database checked
+			// rows): the stream moves past it without sending it, as the consumer does.
+			p.frames = append(p.frames, sseFrame{seq: ev.Sequence})
+			continue
+		}
 		ev.EventID = TaskDeletedEventID(ev.TaskID, ev.DeletedAt)
 		f, err := newFrame(ev)
 		if err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"sort"
 	"time"
 
@@ -114,13 +115,17 @@ func (p *pruneCmd) run(ctx context.Context, cmd *cobra.Command, _ []string) erro
 	writeCtx, cancel := a.phase(ctx)
 	defer cancel()
 	res, err := ret.Sweep(writeCtx)
-	if err != nil {
+	var partial *outbox.ProjectErrors
+	if err != nil && !errors.As(err, &partial) {
 		return err
 	}
 	out := pruneResult{PrunedByProject: res.PrunedByProject, Pruned: res.Pruned(), DeadLettersPruned: res.DeadLettersPruned,
 		Batches: res.Batches, BudgetExhausted: res.BudgetExhausted}
 	if a.json {
-		return a.printJSON(out)
+		if err := a.printJSON(out); err != nil {
+			return err
+		}
+		return partialErr(partial)
 	}
 	projects := make([]string, 0, len(res.PrunedByProject))
 	for pr := range res.PrunedByProject {
@@ -140,7 +145,15 @@ func (p *pruneCmd) run(ctx context.Context, cmd *cobra.Command, _ []string) erro
 	if out.BudgetExhausted {
 		a.note("the sweep stopped at its row budget; run prune again (or let the next maintenance sweep) to continue")
 	}
-	return nil
+	return partialErr(partial)
+}
+
+// partialErr is the error of a sweep that pruned the other projects (nil when none failed).
+func partialErr(partial *outbox.ProjectErrors) error {
+	if partial == nil {
+		return nil
+	}
+	return partial
 }
 
 func (p *pruneCmd) printPlan(plans []outbox.PrunePlan) error {
