@@ -124,7 +124,7 @@ type Config struct {
 	// NewCursor says where a consumer starts in a project it has never read: "reconcile"
 	// rebuilds the local cache from live tasks and starts at the head; "oldest" replays the
 	// retained history (and reconciles if part of it was pruned). Defaults to "reconcile".
-	NewCursor string `yaml:"new_cursor" json:"new_cursor"`
+	NewCursor NewCursorPolicy `yaml:"new_cursor" json:"new_cursor"`
 
 	// RetentionWindow is how long an acknowledged event is kept. Defaults to 720h (30 days);
 	// at least 1h.
@@ -157,10 +157,14 @@ type Config struct {
 	Clock Clock `yaml:"-" json:"-"`
 }
 
+// NewCursorPolicy says where a consumer starts in a project it has never read
+// (Config.NewCursor).
+type NewCursorPolicy string
+
 // Cursor start positions for Config.NewCursor.
 const (
-	NewCursorReconcile = "reconcile"
-	NewCursorOldest    = "oldest"
+	NewCursorReconcile NewCursorPolicy = "reconcile"
+	NewCursorOldest    NewCursorPolicy = "oldest"
 )
 
 // DefaultRetrySchedule is the backoff of the contract: 1s, 5s, 30s, 5m, then 15m.

@@ -508,7 +508,7 @@ func TestReconciliation(t *testing.T) {
 		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", []string{"t-1", "stale-id"}))
 		obs.start(t)
 		waitCursor(t, ctx, w.pool, "p", "fresh", 4)
-		require.Equal(t, outbox.ReasonMissingCursor, reasonOf(t, w.pool, "fresh"))
+		require.Equal(t, string(outbox.ReasonMissingCursor), reasonOf(t, w.pool, "fresh"))
 		require.Len(t, obs.store.Cache().Live("p"), 6, "the live set replaced the cache; stale IDs dropped")
 		require.False(t, obs.store.Cache().Has("p", "stale-id"))
 		require.Empty(t, obs.rec.snapshot(), "history before the head is not replayed")
@@ -521,7 +521,7 @@ func TestReconciliation(t *testing.T) {
 		require.NoError(t, err)
 		startProcess(t, db.URL, processOpts{id: "ahead", projects: []string{"p"}, cfg: fastConfig()})
 		waitCursor(t, ctx, w.pool, "p", "ahead", 4)
-		require.Equal(t, outbox.ReasonCursorAheadOfHead, reasonOf(t, w.pool, "ahead"))
+		require.Equal(t, string(outbox.ReasonCursorAheadOfHead), reasonOf(t, w.pool, "ahead"))
 	})
 
 	t.Run("cursor below the pruned floor", func(t *testing.T) {
@@ -541,7 +541,7 @@ func TestReconciliation(t *testing.T) {
 		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", all)) // a cache that missed the deletions
 		obs.start(t)
 		waitCursor(t, ctx, w.pool, "p", "behind", 4)
-		require.Equal(t, outbox.ReasonCursorBelowPrunedFloor, reasonOf(t, w.pool, "behind"))
+		require.Equal(t, string(outbox.ReasonCursorBelowPrunedFloor), reasonOf(t, w.pool, "behind"))
 		require.False(t, obs.store.Cache().Has("p", "t-2"), "the pruned deletion is reflected by the rebuilt cache")
 	})
 

@@ -72,12 +72,6 @@ func validateTaskID(s string) error {
 	return nil
 }
 
-// Settings is the host seam for persisted configuration: the reference host reads its
-// settings table. Setting reports found=false when the named field has no row.
-type Settings interface {
-	Setting(ctx context.Context, name string) (value string, found bool, err error)
-}
-
 // ResolveConsumerID reads the consumer identity from the named persisted field. It returns
 // ok=false with no error when the field is absent or empty: observation stays disabled and the
 // caller says so once. A present but invalid value is an error naming the field.

@@ -55,13 +55,13 @@ func readIsolatable(err error) bool {
 // skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
 // names from this scan (each logged and counted) and keeps the rest; any other error drops
 // them all. failed reports whether anything was dropped, so the loop scans again soon.
-func (c *Consumer) skipFailed(step string, projects []string, err error) (kept []string, failed bool) {
+func (l *scanLoop) skipFailed(step string, projects []string, err error) (kept []string, failed bool) {
 	if err == nil {
 		return projects, false
 	}
 	var pe *ProjectErrors
 	if !errors.As(err, &pe) {
-		c.logTransient(step, err)
+		logTransient(l.log, step, err)
 		return nil, true
 	}
 	kept = projects[:0:0]
@@ -71,9 +71,9 @@ func (c *Consumer) skipFailed(step string, projects []string, err error) (kept [
 			kept = append(kept, p)
 			continue
 		}
-		c.metrics.projectError(p, string(c.id), step)
-		if n, ok := c.skipLog.due(step+"\x00"+p, time.Now()); ok {
-			c.log.Warn("consumer step failed for one project; it is skipped while the others go on",
+		l.metrics.projectError(p, string(l.id), step)
+		if n, ok := l.skipLog.due(step+"\x00"+p, time.Now()); ok {
+			l.log.Warn("consumer step failed for one project; it is skipped while the others go on",
 				zap.String("step", step), zap.String("project_id", p), zap.Int("times_since_last_logged", n), zap.Error(perr))
 		}
 	}

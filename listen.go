@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"fusion/outbox/internal/safetext"
@@ -28,22 +29,34 @@ func ParseWakePayload(payload string) (string, error) {
 	return payload, nil
 }
 
+// waker keeps the consumer's LISTEN connection and its self-test (listen_selftest.go), and
+// asks the scan loop to scan the projects notifications name.
+type waker struct {
+	id      ConsumerID
+	pool    *pgxpool.Pool
+	cfg     Config
+	metrics *Metrics
+	log     *zap.Logger
+	scans   *scanRequests
+	check   wakeupCheck // the self-test's outcome
+}
+
 // listenLoop keeps one dedicated LISTEN connection open. After every (re)connection it asks
 // for a full scan, so events committed while it was away are caught up. listening is closed
 // once the first LISTEN is in place or has failed.
-func (c *Consumer) listenLoop(ctx context.Context, listening chan struct{}) {
+func (wk *waker) listenLoop(ctx context.Context, listening chan struct{}) {
 	var once sync.Once
 	ready := func() { once.Do(func() { close(listening) }) }
 	defer ready()
 	wait := 100 * time.Millisecond
 	for {
-		err := c.listenOnce(ctx, ready)
+		err := wk.listenOnce(ctx, ready)
 		ready()
 		if ctx.Err() != nil {
 			return
 		}
-		c.metrics.listenReconnect(string(c.id))
-		c.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", wait))
+		wk.metrics.listenReconnect(string(wk.id))
+		wk.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", wait))
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
@@ -55,8 +68,8 @@ func (c *Consumer) listenLoop(ctx context.Context, listening chan struct{}) {
 	}
 }
 
-func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
-	conn, err := c.listenConn(ctx)
+func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
+	conn, err := wk.listenConn(ctx)
 	if err != nil {
 		return err
 	}
@@ -65,12 +78,12 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 		defer cancel()
 		_ = conn.Close(closeCtx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{c.cfg.NotifyChannel}.Sanitize()); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{wk.cfg.NotifyChannel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	c.requestScan() // catch up on whatever committed while no one was listening
+	wk.scans.request() // catch up on whatever committed while no one was listening
 	ready()
-	check, err := c.startSelfTest(ctx) // see listen_selftest.go
+	check, err := wk.startSelfTest(ctx) // see listen_selftest.go
 	if err != nil {
 		return err
 	}
@@ -80,25 +93,25 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 		if err != nil {
 			return fmt.Errorf("wait for notification: %w", err)
 		}
-		if c.heard(check, n.Payload) {
+		if wk.heard(check, n.Payload) {
 			continue
 		}
 		project, err := ParseWakePayload(n.Payload)
 		if err != nil {
-			c.log.Debug("skipped a notification that is not ours", zap.String("channel", n.Channel), zap.Int("payload_bytes", len(n.Payload)))
+			wk.log.Debug("skipped a notification that is not ours", zap.String("channel", n.Channel), zap.Int("payload_bytes", len(n.Payload)))
 			continue
 		}
-		c.requestScan(project)
+		wk.scans.request(project)
 	}
 }
 
 // listenConn opens the dedicated connection: from Config.ListenDSN when set (a pool behind a
 // transaction-pooling proxy cannot LISTEN), else hijacked from the pool so it never returns.
-func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
-	if c.cfg.ListenDSN != "" {
+func (wk *waker) listenConn(ctx context.Context) (*pgx.Conn, error) {
+	if wk.cfg.ListenDSN != "" {
 		// Config.Validate parsed it already; a parse error is still never wrapped, since pgx's
 		// message can hold part of a password and this one would be logged on every reconnect.
-		cfg, err := pgx.ParseConfig(c.cfg.ListenDSN)
+		cfg, err := pgx.ParseConfig(wk.cfg.ListenDSN)
 		if err != nil {
 			return nil, fmt.Errorf("connect for LISTEN: ListenDSN does not parse: %s", safetext.DSNParseReason(err))
 		}
@@ -108,7 +121,7 @@ func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 		}
 		return conn, nil
 	}
-	pc, err := c.pool.Acquire(ctx)
+	pc, err := wk.pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("acquire LISTEN connection: %w", err)
 	}

@@ -307,10 +307,10 @@ type auditRow struct {
 	Sequence                                  int64
 }
 
-func audits(t *testing.T, pool *pgxpool.Pool, action string) []auditRow {
+func audits(t *testing.T, pool *pgxpool.Pool, action outbox.AuditAction) []auditRow {
 	t.Helper()
 	rows, err := pool.Query(context.Background(), `SELECT project_id, coalesce(consumer_id, ''), coalesce(actor, ''), coalesce(reason, ''),
-		coalesce(event_id, ''), coalesce(sequence, 0) FROM lifecycle_audit WHERE action = $1 ORDER BY id`, action)
+		coalesce(event_id, ''), coalesce(sequence, 0) FROM lifecycle_audit WHERE action = $1 ORDER BY id`, string(action))
 	require.NoError(t, err)
 	defer rows.Close()
 	var out []auditRow

@@ -133,7 +133,7 @@ func (a *app) runDeadLetters(ctx context.Context, cmd *cobra.Command, _ []string
 	}
 	t := newTable(a.stdout, "PROJECT", "CONSUMER", "SEQUENCE", "EVENT_ID", "STATE", "ATTEMPTS", "FAILURE", "PARKED_AT", "REPLAY_REQUESTED_BY")
 	for _, d := range dead {
-		t.row(d.ProjectID, d.ConsumerID, itoa(d.Sequence), d.EventID, d.State, itoa(d.Attempts),
+		t.row(d.ProjectID, d.ConsumerID, itoa(d.Sequence), d.EventID, string(d.State), itoa(d.Attempts),
 			orDash(d.LastFailureClass), timeText(d.ParkedAt), orDash(d.ReplayRequestedBy))
 	}
 	return t.flush()
