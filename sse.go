@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"fusion/outbox/startstop"
 )
 
 // SSEHandler streams observed task deletions to browsers as Server-Sent Events, and lets a
@@ -43,10 +45,13 @@ type SSEHandler struct {
 	log    *zap.Logger
 	replay *outboxReplay
 
+	lifecycle startstop.Base // begun by NewSSEHandler, stopped by Stop or Close
+	run       *startstop.Run
+	streams   sync.WaitGroup // one per attached client
+
 	mu     sync.Mutex
 	logs   map[string]*projectLog
 	closed bool
-	done   chan struct{} // closed by Close
 
 	clients atomic.Int64
 	stats   sseCounters
@@ -184,8 +189,14 @@ func NewSSEHandler(opts SSEOptions) (*SSEHandler, error) {
 	if err := opts.validate(); err != nil {
 		return nil, err
 	}
-	return &SSEHandler{cfg: opts, log: opts.Logger.Named("outbox.sse"), replay: newOutboxReplay(opts.Pool),
-		logs: map[string]*projectLog{}, done: make(chan struct{})}, nil
+	h := &SSEHandler{cfg: opts, log: opts.Logger.Named("outbox.sse"), replay: newOutboxReplay(opts.Pool),
+		logs: map[string]*projectLog{}}
+	run, err := h.lifecycle.Begin()
+	if err != nil {
+		return nil, err // not reached: a new base always begins
+	}
+	h.run = run
+	return h, nil
 }
 
 // Name implements Listener.
@@ -237,15 +248,29 @@ func (h *SSEHandler) logLocked(project string) *projectLog {
 // Clients is the number of connected clients.
 func (h *SSEHandler) Clients() int { return int(h.clients.Load()) }
 
-// Close ends every stream; a request after it gets an empty stream that tells the browser to
-// reconnect after the retry delay (to the process that replaces this one).
-func (h *SSEHandler) Close() {
+// Stop ends every stream and waits for them to return, bounded by ctx; a request after it
+// gets an empty stream that tells the browser to reconnect after the retry delay (to the
+// process that replaces this one). It is idempotent.
+func (h *SSEHandler) Stop(ctx context.Context) error {
 	h.mu.Lock()
-	defer h.mu.Unlock()
-	if !h.closed {
-		h.closed = true
-		close(h.done)
+	first := !h.closed
+	h.closed = true // attach refuses from now on, so the count of streams only falls
+	h.mu.Unlock()
+	if first {
+		go func() { h.streams.Wait(); h.run.Finished() }()
 	}
+	if err := h.lifecycle.Stop(ctx); err != nil {
+		return fmt.Errorf("stop event stream: %w", err)
+	}
+	return nil
+}
+
+// Close ends every stream without waiting for them to return (an http.Server's
+// RegisterOnShutdown hook, say: Shutdown itself waits for the handlers).
+func (h *SSEHandler) Close() {
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	_ = h.Stop(ended)
 }
 
 // ServeHTTP streams events until the client goes away, stalls, or the handler closes. The
@@ -321,7 +346,7 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-h.done:
+		case <-h.run.Ctx.Done():
 			return
 		case <-c.wake:
 		case <-tick.C:
@@ -432,6 +457,7 @@ func (h *SSEHandler) attach(projects []string, lastEventID string) (c *sseClient
 	if h.closed {
 		return nil, false, false
 	}
+	h.streams.Add(1) // under mu, before Stop can start waiting
 	c.pos = make([]int64, len(projects))
 	for i, p := range projects {
 		lg := h.logLocked(p)
@@ -447,6 +473,7 @@ func (h *SSEHandler) attach(projects []string, lastEventID string) (c *sseClient
 }
 
 func (h *SSEHandler) detach(c *sseClient) {
+	defer h.streams.Done()
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for _, lg := range c.logs {

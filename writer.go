@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+
+	"fusion/outbox/startstop"
 )
 
 // TaskDeletion is what the host's delete transaction tells the writer hook.
@@ -67,6 +69,12 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 		base, cancel := context.WithCancel(context.Background())
 		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, gap: cfg.NotifyGap, log: w.log, pending: map[string]struct{}{},
 			base: base, cancel: cancel}
+		run, err := w.notify.lifecycle.Begin()
+		if err != nil {
+			cancel()
+			return nil, err // not reached: a new base always begins
+		}
+		w.notify.run = run
 	}
 	return w, nil
 }
@@ -190,6 +198,11 @@ type notifier struct {
 	gap     time.Duration
 	log     *zap.Logger
 
+	// lifecycle runs from NewWriter to Close: Close stops it, and it finishes once the
+	// wake-ups in flight are sent.
+	lifecycle startstop.Base
+	run       *startstop.Run
+
 	// base is the parent of every notification's context. Close cancels it, which abandons
 	// the notifications in flight when Close's own context ends before they are sent.
 	base   context.Context
@@ -262,18 +275,19 @@ func (n *notifier) flush() {
 	}
 }
 
-// close refuses further wake-ups and waits for those in flight, bounded by ctx.
+// close refuses further wake-ups and waits for those in flight, bounded by ctx; when ctx
+// ends first, the ones in flight are abandoned.
 func (n *notifier) close(ctx context.Context) error {
 	n.mu.Lock()
-	n.closed = true
+	first := !n.closed
+	n.closed = true // enqueue starts no flush from now on, so wg only falls
 	n.mu.Unlock()
-	idle := make(chan struct{})
-	go func() { n.wg.Wait(); close(idle) }()
-	defer n.cancel()
-	select {
-	case <-idle:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("close writer: %w", ctx.Err())
+	if first {
+		go func() { n.wg.Wait(); n.run.Finished() }()
 	}
+	defer n.cancel()
+	if err := n.lifecycle.Stop(ctx); err != nil {
+		return fmt.Errorf("close writer: %w", err)
+	}
+	return nil
 }

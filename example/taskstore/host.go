@@ -122,7 +122,7 @@ type selfHealingParams struct {
 func newSelfHealing(p selfHealingParams) *SelfHealing {
 	m := NewSelfHealing(p.Tasks, p.Config.SweepInterval, p.Logger)
 	p.Lifecycle.Append(fx.Hook{
-		OnStart: func(ctx context.Context) error { m.Start(ctx); return nil },
+		OnStart: m.Start,
 		OnStop:  m.Stop,
 	})
 	return m
