@@ -16,8 +16,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 	"fusion/outbox/outboxtest"
 )
 
@@ -90,7 +90,7 @@ func (r *recorder) waitCount(t *testing.T, ctx context.Context, n int) []outbox.
 // consumer, all on the shared database.
 type process struct {
 	pool     *pgxpool.Pool
-	store    *taskstore.Store
+	store    *testhost.Store
 	writer   *outbox.Writer
 	consumer *outbox.Consumer
 	rec      *recorder
@@ -113,7 +113,7 @@ func startProcess(t *testing.T, url string, o processOpts) *process {
 	require.NoError(t, err)
 	t.Cleanup(func() { closeWriter(t, w) })
 	p.writer = w
-	p.store = taskstore.New(p.pool, taskstore.Options{Writer: w, Logger: zaptest.NewLogger(t)})
+	p.store = testhost.New(p.pool, testhost.Options{Writer: w, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, p.store.LoadCache(ctx, o.projects...))
 	if o.id == "" {
 		return p
@@ -237,9 +237,9 @@ func TestOwnEventsAreNotDeliveredTwiceToOwnListeners(t *testing.T) {
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
 	proc := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: fastConfig()})
-	var local []taskstore.TaskDeleted
+	var local []testhost.TaskDeleted
 	var mu sync.Mutex
-	proc.store.Emitter().On(func(_ context.Context, ev taskstore.TaskDeleted) { mu.Lock(); local = append(local, ev); mu.Unlock() })
+	proc.store.Emitter().On(func(_ context.Context, ev testhost.TaskDeleted) { mu.Lock(); local = append(local, ev); mu.Unlock() })
 	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
 
 	_, err := proc.store.Create(ctx, "p", "mine", "", "")
@@ -458,7 +458,7 @@ func TestConsumerWithoutPreparedStatementCache(t *testing.T) {
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer closeWriter(t, w)
-	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	store := testhost.New(pool, testhost.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
 	rec := newRecorder()
@@ -589,7 +589,7 @@ func TestObservedListenerCannotPerformWriterOwnedEffects(t *testing.T) {
 	var errs []error
 	obs := startProcess(t, db.URL, processOpts{id: "sneaky", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
 	sneaky := outbox.ListenerFunc("sneaky", func(ctx context.Context, ev outbox.ObservedEvent) error {
-		task := taskstore.Task{ProjectID: ev.ProjectID, ID: ev.TaskID, Column: ev.PriorColumn}
+		task := testhost.Task{ProjectID: ev.ProjectID, ID: ev.TaskID, Column: ev.PriorColumn}
 		record := func(err error) { mu.Lock(); errs = append(errs, err); mu.Unlock() }
 		record(obs.store.SendDeleteNotice(ctx, task))
 		tx, err := obs.pool.Begin(ctx)
@@ -634,7 +634,7 @@ func TestIdentityFromPersistedSetting(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	settings := taskstore.NewSettings(pool, "node-1")
+	settings := testhost.NewSettings(pool, "node-1")
 
 	_, ok, err := outbox.ResolveConsumerID(ctx, settings, "outbox.consumer_id")
 	require.NoError(t, err)

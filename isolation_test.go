@@ -16,8 +16,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 	"fusion/outbox/outboxtest"
 )
 
@@ -48,12 +48,12 @@ func operatorGrant(projects ...string) func(context.Context, outbox.DBTX, string
 func deleteTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool, project string, n int) {
 	t.Helper()
 	ctx := ctxT(t)
-	_, err := taskstore.New(lp.owner, taskstore.Options{}).CreateMany(ctx, project, "t", n)
+	_, err := testhost.New(lp.owner, testhost.Options{}).CreateMany(ctx, project, "t", n)
 	require.NoError(t, err)
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer func() { _ = w.Close(ctx) }()
-	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	store := testhost.New(pool, testhost.Options{Writer: w})
 	for i := range n {
 		_, err := store.Delete(ctx, project, fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
@@ -552,7 +552,7 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	lp := newLeastPrivilege(t)
 	writer, _ := lp.component(t, "writer", writerGrant("p", "q"))
 	consumer, _ := lp.component(t, "consumer", consumerGrant("c1", "p", "q"))
-	_, err := taskstore.New(lp.owner, taskstore.Options{}).CreateMany(ctx, "q", "t", 1)
+	_, err := testhost.New(lp.owner, testhost.Options{}).CreateMany(ctx, "q", "t", 1)
 	require.NoError(t, err)
 	cfg := outbox.Config{PollInterval: time.Hour, WakeInterval: time.Hour, LeaseTTL: time.Hour, HeartbeatInterval: 20 * time.Minute,
 		NewCursor: outbox.NewCursorOldest}
@@ -567,7 +567,7 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	w, err := outbox.NewWriter(writer, cfg, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer func() { _ = w.Close(ctx) }()
-	_, err = taskstore.New(writer, taskstore.Options{Writer: w}).Delete(ctx, "q", "t-1") // notifies q after the flood
+	_, err = testhost.New(writer, testhost.Options{Writer: w}).Delete(ctx, "q", "t-1") // notifies q after the flood
 	require.NoError(t, err)
 	rec.waitCount(t, ctx, 1)
 	require.LessOrEqual(t, c.Stats().Scans-before, int64(2), "one scan for the flood of p, one for q")

@@ -5,6 +5,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"fusion/outbox/internal/safetext"
 )
 
 // Behind a transaction-pooling proxy (PgBouncer with pool_mode = transaction, and its kin) a
@@ -92,3 +94,8 @@ func checkPooledDB(cfg Config, db any) error {
 	}
 	return nil
 }
+
+// DSNParseReason says why a connection string did not parse (err is what pgx's ParseConfig
+// returned), in a sentence from a fixed set that never repeats part of the string: pgx's own
+// message can hold part of a password. Hosts use it to report their own DSNs the same way.
+func DSNParseReason(err error) string { return safetext.DSNParseReason(err) }

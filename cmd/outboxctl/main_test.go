@@ -21,8 +21,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // binary is the outboxctl built once for the whole test run.
@@ -184,7 +184,7 @@ func startConsumer(t *testing.T, url string, id outbox.ConsumerID, projects []st
 	t.Helper()
 	ctx := testCtx(t)
 	pool := pgtest.Pool(t, url)
-	store := taskstore.New(pool, taskstore.Options{})
+	store := testhost.New(pool, testhost.Options{})
 	require.NoError(t, store.LoadCache(ctx, projects...))
 	log := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
 	p := &consumerProc{fail: fail}
@@ -255,7 +255,7 @@ func newFixture(t *testing.T) *fixture {
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, w.Close(context.Background())) })
-	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	store := testhost.New(pool, testhost.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "alpha", "t", 5)
 	require.NoError(t, err)
 	_, err = store.CreateMany(ctx, "beta", "t", 2)

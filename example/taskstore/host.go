@@ -16,7 +16,6 @@ import (
 	"go.uber.org/zap"
 
 	"fusion/outbox"
-	"fusion/outbox/internal/safetext"
 )
 
 // HostConfig is the reference host's per-deployment configuration.
@@ -80,7 +79,7 @@ func newPool(lc fx.Lifecycle, c HostConfig) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(c.DSN)
 	if err != nil {
 		// Not %w: pgx's message can repeat part of a password.
-		return nil, fmt.Errorf("database DSN does not parse: %s", safetext.DSNParseReason(err))
+		return nil, fmt.Errorf("database DSN does not parse: %s", outbox.DSNParseReason(err))
 	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
