@@ -249,10 +249,10 @@ type Operator struct {
 // Validate checks that the actor and the reason are identifiers, as audit rows require.
 func (o Operator) Validate() error {
 	if !actorPattern.MatchString(o.Actor) {
-		return invalid("actor", "must be an identifier of 1 to 128 characters from [A-Za-z0-9._@:/-] (got %q)", o.Actor)
+		return invalid("Operator.Actor", "must be an identifier of 1 to 128 characters from [A-Za-z0-9._@:/-] (got %q)", o.Actor)
 	}
 	if !reasonPattern.MatchString(o.Reason) {
-		return invalid("reason", "must be a ticket reference or short code of 1 to 128 characters from [A-Za-z0-9._:/#-], not prose (got %q)", o.Reason)
+		return invalid("Operator.Reason", "must be a ticket reference or short code of 1 to 128 characters from [A-Za-z0-9._:/#-], not prose (got %q)", o.Reason)
 	}
 	return nil
 }
@@ -286,7 +286,7 @@ func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID str
 		return "", err
 	}
 	if err := ValidateProjectID(r.ProjectID); err != nil {
-		return "", &ValidationError{Field: "project", Reason: err.Error()}
+		return "", &ValidationError{Field: "ReplayRequest.ProjectID", Reason: err.Error()}
 	}
 	err = a.requestReplay(ctx, r, &eventID)
 	if err == nil {
@@ -374,7 +374,7 @@ func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql string, act
 		return nil, err
 	}
 	if _, err := ParseConsumerID(r.ConsumerID); err != nil {
-		return nil, &ValidationError{Field: "consumer", Reason: err.Error()}
+		return nil, &ValidationError{Field: "RetireRequest.ConsumerID", Reason: err.Error()}
 	}
 	if err := a.requireConsumer(ctx, r.ConsumerID, r.ProjectID); err != nil {
 		return nil, err

@@ -222,7 +222,8 @@ func (c Config) WithDefaults() Config {
 }
 
 // Validate reports every invalid field of c (after WithDefaults), each error naming its field
-// by its Go name and its file key, as in "PollInterval (poll_interval): must be at least 10ms".
+// by its Go field path and its file key, as in
+// "Config.PollInterval (poll_interval): must be at least 10ms".
 func (c Config) Validate() error {
 	var errs []error
 	bad := func(field, format string, args ...any) {

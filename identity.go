@@ -58,16 +58,16 @@ func checkID(what, s string) error {
 }
 
 // validateTaskID accepts any printable identifier up to 256 bytes without whitespace.
-func validateTaskID(s string) error {
+func validateTaskID(field, s string) error {
 	switch {
 	case s == "":
-		return invalid("TaskID", "is empty")
+		return invalid(field, "is empty")
 	case len(s) > 256:
-		return invalid("TaskID", "is %d bytes long, the limit is 256", len(s))
+		return invalid(field, "is %d bytes long, the limit is 256", len(s))
 	case !utf8.ValidString(s):
-		return invalid("TaskID", "is not valid UTF-8")
+		return invalid(field, "is not valid UTF-8")
 	case strings.IndexFunc(s, func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) >= 0:
-		return invalid("TaskID", "%q contains whitespace or control characters", s)
+		return invalid(field, "%q contains whitespace or control characters", s)
 	}
 	return nil
 }

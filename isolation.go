@@ -116,31 +116,31 @@ type rowChecks struct {
 // validation applied again on the way out, for rows that predate the database's checks.
 func (r *rowChecks) check(e *Event, deletedAt, occurredAt pgtype.Timestamptz) error {
 	if deletedAt.InfinityModifier != pgtype.Finite || !deletedAt.Valid {
-		return invalid("deleted_at", "is not a finite time")
+		return invalid("Event.DeletedAt", "is not a finite time")
 	}
 	if occurredAt.InfinityModifier != pgtype.Finite || !occurredAt.Valid {
-		return invalid("occurred_at", "is not a finite time")
+		return invalid("Event.OccurredAt", "is not a finite time")
 	}
 	if y := e.DeletedAt.UTC().Year(); y < 1 || y > 9999 {
-		return invalid("deleted_at", "year %d is out of range", y)
+		return invalid("Event.DeletedAt", "year %d is out of range", y)
 	}
 	if e.ProjectID != r.project {
 		if err := ValidateProjectID(e.ProjectID); err != nil {
-			return invalid("project_id", "%v", err)
+			return invalid("Event.ProjectID", "%v", err)
 		}
 		r.project = e.ProjectID
 	}
 	if e.WriterProcessID != r.writer {
 		if err := checkID("writer process ID", e.WriterProcessID); err != nil {
-			return invalid("writer_process_id", "%v", err)
+			return invalid("Event.WriterProcessID", "%v", err)
 		}
 		r.writer = e.WriterProcessID
 	}
-	if err := validateTaskID(e.TaskID); err != nil {
+	if err := validateTaskID("Event.TaskID", e.TaskID); err != nil {
 		return err
 	}
 	if len(e.PriorColumn) > 128 || strings.IndexFunc(e.PriorColumn, unicode.IsControl) >= 0 {
-		return invalid("prior_column", "must be at most 128 bytes without control characters")
+		return invalid("Event.PriorColumn", "must be at most 128 bytes without control characters")
 	}
 	return nil
 }
@@ -171,7 +171,7 @@ func undecodableRow(rows pgx.Rows, scanErr error) (storedEvent, bool) {
 // database's check on event IDs and shows no control character to an operator.
 func undecodableEventID(taskID string, deletedAt pgtype.Timestamptz) string {
 	task := taskID
-	if validateTaskID(task) != nil {
+	if validateTaskID("Event.TaskID", task) != nil {
 		task = "invalid-task-id"
 	}
 	var at string

@@ -69,7 +69,7 @@ type Outbox struct {
 // Config.AutoMigrate is set.
 func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	if pool == nil {
-		return nil, invalid("pool", "is nil: New needs the host's pool")
+		return nil, invalid("New.pool", "is nil: New needs the host's pool")
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {

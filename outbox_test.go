@@ -25,12 +25,12 @@ func TestNewRefusesWhatCannotRun(t *testing.T) {
 	_, err := outbox.New(nil, outbox.Config{}, outbox.Deps{})
 	var ve *outbox.ValidationError
 	require.ErrorAs(t, err, &ve)
-	require.Equal(t, "pool", ve.Field)
+	require.Equal(t, "New.pool", ve.Field)
 
 	pool := pgtest.NewPool(t)
 	_, err = outbox.New(pool, outbox.Config{PollInterval: time.Nanosecond}, outbox.Deps{})
 	require.ErrorAs(t, err, &ve)
-	require.Contains(t, ve.Field, "PollInterval")
+	require.Equal(t, "Config.PollInterval (poll_interval)", ve.Field)
 }
 
 // TestNewStartsWithoutAnIdentity: with no identity in the named setting, Start succeeds and

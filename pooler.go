@@ -39,7 +39,7 @@ import (
 // QueryExecModeSimpleProtocol and an error that says what to set for every other mode.
 func CheckPoolerSafe(cfg *pgx.ConnConfig) error {
 	if cfg == nil {
-		return invalid("pool config", "is nil")
+		return invalid("pgx.ConnConfig", "is nil")
 	}
 	switch mode := cfg.DefaultQueryExecMode; mode {
 	case pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol:
@@ -49,7 +49,7 @@ func CheckPoolerSafe(cfg *pgx.ConnConfig) error {
 		if mode == pgx.QueryExecModeDescribeExec || mode == pgx.QueryExecModeCacheDescribe {
 			why = "it describes a statement in one round trip and runs it in another, which the proxy may send to another server connection"
 		}
-		return &ValidationError{Field: "default_query_exec_mode",
+		return &ValidationError{Field: "pgx.ConnConfig.DefaultQueryExecMode (default_query_exec_mode)",
 			Reason: fmt.Sprintf("is %s, which is unsafe behind a transaction-pooling proxy: %s; "+
 				"add default_query_exec_mode=exec to the connection string (or set pgx.ConnConfig.DefaultQueryExecMode to pgx.QueryExecModeExec)", modeName(mode), why)}
 	}

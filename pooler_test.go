@@ -88,7 +88,7 @@ func TestCheckPoolerSafe(t *testing.T) {
 			}
 			var verr *outbox.ValidationError
 			require.ErrorAs(t, err, &verr)
-			require.Equal(t, "default_query_exec_mode", verr.Field)
+			require.Equal(t, "pgx.ConnConfig.DefaultQueryExecMode (default_query_exec_mode)", verr.Field)
 			require.Contains(t, err.Error(), "default_query_exec_mode=exec", "the error says what to set")
 		})
 	}

@@ -149,22 +149,22 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 
 func (d TaskDeletion) validate() error {
 	if err := ValidateProjectID(d.ProjectID); err != nil {
-		return invalid("ProjectID", "%v", err)
+		return invalid("TaskDeletion.ProjectID", "%v", err)
 	}
-	if err := validateTaskID(d.TaskID); err != nil {
+	if err := validateTaskID("TaskDeletion.TaskID", d.TaskID); err != nil {
 		return err
 	}
 	if d.DeletedAt.IsZero() {
-		return invalid("DeletedAt", "is zero: pass the deleted_at value the database stored")
+		return invalid("TaskDeletion.DeletedAt", "is zero: pass the deleted_at value the database stored")
 	}
 	if d.DeletedAt.Nanosecond()%1000 != 0 {
-		return invalid("DeletedAt", "%s has sub-microsecond precision: pass the value the database stored, not a client clock reading", d.DeletedAt.Format(time.RFC3339Nano))
+		return invalid("TaskDeletion.DeletedAt", "%s has sub-microsecond precision: pass the value the database stored, not a client clock reading", d.DeletedAt.Format(time.RFC3339Nano))
 	}
 	if y := d.DeletedAt.UTC().Year(); y < 1 || y > 9999 {
-		return invalid("DeletedAt", "year %d is out of range", y)
+		return invalid("TaskDeletion.DeletedAt", "year %d is out of range", y)
 	}
 	if len(d.PriorColumn) > 128 || strings.IndexFunc(d.PriorColumn, unicode.IsControl) >= 0 {
-		return invalid("PriorColumn", "must be at most 128 bytes without control characters")
+		return invalid("TaskDeletion.PriorColumn", "must be at most 128 bytes without control characters")
 	}
 	return nil
 }

@@ -420,7 +420,7 @@ func TestWriterRefusesObservedContextAndBadInput(t *testing.T) {
 		_, _, err := w.RecordTaskDeletedTx(ctx, tx, d)
 		var verr *outbox.ValidationError
 		require.ErrorAs(t, err, &verr, name)
-		require.Equal(t, strings.TrimSpace(name), verr.Field)
+		require.Equal(t, "TaskDeletion."+strings.TrimSpace(name), verr.Field)
 	}
 	require.NoError(t, tx.Commit(ctx))
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox`), "nothing was written")
