@@ -16,7 +16,7 @@ type replayCmd struct {
 	all bool
 }
 
-func (a *app) replayCommand() *cobra.Command {
+func replayCommand(a *app) *cobra.Command {
 	r := &replayCmd{app: a}
 	cmd := &cobra.Command{
 		Use:   "replay [SEQUENCE...]",
