@@ -83,3 +83,6 @@ func BeforePruneBatch(r *Retention, fn func(project string)) { r.beforeBatch = f
 
 // ScanNow asks a consumer's loop for a full scan, as a poll would.
 func ScanNow(c *Consumer) { c.loop.scans.request() }
+
+// ParseWakePayload exposes the check of a notification payload to the fuzz test.
+func ParseWakePayload(payload string) (string, error) { return parseWakePayload(payload) }

@@ -93,9 +93,9 @@ func ResolveConsumerID(ctx context.Context, settings Settings, field string) (id
 	return id, true, nil
 }
 
-// NewWriterProcessID returns a per-boot origin label for events this process writes, such as
+// newWriterProcessID returns a per-boot origin label for events this process writes, such as
 // "engine-3f9c0a1b2c4d5e6f". It is only a label: it is never a consumer identity.
-func NewWriterProcessID(label string) (string, error) {
+func newWriterProcessID(label string) (string, error) {
 	if label == "" {
 		label = "writer"
 	}

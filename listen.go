@@ -19,10 +19,10 @@ import (
 // consumer's wait: the cursor scan is what delivers, so a lost notification costs at most one
 // poll interval and a forged one costs one scan.
 
-// ParseWakePayload checks a notification payload and returns the project it names. Payloads
+// parseWakePayload checks a notification payload and returns the project it names. Payloads
 // that are not ours (anything but a valid project ID) are an error, which the consumer logs
 // and skips.
-func ParseWakePayload(payload string) (string, error) {
+func parseWakePayload(payload string) (string, error) {
 	if err := ValidateProjectID(payload); err != nil {
 		return "", fmt.Errorf("wake-up payload is not a project ID: %w", err)
 	}
@@ -96,7 +96,7 @@ func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
 		if wk.heard(check, n.Payload) {
 			continue
 		}
-		project, err := ParseWakePayload(n.Payload)
+		project, err := parseWakePayload(n.Payload)
 		if err != nil {
 			wk.log.Debug("skipped a notification that is not ours", zap.String("channel", n.Channel), zap.Int("payload_bytes", len(n.Payload)))
 			continue

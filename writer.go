@@ -57,7 +57,7 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	id, err := NewWriterProcessID(cfg.WriterLabel)
+	id, err := newWriterProcessID(cfg.WriterLabel)
 	if err != nil {
 		return nil, err
 	}
