@@ -119,6 +119,8 @@ type session struct {
 	timeout time.Duration
 	abandon <-chan struct{}
 	runner  *listenerRunner
+	trace   tracing  // a consumer's: each attempt in a process span
+	metrics *Metrics // a consumer's: each attempt measured
 }
 
 // session opens a session whose listeners run under ctx. A zero timeout means the
@@ -137,6 +139,17 @@ func (d *Dispatcher) session(ctx context.Context, timeout time.Duration, abandon
 func (s *session) close() {
 	s.runner.close()
 	s.runner = nil
+}
+
+// attempt is one dispatch attempt as a consumer makes it: in its process span when tracing,
+// linked to the event's creation, and measured.
+func (s *session) attempt(ctx context.Context, ev ObservedEvent) (Outcome, FailureClass) {
+	started := time.Now()
+	pctx, ev, span := s.trace.processSpan(ctx, ev)
+	outcome, class := s.dispatch(pctx, ev)
+	endProcessSpan(span, outcome, class)
+	s.metrics.observeDispatch(ev.ProjectID, string(ev.ConsumerID), outcome, time.Since(started))
+	return outcome, class
 }
 
 // Dispatch delivers one event: it applies the deletion to the cache (idempotently) and then

@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-	"go.uber.org/zap"
 )
 
 // One project's trouble stays in that project. A step of the consumer's scan that serves
@@ -50,34 +49,6 @@ func readIsolatable(err error) bool {
 		return false
 	}
 	return true
-}
-
-// skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
-// names from this scan (each logged and counted) and keeps the rest; any other error drops
-// them all. failed reports whether anything was dropped, so the loop scans again soon.
-func (l *scanLoop) skipFailed(step string, projects []string, err error) (kept []string, failed bool) {
-	if err == nil {
-		return projects, false
-	}
-	var pe *ProjectErrors
-	if !errors.As(err, &pe) {
-		logTransient(l.log, step, err)
-		return nil, true
-	}
-	kept = projects[:0:0]
-	for _, p := range projects {
-		perr, bad := pe.Failed[p]
-		if !bad {
-			kept = append(kept, p)
-			continue
-		}
-		l.metrics.projectError(p, string(l.id), step)
-		if n, ok := l.skipLog.due(step+"\x00"+p, time.Now()); ok {
-			l.log.Warn("consumer step failed for one project; it is skipped while the others go on",
-				zap.String("step", step), zap.String("project_id", p), zap.Int("times_since_last_logged", n), zap.Error(perr))
-		}
-	}
-	return kept, true
 }
 
 // skipLogInterval is how often a project that keeps failing the same step is logged again; the

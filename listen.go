@@ -132,6 +132,43 @@ func (wk *waker) listenConn(ctx context.Context) (*pgx.Conn, error) {
 	return conn, nil
 }
 
+// scanRequests is how the waker and the lease keeper ask the loop for a scan.
+type scanRequests struct {
+	wake  chan struct{}
+	mu    sync.Mutex
+	dirty map[string]struct{}
+}
+
+func newScanRequests() *scanRequests {
+	return &scanRequests{wake: make(chan struct{}, 1), dirty: map[string]struct{}{}}
+}
+
+// request asks the loop to look at projects soon (all of them when projects is nil).
+func (r *scanRequests) request(projects ...string) {
+	r.mu.Lock()
+	if projects == nil {
+		r.dirty[""] = struct{}{}
+	}
+	for _, p := range projects {
+		r.dirty[p] = struct{}{}
+	}
+	r.mu.Unlock()
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// take returns the projects to scan and whether a full scan was asked for.
+func (r *scanRequests) take() (map[string]struct{}, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	d := r.dirty
+	r.dirty = map[string]struct{}{}
+	_, all := d[""]
+	return d, all
+}
+
 // wakeLimiter coalesces the scans that notifications start. Anyone who may connect can NOTIFY
 // on the channel, so without it a flood of notifications would cost a scan (a sequencer call and
 // a read) each. A notification for a project whose last notified scan found nothing to do, less

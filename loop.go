@@ -5,11 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"sort"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	semconv "go.opentelemetry.io/otel/semconv/v1.37.0"
 	"go.uber.org/zap"
 )
 
@@ -61,43 +61,6 @@ type streamState struct {
 	found   bool // the last scan had events or deliveries to look at
 }
 
-// scanRequests is how the waker and the lease keeper ask the loop for a scan.
-type scanRequests struct {
-	wake  chan struct{}
-	mu    sync.Mutex
-	dirty map[string]struct{}
-}
-
-func newScanRequests() *scanRequests {
-	return &scanRequests{wake: make(chan struct{}, 1), dirty: map[string]struct{}{}}
-}
-
-// request asks the loop to look at projects soon (all of them when projects is nil).
-func (r *scanRequests) request(projects ...string) {
-	r.mu.Lock()
-	if projects == nil {
-		r.dirty[""] = struct{}{}
-	}
-	for _, p := range projects {
-		r.dirty[p] = struct{}{}
-	}
-	r.mu.Unlock()
-	select {
-	case r.wake <- struct{}{}:
-	default:
-	}
-}
-
-// take returns the projects to scan and whether a full scan was asked for.
-func (r *scanRequests) take() (map[string]struct{}, bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	d := r.dirty
-	r.dirty = map[string]struct{}{}
-	_, all := d[""]
-	return d, all
-}
-
 // run scans on a notification (the notified projects), on the poll interval (every project),
 // when a blocked retry falls due (on the injected clock), and soon after a step failed. It
 // hands events over through one dispatcher session it owns; abandon is closed when the
@@ -105,6 +68,7 @@ func (r *scanRequests) take() (map[string]struct{}, bool) {
 func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	s := l.dispatch.session(ctx, l.cfg.ListenerTimeout, abandon)
 	defer s.close()
+	s.trace, s.metrics = l.trace, l.metrics
 	poll := time.NewTimer(0)
 	defer poll.Stop()
 	resetPoll := func(d time.Duration) {
@@ -222,6 +186,49 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	return failed
 }
 
+// sequence is the consumer's sequencer call, in a span when tracing is on.
+func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
+	if l.trace.tracer == nil {
+		return l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
+	}
+	ctx, span := l.trace.start(ctx, spanSequence, semconv.MessagingConsumerGroupName(string(l.id)), attrProjects.Int(len(projects)))
+	heads, err := l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
+	assigned := 0
+	for _, h := range heads {
+		assigned += h.Assigned
+	}
+	endSpan(span, err, attrAssigned.Int(assigned))
+	return heads, err
+}
+
+// skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
+// names from this scan (each logged and counted) and keeps the rest; any other error drops
+// them all. failed reports whether anything was dropped, so the loop scans again soon.
+func (l *scanLoop) skipFailed(step string, projects []string, err error) (kept []string, failed bool) {
+	if err == nil {
+		return projects, false
+	}
+	var pe *ProjectErrors
+	if !errors.As(err, &pe) {
+		logTransient(l.log, step, err)
+		return nil, true
+	}
+	kept = projects[:0:0]
+	for _, p := range projects {
+		perr, bad := pe.Failed[p]
+		if !bad {
+			kept = append(kept, p)
+			continue
+		}
+		l.metrics.projectError(p, string(l.id), step)
+		if n, ok := l.skipLog.due(step+"\x00"+p, time.Now()); ok {
+			l.log.Warn("consumer step failed for one project; it is skipped while the others go on",
+				zap.String("step", step), zap.String("project_id", p), zap.Int("times_since_last_logged", n), zap.Error(perr))
+		}
+	}
+	return kept, true
+}
+
 // scanProject brings one project's stream up to its head, or to its first blocked event.
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery) error {
 	st.blocked = false
@@ -310,11 +317,7 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 		if retrying != nil && retrying.sequence == ev.Sequence {
 			attempt = retrying.attempts + 1
 		}
-		started := time.Now()
-		pctx, oev, span := l.trace.processSpan(ctx, ObservedEvent{Event: ev, ConsumerID: l.id, Attempt: attempt})
-		outcome, class := s.dispatch(pctx, oev)
-		endProcessSpan(span, outcome, class)
-		l.metrics.observeDispatch(st.project, string(l.id), outcome, time.Since(started))
+		outcome, class := s.attempt(ctx, ObservedEvent{Event: ev, ConsumerID: l.id, Attempt: attempt})
 		switch outcome {
 		case Interrupted:
 			return true, nil

@@ -3,7 +3,6 @@ package outbox
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
@@ -87,14 +86,12 @@ func (l *scanLoop) replay(ctx context.Context, s *session, st *streamState, d de
 		})
 	}
 	ev := row.Event
-	started := time.Now()
 	outcome, class := Failed, FailureUndecodableEvent
 	if row.bad == nil {
-		pctx, oev, span := l.trace.processSpan(ctx, ObservedEvent{Event: ev, ConsumerID: l.id, Attempt: d.attempts + 1, Replay: true})
-		outcome, class = s.dispatch(pctx, oev)
-		endProcessSpan(span, outcome, class)
+		outcome, class = s.attempt(ctx, ObservedEvent{Event: ev, ConsumerID: l.id, Attempt: d.attempts + 1, Replay: true})
+	} else {
+		l.metrics.observeDispatch(st.project, string(l.id), outcome, 0)
 	}
-	l.metrics.observeDispatch(st.project, string(l.id), outcome, time.Since(started))
 	if outcome == Interrupted {
 		return nil
 	}

@@ -162,21 +162,6 @@ func (ev ObservedEvent) listenerContext(ctx context.Context) context.Context {
 	return trace.ContextWithSpan(ctx, ev.span)
 }
 
-// sequence is the consumer's sequencer call, in a span when tracing is on.
-func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
-	if l.trace.tracer == nil {
-		return l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
-	}
-	ctx, span := l.trace.start(ctx, spanSequence, semconv.MessagingConsumerGroupName(string(l.id)), attrProjects.Int(len(projects)))
-	heads, err := l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
-	assigned := 0
-	for _, h := range heads {
-		assigned += h.Assigned
-	}
-	endSpan(span, err, attrAssigned.Int(assigned))
-	return heads, err
-}
-
 // formatTraceContext is the stored form of sc: its traceparent ("00-<trace>-<span>-<flags>"),
 // then a space and the tracestate when there is one. Neither part of a traceparent contains a
 // space, so the first space separates them. Nil when sc is not valid.
