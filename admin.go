@@ -70,27 +70,27 @@ type StatusFilter struct {
 
 // ConsumerStatus is one (project, consumer) cursor as an operator sees it.
 type ConsumerStatus struct {
-	ProjectID       string     `json:"projectId"`
-	ConsumerID      string     `json:"consumerId"`
-	Cursor          *int64     `json:"cursor"` // nil: never positioned (reconciles on start)
-	Head            int64      `json:"head"`
-	PrunedThrough   int64      `json:"prunedThrough"`
-	LagEvents       int64      `json:"lagEvents"`
-	LagSeconds      float64    `json:"lagSeconds"` // age of the oldest unacknowledged event
-	LeaseOwner      string     `json:"leaseOwner,omitempty"`
-	LeaseEpoch      int64      `json:"leaseEpoch"`
-	LeaseExpiresAt  *time.Time `json:"leaseExpiresAt,omitempty"`
-	LeaseHeld       bool       `json:"leaseHeld"`
-	HeartbeatAt     *time.Time `json:"heartbeatAt,omitempty"`
-	Retired         bool       `json:"retired"`
-	RetiredAt       *time.Time `json:"retiredAt,omitempty"`
-	RetiredBy       string     `json:"retiredBy,omitempty"`
-	RetiredReason   string     `json:"retiredReason,omitempty"`
-	Retrying        int        `json:"retrying"`
-	Dead            int        `json:"dead"`
-	ReplayRequested int        `json:"replayRequested"`
-	ReconciledAt    *time.Time `json:"reconciledAt,omitempty"`
-	ReconcileReason string     `json:"reconcileReason,omitempty"`
+	ProjectID       string          `json:"projectId"`
+	ConsumerID      string          `json:"consumerId"`
+	Cursor          *int64          `json:"cursor"` // nil: never positioned (reconciles on start)
+	Head            int64           `json:"head"`
+	PrunedThrough   int64           `json:"prunedThrough"`
+	LagEvents       int64           `json:"lagEvents"`
+	LagSeconds      float64         `json:"lagSeconds"` // age of the oldest unacknowledged event
+	LeaseOwner      string          `json:"leaseOwner,omitempty"`
+	LeaseEpoch      int64           `json:"leaseEpoch"`
+	LeaseExpiresAt  *time.Time      `json:"leaseExpiresAt,omitempty"`
+	LeaseHeld       bool            `json:"leaseHeld"`
+	HeartbeatAt     *time.Time      `json:"heartbeatAt,omitempty"`
+	Retired         bool            `json:"retired"`
+	RetiredAt       *time.Time      `json:"retiredAt,omitempty"`
+	RetiredBy       string          `json:"retiredBy,omitempty"`
+	RetiredReason   string          `json:"retiredReason,omitempty"`
+	Retrying        int             `json:"retrying"`
+	Dead            int             `json:"dead"`
+	ReplayRequested int             `json:"replayRequested"`
+	ReconciledAt    *time.Time      `json:"reconciledAt,omitempty"`
+	ReconcileReason ReconcileReason `json:"reconcileReason,omitempty"`
 }
 
 const statusSQL = statusSelect + `
@@ -200,16 +200,16 @@ func queryStatus(ctx context.Context, db DBTX, sql string, args ...any) ([]Consu
 
 // DeadLetter is a delivery parked after its last attempt (or awaiting a requested replay).
 type DeadLetter struct {
-	ProjectID         string     `json:"projectId"`
-	ConsumerID        string     `json:"consumerId"`
-	Sequence          int64      `json:"sequence"`
-	EventID           string     `json:"eventId"`
-	State             string     `json:"state"`
-	Attempts          int        `json:"attempts"`
-	LastFailureClass  string     `json:"lastFailureClass"`
-	ParkedAt          *time.Time `json:"parkedAt,omitempty"`
-	ReplayRequestedAt *time.Time `json:"replayRequestedAt,omitempty"`
-	ReplayRequestedBy string     `json:"replayRequestedBy,omitempty"`
+	ProjectID         string        `json:"projectId"`
+	ConsumerID        string        `json:"consumerId"`
+	Sequence          int64         `json:"sequence"`
+	EventID           string        `json:"eventId"`
+	State             DeliveryState `json:"state"`
+	Attempts          int           `json:"attempts"`
+	LastFailureClass  string        `json:"lastFailureClass"`
+	ParkedAt          *time.Time    `json:"parkedAt,omitempty"`
+	ReplayRequestedAt *time.Time    `json:"replayRequestedAt,omitempty"`
+	ReplayRequestedBy string        `json:"replayRequestedBy,omitempty"`
 }
 
 const deadLettersSQL = `
@@ -249,10 +249,10 @@ type Operator struct {
 // Validate checks that the actor and the reason are identifiers, as audit rows require.
 func (o Operator) Validate() error {
 	if !actorPattern.MatchString(o.Actor) {
-		return invalid("actor", "must be an identifier of 1 to 128 characters from [A-Za-z0-9._@:/-] (got %q)", o.Actor)
+		return invalid("Operator.Actor", "must be an identifier of 1 to 128 characters from [A-Za-z0-9._@:/-] (got %q)", o.Actor)
 	}
 	if !reasonPattern.MatchString(o.Reason) {
-		return invalid("reason", "must be a ticket reference or short code of 1 to 128 characters from [A-Za-z0-9._:/#-], not prose (got %q)", o.Reason)
+		return invalid("Operator.Reason", "must be a ticket reference or short code of 1 to 128 characters from [A-Za-z0-9._:/#-], not prose (got %q)", o.Reason)
 	}
 	return nil
 }
@@ -286,7 +286,7 @@ func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID str
 		return "", err
 	}
 	if err := ValidateProjectID(r.ProjectID); err != nil {
-		return "", &ValidationError{Field: "project", Reason: err.Error()}
+		return "", &ValidationError{Field: "ReplayRequest.ProjectID", Reason: err.Error()}
 	}
 	err = a.requestReplay(ctx, r, &eventID)
 	if err == nil {
@@ -369,12 +369,12 @@ func (a *Admin) ReinstateConsumer(ctx context.Context, r RetireRequest) ([]strin
 	return a.setRetired(ctx, r, reinstateSQL, AuditConsumerRestored)
 }
 
-func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql, action string) ([]string, error) {
+func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql string, action AuditAction) ([]string, error) {
 	if err := r.Validate(); err != nil {
 		return nil, err
 	}
 	if _, err := ParseConsumerID(r.ConsumerID); err != nil {
-		return nil, &ValidationError{Field: "consumer", Reason: err.Error()}
+		return nil, &ValidationError{Field: "RetireRequest.ConsumerID", Reason: err.Error()}
 	}
 	if err := a.requireConsumer(ctx, r.ConsumerID, r.ProjectID); err != nil {
 		return nil, err
@@ -405,7 +405,7 @@ func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql, action str
 	if err := tx.Commit(ctx); err != nil {
 		return nil, fmt.Errorf("%s: %w", action, err)
 	}
-	a.log.Info(action, zap.String("consumer_id", r.ConsumerID), zap.Strings("projects", projects), zap.String("actor", r.Actor), zap.String("reason", r.Reason))
+	a.log.Info(string(action), zap.String("consumer_id", r.ConsumerID), zap.Strings("projects", projects), zap.String("actor", r.Actor), zap.String("reason", r.Reason))
 	return projects, nil
 }
 

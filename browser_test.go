@@ -16,9 +16,9 @@ import (
 	"go.uber.org/fx"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/browsertest"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 	"fusion/outbox/outboxtest"
 )
 
@@ -185,7 +185,7 @@ func deleteTasks(t *testing.T, ctx context.Context, w *process, project string, 
 	}
 }
 
-func fastSSE(c *taskstore.HostConfig) { c.SSE.Retry = 100 * time.Millisecond }
+func fastSSE(c *testhost.HostConfig) { c.SSE.Retry = 100 * time.Millisecond }
 
 // TestBrowserEventSourceResumesWithoutGapOrDuplicate is issue 18's real-browser test: a
 // page's EventSource on the reference host's stream; the connection is dropped mid-stream
@@ -238,7 +238,7 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 	deleteTasks(t, ctx, writer, "beta", 21, 40)
 	var sse2 *outbox.SSEHandler
 	// A small ring, so that this resume needs the outbox as well as memory.
-	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, func(c *taskstore.HostConfig) {
+	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, func(c *testhost.HostConfig) {
 		fastSSE(c)
 		c.SSE.RingSize = 16
 	}, fx.Populate(&sse2))
@@ -354,7 +354,7 @@ func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 	})
 	var authorized []outbox.OpsAction
 	hostAddr := freeAddr(t)
-	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha"}, func(c *taskstore.HostConfig) {
+	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha"}, func(c *testhost.HostConfig) {
 		c.Outbox.MaxAttempts = 1
 		fastSSE(c)
 		c.OpsAuthorize = func(r *http.Request, a outbox.OpsAction) bool {

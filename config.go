@@ -124,7 +124,7 @@ type Config struct {
 	// NewCursor says where a consumer starts in a project it has never read: "reconcile"
 	// rebuilds the local cache from live tasks and starts at the head; "oldest" replays the
 	// retained history (and reconciles if part of it was pruned). Defaults to "reconcile".
-	NewCursor string `yaml:"new_cursor" json:"new_cursor"`
+	NewCursor NewCursorPolicy `yaml:"new_cursor" json:"new_cursor"`
 
 	// RetentionWindow is how long an acknowledged event is kept. Defaults to 720h (30 days);
 	// at least 1h.
@@ -157,10 +157,14 @@ type Config struct {
 	Clock Clock `yaml:"-" json:"-"`
 }
 
+// NewCursorPolicy says where a consumer starts in a project it has never read
+// (Config.NewCursor).
+type NewCursorPolicy string
+
 // Cursor start positions for Config.NewCursor.
 const (
-	NewCursorReconcile = "reconcile"
-	NewCursorOldest    = "oldest"
+	NewCursorReconcile NewCursorPolicy = "reconcile"
+	NewCursorOldest    NewCursorPolicy = "oldest"
 )
 
 // DefaultRetrySchedule is the backoff of the contract: 1s, 5s, 30s, 5m, then 15m.
@@ -218,7 +222,8 @@ func (c Config) WithDefaults() Config {
 }
 
 // Validate reports every invalid field of c (after WithDefaults), each error naming its field
-// by its Go name and its file key, as in "PollInterval (poll_interval): must be at least 10ms".
+// by its Go field path and its file key, as in
+// "Config.PollInterval (poll_interval): must be at least 10ms".
 func (c Config) Validate() error {
 	var errs []error
 	bad := func(field, format string, args ...any) {

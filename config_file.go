@@ -62,9 +62,9 @@ func loadConfigKeys() {
 func fieldLabel(goName string) string {
 	configKeysOnce.Do(loadConfigKeys)
 	if key, ok := configGoNames[goName]; ok {
-		return goName + " (" + key + ")"
+		return "Config." + goName + " (" + key + ")"
 	}
-	return goName
+	return "Config." + goName
 }
 
 // ConfigKeys lists the file keys of Config, in field order.

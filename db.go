@@ -7,6 +7,12 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
+// Beginner is what Migrate needs: a pool, a connection, or anything else that begins
+// transactions.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
 // DBTX is the smallest database surface the module needs: a *pgxpool.Pool, a *pgx.Conn and
 // a pgx.Tx all satisfy it.
 type DBTX interface {

@@ -21,30 +21,6 @@ type ObservedEvent struct {
 	span trace.Span // this attempt's process span, nil when not tracing (tracing.go)
 }
 
-// Listener is an observed-safe listener. It must be idempotent (delivery is at-least-once) and
-// must not perform writer-owned side effects: the context it gets is marked observed, and the
-// writer hook and the host's writer-owned paths refuse such a context.
-type Listener interface {
-	// Name identifies the listener in logs.
-	Name() string
-	HandleObserved(ctx context.Context, ev ObservedEvent) error
-}
-
-// ListenerFunc adapts a function to a Listener.
-func ListenerFunc(name string, fn func(context.Context, ObservedEvent) error) Listener {
-	return listenerFunc{name, fn}
-}
-
-type listenerFunc struct {
-	name string
-	fn   func(context.Context, ObservedEvent) error
-}
-
-func (l listenerFunc) Name() string { return l.name }
-func (l listenerFunc) HandleObserved(ctx context.Context, ev ObservedEvent) error {
-	return l.fn(ctx, ev)
-}
-
 // FailureClass is the bounded reason an event's delivery failed. It is stored and audited
 // instead of error text, which could carry payload prose or secrets.
 type FailureClass string
@@ -132,24 +108,48 @@ func (d *Dispatcher) checkConsumer(cfg Config) error {
 	return nil
 }
 
-// dispatchRun is what a consumer's loop lends each dispatch: its listener runner, the
-// listener timeout of its Config, and a channel closed when the consumer must stop at once
-// (its stop context ended), which abandons a listener still running.
-type dispatchRun struct {
-	runner  *listenerRunner
+// session is one user's run of the dispatcher: the consumer's loop opens one for its whole
+// run (s := d.session(ctx, ...); defer s.close()) and owns it, Dispatch one per event. It keeps
+// the listener runner (started on first use), the listener timeout of the user's Config, and
+// a channel closed when the user must stop at once (a consumer's stop context ended), which
+// abandons a listener still running. Only its owner's goroutine uses it.
+type session struct {
+	d       *Dispatcher
+	ctx     context.Context // parent of the runner's context
 	timeout time.Duration
 	abandon <-chan struct{}
+	runner  *listenerRunner
+	trace   tracing  // a consumer's: each attempt in a process span
+	metrics *Metrics // a consumer's: each attempt measured
 }
 
-// timeoutFor is the listener timeout of one dispatch.
-func (d *Dispatcher) timeoutFor(run *dispatchRun) time.Duration {
-	switch {
-	case run != nil && run.timeout > 0:
-		return run.timeout
-	case d.timeout > 0:
-		return d.timeout
+// session opens a session whose listeners run under ctx. A zero timeout means the
+// dispatcher's own (or the default); a nil abandon never fires.
+func (d *Dispatcher) session(ctx context.Context, timeout time.Duration, abandon <-chan struct{}) *session {
+	if timeout <= 0 {
+		timeout = d.timeout
 	}
-	return defaultListenerTimeout
+	if timeout <= 0 {
+		timeout = defaultListenerTimeout
+	}
+	return &session{d: d, ctx: ctx, timeout: timeout, abandon: abandon}
+}
+
+// close ends the session's listener runner, if it started one.
+func (s *session) close() {
+	s.runner.close()
+	s.runner = nil
+}
+
+// attempt is one dispatch attempt as a consumer makes it: in its process span when tracing,
+// linked to the event's creation, and measured.
+func (s *session) attempt(ctx context.Context, ev ObservedEvent) (Outcome, FailureClass) {
+	started := time.Now()
+	pctx, ev, span := s.trace.processSpan(ctx, ev)
+	outcome, class := s.dispatch(pctx, ev)
+	endProcessSpan(span, outcome, class)
+	s.metrics.observeDispatch(ev.ProjectID, string(ev.ConsumerID), outcome, time.Since(started))
+	return outcome, class
 }
 
 // Dispatch delivers one event: it applies the deletion to the cache (idempotently) and then
@@ -158,12 +158,14 @@ func (d *Dispatcher) timeoutFor(run *dispatchRun) time.Duration {
 // wrote itself (SelfWriterID) goes to the cache only: Own. With ctx already ended nothing is
 // done: Interrupted.
 func (d *Dispatcher) Dispatch(ctx context.Context, ev ObservedEvent) (Outcome, FailureClass) {
-	return d.dispatch(ctx, ev, nil)
+	s := d.session(ctx, 0, nil)
+	defer s.close()
+	return s.dispatch(ctx, ev)
 }
 
-// dispatch is Dispatch on the caller's run (nil: a goroutine for this event and the
-// dispatcher's own timeout).
-func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, run *dispatchRun) (Outcome, FailureClass) {
+// dispatch is Dispatch within the session.
+func (s *session) dispatch(ctx context.Context, ev ObservedEvent) (Outcome, FailureClass) {
+	d := s.d
 	if ctx.Err() != nil {
 		return Interrupted, "" // stopping: no new event is handed over
 	}
@@ -187,7 +189,7 @@ func (d *Dispatcher) dispatch(ctx context.Context, ev ObservedEvent, run *dispat
 		return Own, "" // its local emitter told this process's listeners already
 	}
 	if len(d.listeners) > 0 {
-		return d.runListeners(ctx, ev, run)
+		return s.runListeners(ctx, ev)
 	}
 	return Delivered, ""
 }
@@ -251,32 +253,25 @@ func (r *listenerRunner) close() {
 	}
 }
 
-// runListeners runs every listener, in order, on the runner's goroutine (the run's, or one
-// for this event) under the per-event timeout. A listener that ignores its context and keeps
-// running past the timeout is abandoned: its goroutine finishes on its own and the event
-// counts as a timeout. Once parent ends no event is handed over; one already handed over may
-// finish within its time, unless the run says to abandon it first.
-func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, run *dispatchRun) (Outcome, FailureClass) {
-	var own *listenerRunner
-	holder := &own
-	var abandonNow <-chan struct{}
-	if run != nil {
-		holder, abandonNow = &run.runner, run.abandon
-	} else {
-		defer func() { own.close() }() // nil-safe, and skips a runner abandon already closed
+// runListeners runs every listener, in order, on the session's runner goroutine under the
+// per-event timeout. A listener that ignores its context and keeps running past the timeout is
+// abandoned: its goroutine finishes on its own and the event counts as a timeout. Once parent
+// ends no event is handed over; one already handed over may finish within its time, unless the
+// session says to abandon it first.
+func (s *session) runListeners(parent context.Context, ev ObservedEvent) (Outcome, FailureClass) {
+	d := s.d
+	if s.runner == nil {
+		s.runner = d.newRunner(s.ctx)
 	}
-	if *holder == nil {
-		*holder = d.newRunner(parent)
-	}
-	r := *holder
+	r := s.runner
 	abandon := func() {
 		r.close()
-		*holder = nil
+		s.runner = nil
 	}
 	if parent.Err() != nil {
 		return Interrupted, "" // Stop was called while the cache was updated
 	}
-	timeout := d.timeoutFor(run)
+	timeout := s.timeout
 	r.timer.Reset(timeout)
 	defer r.timer.Stop()
 	r.jobs <- listenerJob{ev.listenerContext(WithObserved(r.ctx, Observed{ConsumerID: ev.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID})), ev}
@@ -301,7 +296,7 @@ func (d *Dispatcher) runListeners(parent context.Context, ev ObservedEvent, run 
 	case f := <-r.done:
 		return d.outcome(parent, ev, f, false)
 	case <-r.timer.C:
-	case <-abandonNow:
+	case <-s.abandon:
 	}
 	abandon()
 	return Interrupted, ""

@@ -100,8 +100,16 @@
 //
 // # Wiring
 //
-// Every piece has a plain constructor (NewWriter, NewDispatcher, NewConsumer, NewRetention,
-// NewAdmin). Module wires them into an fx graph from what the host owns: the pool, the logger,
-// the Config and the seams (Settings, TaskCache, LiveTasks, AuditSink, Projects). The reference
-// host in example/taskstore shows a complete host.
+// New is the composition root: from the host's pool, one Config and the host's seams (Deps:
+// Settings, TaskCache, LiveTasks, AuditSink, Projects, listeners, optional per-component
+// pools), it builds the writer hook, the dispatcher (knowing the writer's process ID), the
+// consumer runner, the retention sweep and the admin calls, and applies every Config field to
+// each. Outbox.Start resolves the identity from the named setting and starts the consumer
+// (without an identity it succeeds and State says observation is off); Outbox.Stop stops it and
+// the writer's wake-ups, bounded by its context. Module is thin fx glue over New that provides
+// the writer on its own, so a host's store can take it in its constructor. Each piece also has
+// a plain constructor (NewWriter, NewDispatcher, NewConsumer, NewRetention, NewAdmin). Every
+// long-running part runs on one start/stop lifecycle (package startstop). The schema must be
+// migrated first (Migrate, outboxctl migrate) unless Config.AutoMigrate is set. The reference
+// host in example/taskstore shows a complete host on the public API alone.
 package outbox

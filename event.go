@@ -61,7 +61,7 @@ func ParseEventID(id string) (taskID string, deletedAt time.Time, err error) {
 	if err != nil || deletedAt.Format(eventIDTime) != stamp {
 		return "", time.Time{}, fmt.Errorf("event ID %q has a deletedAt that is not canonical UTC with microseconds", id)
 	}
-	if err := validateTaskID(taskID); err != nil {
+	if err := validateTaskID("TaskID", taskID); err != nil {
 		return "", time.Time{}, fmt.Errorf("event ID %q: %w", id, err)
 	}
 	return taskID, deletedAt, nil
@@ -72,10 +72,10 @@ func ParseEventID(id string) (taskID string, deletedAt time.Time, err error) {
 // version this build does not know is reported, not guessed at.
 func (e Event) supported() error {
 	if e.EventType != EventTypeTaskDeleted {
-		return invalid("event_type", "%q is not a type this build understands", e.EventType)
+		return invalid("Event.EventType", "%q is not a type this build understands", e.EventType)
 	}
 	if e.PayloadVersion < 1 || e.PayloadVersion > PayloadVersion {
-		return invalid("payload_version", "%d is not a version this build understands (up to %d)", e.PayloadVersion, PayloadVersion)
+		return invalid("Event.PayloadVersion", "%d is not a version this build understands (up to %d)", e.PayloadVersion, PayloadVersion)
 	}
 	return nil
 }
@@ -87,22 +87,22 @@ func (e Event) validate() error {
 		return err
 	}
 	if err := ValidateProjectID(e.ProjectID); err != nil {
-		return invalid("project_id", "%v", err)
+		return invalid("Event.ProjectID", "%v", err)
 	}
 	if e.Sequence < 1 {
-		return invalid("sequence", "must be positive (got %d)", e.Sequence)
+		return invalid("Event.Sequence", "must be positive (got %d)", e.Sequence)
 	}
-	if err := validateTaskID(e.TaskID); err != nil {
-		return invalid("task_id", "%v", err)
+	if err := validateTaskID("Event.TaskID", e.TaskID); err != nil {
+		return invalid("Event.TaskID", "%v", err)
 	}
 	if e.DeletedAt.Nanosecond()%1000 != 0 {
-		return invalid("deleted_at", "%s has sub-microsecond precision", e.DeletedAt.Format(time.RFC3339Nano))
+		return invalid("Event.DeletedAt", "%s has sub-microsecond precision", e.DeletedAt.Format(time.RFC3339Nano))
 	}
 	if e.EventID != TaskDeletedEventID(e.TaskID, e.DeletedAt) {
-		return invalid("event_id", "%q does not match task %q deleted at %s", e.EventID, e.TaskID, e.DeletedAt.UTC().Format(eventIDTime))
+		return invalid("Event.EventID", "%q does not match task %q deleted at %s", e.EventID, e.TaskID, e.DeletedAt.UTC().Format(eventIDTime))
 	}
 	if e.WriterProcessID == "" {
-		return invalid("writer_process_id", "is empty")
+		return invalid("Event.WriterProcessID", "is empty")
 	}
 	return nil
 }

@@ -6,10 +6,10 @@ import "context"
 
 // PauseHeartbeat freezes or thaws a consumer's heartbeat, standing in for a process stopped
 // past its lease.
-func PauseHeartbeat(c *Consumer, paused bool) { c.heartbeatPaused.Store(paused) }
+func PauseHeartbeat(c *Consumer, paused bool) { c.leases.paused.Store(paused) }
 
 // HeartbeatNow runs one heartbeat round synchronously.
-func HeartbeatNow(ctx context.Context, c *Consumer) { c.heartbeat(ctx) }
+func HeartbeatNow(ctx context.Context, c *Consumer) { c.leases.heartbeat(ctx) }
 
 // The retention batch's statements, so a test can hold one batch open and show that a delete
 // transaction does not wait for it.
@@ -82,4 +82,7 @@ var Statements = map[string]string{
 func BeforePruneBatch(r *Retention, fn func(project string)) { r.beforeBatch = fn }
 
 // ScanNow asks a consumer's loop for a full scan, as a poll would.
-func ScanNow(c *Consumer) { c.requestScan() }
+func ScanNow(c *Consumer) { c.loop.scans.request() }
+
+// ParseWakePayload exposes the check of a notification payload to the fuzz test.
+func ParseWakePayload(payload string) (string, error) { return parseWakePayload(payload) }

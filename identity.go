@@ -58,24 +58,18 @@ func checkID(what, s string) error {
 }
 
 // validateTaskID accepts any printable identifier up to 256 bytes without whitespace.
-func validateTaskID(s string) error {
+func validateTaskID(field, s string) error {
 	switch {
 	case s == "":
-		return invalid("TaskID", "is empty")
+		return invalid(field, "is empty")
 	case len(s) > 256:
-		return invalid("TaskID", "is %d bytes long, the limit is 256", len(s))
+		return invalid(field, "is %d bytes long, the limit is 256", len(s))
 	case !utf8.ValidString(s):
-		return invalid("TaskID", "is not valid UTF-8")
+		return invalid(field, "is not valid UTF-8")
 	case strings.IndexFunc(s, func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) >= 0:
-		return invalid("TaskID", "%q contains whitespace or control characters", s)
+		return invalid(field, "%q contains whitespace or control characters", s)
 	}
 	return nil
-}
-
-// Settings is the host seam for persisted configuration: the reference host reads its
-// settings table. Setting reports found=false when the named field has no row.
-type Settings interface {
-	Setting(ctx context.Context, name string) (value string, found bool, err error)
 }
 
 // ResolveConsumerID reads the consumer identity from the named persisted field. It returns
@@ -99,9 +93,9 @@ func ResolveConsumerID(ctx context.Context, settings Settings, field string) (id
 	return id, true, nil
 }
 
-// NewWriterProcessID returns a per-boot origin label for events this process writes, such as
+// newWriterProcessID returns a per-boot origin label for events this process writes, such as
 // "engine-3f9c0a1b2c4d5e6f". It is only a label: it is never a consumer identity.
-func NewWriterProcessID(label string) (string, error) {
+func newWriterProcessID(label string) (string, error) {
 	if label == "" {
 		label = "writer"
 	}

@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-	"go.uber.org/zap"
 )
 
 // One project's trouble stays in that project. A step of the consumer's scan that serves
@@ -52,47 +51,6 @@ func readIsolatable(err error) bool {
 	return true
 }
 
-// skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
-// names from this scan (each logged and counted) and keeps the rest; any other error drops
-// them all. failed reports whether anything was dropped, so the loop scans again soon.
-func (c *Consumer) skipFailed(step string, projects []string, err error) (kept []string, failed bool) {
-	if err == nil {
-		return projects, false
-	}
-	var pe *ProjectErrors
-	if !errors.As(err, &pe) {
-		c.logTransient(step, err)
-		for _, p := range projects {
-			c.unblock(p)
-		}
-		return nil, true
-	}
-	kept = projects[:0:0]
-	for _, p := range projects {
-		perr, bad := pe.Failed[p]
-		if !bad {
-			kept = append(kept, p)
-			continue
-		}
-		c.unblock(p)
-		c.metrics.projectError(p, string(c.id), step)
-		if n, ok := c.skipLog.due(step+"\x00"+p, time.Now()); ok {
-			c.log.Warn("consumer step failed for one project; it is skipped while the others go on",
-				zap.String("step", step), zap.String("project_id", p), zap.Int("times_since_last_logged", n), zap.Error(perr))
-		}
-	}
-	return kept, true
-}
-
-// unblock forgets that a skipped project waits for a retry: its due time would otherwise keep
-// firing the loop's retry timer at once, a full scan each time, while the step keeps failing.
-// The failed step already brings the next scan within a second, which finds the retry again.
-func (c *Consumer) unblock(project string) {
-	if st := c.state[project]; st != nil {
-		st.blocked = false
-	}
-}
-
 // skipLogInterval is how often a project that keeps failing the same step is logged again; the
 // metric counts every time.
 const skipLogInterval = time.Minute
@@ -129,31 +87,31 @@ type rowChecks struct {
 // validation applied again on the way out, for rows that predate the database's checks.
 func (r *rowChecks) check(e *Event, deletedAt, occurredAt pgtype.Timestamptz) error {
 	if deletedAt.InfinityModifier != pgtype.Finite || !deletedAt.Valid {
-		return invalid("deleted_at", "is not a finite time")
+		return invalid("Event.DeletedAt", "is not a finite time")
 	}
 	if occurredAt.InfinityModifier != pgtype.Finite || !occurredAt.Valid {
-		return invalid("occurred_at", "is not a finite time")
+		return invalid("Event.OccurredAt", "is not a finite time")
 	}
 	if y := e.DeletedAt.UTC().Year(); y < 1 || y > 9999 {
-		return invalid("deleted_at", "year %d is out of range", y)
+		return invalid("Event.DeletedAt", "year %d is out of range", y)
 	}
 	if e.ProjectID != r.project {
 		if err := ValidateProjectID(e.ProjectID); err != nil {
-			return invalid("project_id", "%v", err)
+			return invalid("Event.ProjectID", "%v", err)
 		}
 		r.project = e.ProjectID
 	}
 	if e.WriterProcessID != r.writer {
 		if err := checkID("writer process ID", e.WriterProcessID); err != nil {
-			return invalid("writer_process_id", "%v", err)
+			return invalid("Event.WriterProcessID", "%v", err)
 		}
 		r.writer = e.WriterProcessID
 	}
-	if err := validateTaskID(e.TaskID); err != nil {
+	if err := validateTaskID("Event.TaskID", e.TaskID); err != nil {
 		return err
 	}
 	if len(e.PriorColumn) > 128 || strings.IndexFunc(e.PriorColumn, unicode.IsControl) >= 0 {
-		return invalid("prior_column", "must be at most 128 bytes without control characters")
+		return invalid("Event.PriorColumn", "must be at most 128 bytes without control characters")
 	}
 	return nil
 }
@@ -184,7 +142,7 @@ func undecodableRow(rows pgx.Rows, scanErr error) (storedEvent, bool) {
 // database's check on event IDs and shows no control character to an operator.
 func undecodableEventID(taskID string, deletedAt pgtype.Timestamptz) string {
 	task := taskID
-	if validateTaskID(task) != nil {
+	if validateTaskID("Event.TaskID", task) != nil {
 		task = "invalid-task-id"
 	}
 	var at string

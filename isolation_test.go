@@ -2,7 +2,6 @@ package outbox_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -16,9 +15,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
-	"fusion/outbox/outboxtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // The isolation tests: every role, row and client may be hostile or broken, and none may hurt
@@ -48,12 +46,12 @@ func operatorGrant(projects ...string) func(context.Context, outbox.DBTX, string
 func deleteTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool, project string, n int) {
 	t.Helper()
 	ctx := ctxT(t)
-	_, err := taskstore.New(lp.owner, taskstore.Options{}).CreateMany(ctx, project, "t", n)
+	_, err := testhost.New(lp.owner, testhost.Options{}).CreateMany(ctx, project, "t", n)
 	require.NoError(t, err)
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer func() { _ = w.Close(ctx) }()
-	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	store := testhost.New(pool, testhost.Options{Writer: w})
 	for i := range n {
 		_, err := store.Delete(ctx, project, fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
@@ -486,147 +484,4 @@ func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	unvalidated, err := outbox.UnvalidatedChecks(ctx, lp.owner)
 	require.NoError(t, err)
 	require.Equal(t, []string{"lifecycle_outbox.lifecycle_outbox_times_finite"}, unvalidated)
-}
-
-// TestRetryWaitFarInTheFutureIsClamped: a retry due 300 years ahead (written before the
-// database refused it) would overflow a time.Duration into a negative wait; the consumer waits
-// at most a day instead of spinning.
-func TestRetryWaitFarInTheFutureIsClamped(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	lp := newLeastPrivilegeWith(t, lpOptions{through: 3})
-	for _, stmt := range []string{
-		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		 VALUES ('p', 't1', '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w-0000000000000000')`,
-		`INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'c1', 0)`,
-		`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at,
-		     last_failure_class, first_failed_at, last_failed_at)
-		 VALUES ('p', 'c1', 1, 'task-deleted:t1:2026-01-02T03:04:05.000000Z', 'retrying', 1, now() + interval '300 years', 'listener_error', now(), now())`,
-	} {
-		_, err := lp.owner.Exec(ctx, stmt)
-		require.NoError(t, err, stmt)
-	}
-	lp.finishMigration(t)
-	consumer, _ := lp.component(t, "consumer", consumerGrant("c1", "p"))
-	clock := outboxtest.NewFakeClock()
-	startConsumer(t, consumer, "c1", []string{"p"}, retryConfig(clock), nil)
-
-	waitCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	wait, err := clock.WaitForTimer(waitCtx, time.Hour)
-	require.NoError(t, err, "the consumer never waited for the retry: it spins")
-	require.LessOrEqual(t, wait, 24*time.Hour)
-}
-
-// TestMigrationLockTimeoutNamesTheHolder: any role can hold the fixed migration lock; when
-// Migrate gives up waiting, its error says which session holds it.
-func TestMigrationLockTimeoutNamesTheHolder(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	squatterPool, squatter := lp.component(t, "squatter", writerGrant("p"))
-	cfg := squatterPool.Config().ConnConfig.Copy()
-	cfg.RuntimeParams["application_name"] = "lock-squatter"
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	require.NoError(t, err)
-	defer conn.Close(ctx)
-	var pid int32
-	require.NoError(t, conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
-	_, err = conn.Exec(ctx, `SELECT pg_advisory_lock(7811887614498534520)`) // the module's key, "lifeoutx"
-	require.NoError(t, err)
-
-	migrateCtx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-	defer cancel()
-	_, err = outbox.Migrate(migrateCtx, lp.owner)
-	require.Error(t, err)
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Contains(t, err.Error(), fmt.Sprintf("held by pid %d (user %q, application %q)", pid, squatter, "lock-squatter"))
-}
-
-// TestNotifyFloodCostsOneScanPerWakeInterval: a flood of notifications for one project
-// (anyone who can connect may send them) starts one scan of it per wake interval, not one per
-// notification; a notification for another project is still acted on at once.
-func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	writer, _ := lp.component(t, "writer", writerGrant("p", "q"))
-	consumer, _ := lp.component(t, "consumer", consumerGrant("c1", "p", "q"))
-	_, err := taskstore.New(lp.owner, taskstore.Options{}).CreateMany(ctx, "q", "t", 1)
-	require.NoError(t, err)
-	cfg := outbox.Config{PollInterval: time.Hour, WakeInterval: time.Hour, LeaseTTL: time.Hour, HeartbeatInterval: 20 * time.Minute,
-		NewCursor: outbox.NewCursorOldest}
-	c, rec := startConsumer(t, consumer, "c1", []string{"p", "q"}, cfg, nil)
-	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, 30*time.Second, 5*time.Millisecond, "the first scan")
-	before := c.Stats().Scans
-
-	for range 200 {
-		_, err := writer.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`)
-		require.NoError(t, err)
-	}
-	w, err := outbox.NewWriter(writer, cfg, zaptest.NewLogger(t))
-	require.NoError(t, err)
-	defer func() { _ = w.Close(ctx) }()
-	_, err = taskstore.New(writer, taskstore.Options{Writer: w}).Delete(ctx, "q", "t-1") // notifies q after the flood
-	require.NoError(t, err)
-	rec.waitCount(t, ctx, 1)
-	require.LessOrEqual(t, c.Stats().Scans-before, int64(2), "one scan for the flood of p, one for q")
-}
-
-// TestVerifySchemaChecksIsolationObjects: VerifySchema notices when what the isolation rests
-// on was changed by hand, though the version and checksums still match.
-func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	for _, c := range []struct{ tamper, says string }{
-		{`ALTER TABLE lifecycle_consumer_cursors NO FORCE ROW LEVEL SECURITY`, "row-level security is not forced on lifecycle_consumer_cursors"},
-		{`ALTER TABLE lifecycle_outbox DISABLE ROW LEVEL SECURITY`, "row-level security is not enabled on lifecycle_outbox"},
-		{`DROP POLICY lifecycle_consumer_deliveries_consumer_update ON lifecycle_consumer_deliveries`, "policy lifecycle_consumer_deliveries_consumer_update on lifecycle_consumer_deliveries is missing"},
-		{`ALTER FUNCTION lifecycle_outbox_sequence(text[], integer) RESET search_path`, "function lifecycle_outbox_sequence(text[], integer) does not pin search_path"},
-		{`GRANT EXECUTE ON FUNCTION lifecycle_outbox_sequence(text[], integer) TO PUBLIC`, "PUBLIC may execute lifecycle_outbox_sequence"},
-	} {
-		t.Run(c.says, func(t *testing.T) {
-			t.Parallel()
-			pool := pgtest.NewPool(t)
-			require.NoError(t, outbox.VerifySchema(ctx, pool))
-			_, err := pool.Exec(ctx, c.tamper)
-			require.NoError(t, err)
-			err = outbox.VerifySchema(ctx, pool)
-			require.ErrorIs(t, err, outbox.ErrSchemaDrift)
-			require.Contains(t, err.Error(), c.says)
-		})
-	}
-}
-
-// TestSequencerIsNotExecutableByPublic: a role that may read the tables the sequencer reads,
-// but was not granted it, cannot run it: PUBLIC has no EXECUTE.
-func TestSequencerIsNotExecutableByPublic(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	reader, _ := lp.component(t, "reader", func(ctx context.Context, db outbox.DBTX, role string) error {
-		_, err := db.Exec(ctx, `GRANT SELECT ON lifecycle_outbox, lifecycle_outbox_heads, lifecycle_project_access TO `+pgx.Identifier{role}.Sanitize())
-		return err
-	})
-	_, err := reader.Exec(ctx, `SELECT * FROM lifecycle_outbox_sequence(NULL, 1)`)
-	require.Error(t, err)
-	requireSQLState(t, err, "42501")
-	require.Contains(t, err.Error(), "permission denied for function lifecycle_outbox_sequence")
-}
-
-// TestConfigValidatesListenDSNWithoutEchoingIt: a ListenDSN that does not parse is refused by
-// Validate, naming the field and none of the string (pgx's own message repeats part of a
-// password that holds a space).
-func TestConfigValidatesListenDSNWithoutEchoingIt(t *testing.T) {
-	t.Parallel()
-	for _, dsn := range []string{"password=my Sup3rSecret phrase host=db", "host=db password=my Sup3rSecret phrase", "postgres://u:my Sup3rSecret phrase@db/x", "host=db port=x password=Sup3rSecret"} {
-		err := outbox.Config{ListenDSN: dsn}.WithDefaults().Validate()
-		require.Error(t, err, dsn)
-		require.Contains(t, err.Error(), "ListenDSN")
-		require.NotContains(t, err.Error(), "Sup3rSecret")
-		require.NotContains(t, err.Error(), "phrase")
-		var v *outbox.ValidationError
-		require.True(t, errors.As(err, &v))
-	}
-	require.NoError(t, outbox.Config{ListenDSN: "host=db user=listener password='my Sup3rSecret phrase'"}.WithDefaults().Validate())
 }

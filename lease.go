@@ -2,13 +2,16 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 )
 
@@ -121,16 +124,81 @@ SET lease_owner = NULL, lease_expires_at = NULL
 FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[])) AS h(project_id, epoch)
 WHERE c.consumer_id = $1 AND c.lease_owner = $2 AND c.project_id = h.project_id AND c.lease_epoch = h.epoch`
 
-func (c *Consumer) ensureCursors(ctx context.Context, projects []string) error {
-	if _, err := c.pool.Exec(ctx, ensureCursorsSQL, c.id, projects); err != nil {
+// leaseKeeper holds the consumer's leases: it creates the cursors, acquires, renews and
+// releases leases, runs the heartbeat that follows the observed project set, tells the loop
+// (gained) about leases it took so their streams are scanned at once, and runs the fenced
+// transaction every delivery write goes through. The loop asks it, before each event, whether
+// the stream's lease is still valid.
+type leaseKeeper struct {
+	id       ConsumerID
+	owner    string
+	pool     *pgxpool.Pool
+	cfg      Config
+	projects Projects
+	metrics  *Metrics
+	log      *zap.Logger
+	stats    *stats
+	gained   func(projects ...string)
+
+	table       leaseTable
+	paused      atomic.Bool // tests freeze the heartbeat, standing in for a process stopped past its lease
+	retiredSeen sync.Map    // project -> true, once its retirement was logged
+}
+
+// now is the local clock shifted like the database clock.
+func (k *leaseKeeper) now() time.Time { return shiftedNow(k.cfg.Clock) }
+
+// held is a copy of the leases held now.
+func (k *leaseKeeper) held() map[string]lease { return k.table.snapshot() }
+
+// valid reports whether the lease of project under epoch is still held and within its
+// conservative local deadline.
+func (k *leaseKeeper) valid(project string, epoch int64) bool {
+	return k.table.valid(project, epoch, k.now())
+}
+
+// lost forgets the lease of project under epoch after a write found it gone, and reports
+// whether this was news (so a loss is counted and logged once).
+func (k *leaseKeeper) lost(project string, epoch int64) bool {
+	if !k.table.lose(project, epoch) {
+		return false
+	}
+	k.metrics.leaseLost(project, string(k.id))
+	k.stats.leaseLosses.Add(1)
+	return true
+}
+
+// observedProjects asks the host which projects to observe: validated, deduplicated, sorted.
+func (k *leaseKeeper) observedProjects(ctx context.Context) ([]string, error) {
+	ps, err := k.projects.ObservedProjects(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("observed projects: %w", err)
+	}
+	out := make([]string, 0, len(ps))
+	seen := make(map[string]bool, len(ps))
+	for _, p := range ps {
+		if err := ValidateProjectID(p); err != nil {
+			return nil, fmt.Errorf("observed projects: %w", err)
+		}
+		if !seen[p] {
+			seen[p] = true
+			out = append(out, p)
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+func (k *leaseKeeper) ensureCursors(ctx context.Context, projects []string) error {
+	if _, err := k.pool.Exec(ctx, ensureCursorsSQL, k.id, projects); err != nil {
 		return fmt.Errorf("create cursors: %w", err)
 	}
 	return nil
 }
 
 // checkRetired refuses to run an identity an operator retired: un-retiring is deliberate.
-func (c *Consumer) checkRetired(ctx context.Context, projects []string) error {
-	rows, err := c.pool.Query(ctx, retiredSQL, c.id, projects)
+func (k *leaseKeeper) checkRetired(ctx context.Context, projects []string) error {
+	rows, err := k.pool.Query(ctx, retiredSQL, k.id, projects)
 	if err != nil {
 		return fmt.Errorf("check retirement: %w", err)
 	}
@@ -140,18 +208,18 @@ func (c *Consumer) checkRetired(ctx context.Context, projects []string) error {
 	}
 	if len(retired) > 0 {
 		return fmt.Errorf("%w: consumer %q was retired for project(s) %s; choose a new identity or have an operator reinstate it",
-			ErrConsumerRetired, c.id, strings.Join(retired, ", "))
+			ErrConsumerRetired, k.id, strings.Join(retired, ", "))
 	}
 	return nil
 }
 
 // acquire takes every free or expired lease among projects and returns the projects taken.
-func (c *Consumer) acquire(ctx context.Context, projects []string) ([]string, error) {
+func (k *leaseKeeper) acquire(ctx context.Context, projects []string) ([]string, error) {
 	if len(projects) == 0 {
 		return nil, nil
 	}
-	sent := c.now()
-	rows, err := c.pool.Query(ctx, acquireSQL, c.id, projects, c.owner, c.cfg.LeaseTTL, c.offset())
+	sent := k.now()
+	rows, err := k.pool.Query(ctx, acquireSQL, k.id, projects, k.owner, k.cfg.LeaseTTL, k.cfg.Clock.Offset())
 	if err != nil {
 		return nil, fmt.Errorf("acquire leases: %w", err)
 	}
@@ -164,12 +232,12 @@ func (c *Consumer) acquire(ctx context.Context, projects []string) ([]string, er
 	if err != nil {
 		return nil, fmt.Errorf("acquire leases: %w", err)
 	}
-	deadline := c.deadlineFrom(sent)
+	deadline := k.deadlineFrom(sent)
 	taken := make([]string, 0, len(got))
 	for _, a := range got {
-		c.leases.put(a.Project, lease{epoch: a.Epoch, acked: a.Acked, deadline: deadline})
-		c.metrics.leaseAcquired(a.Project, string(c.id))
-		c.log.Info("lease acquired", zap.String("project_id", a.Project), zap.Int64("epoch", a.Epoch), zap.Int64("cursor", a.Acked))
+		k.table.put(a.Project, lease{epoch: a.Epoch, acked: a.Acked, deadline: deadline})
+		k.metrics.leaseAcquired(a.Project, string(k.id))
+		k.log.Info("lease acquired", zap.String("project_id", a.Project), zap.Int64("epoch", a.Epoch), zap.Int64("cursor", a.Acked))
 		taken = append(taken, a.Project)
 	}
 	return taken, nil
@@ -177,24 +245,19 @@ func (c *Consumer) acquire(ctx context.Context, projects []string) ([]string, er
 
 // deadlineFrom is when a lease granted by a statement sent at sent must be treated as lost:
 // the database measured its TTL from a later instant, so this errs on the safe side.
-func (c *Consumer) deadlineFrom(sent time.Time) time.Time {
-	return sent.Add(c.cfg.LeaseTTL - c.cfg.LeaseTTL/20)
+func (k *leaseKeeper) deadlineFrom(sent time.Time) time.Time {
+	return sent.Add(k.cfg.LeaseTTL - k.cfg.LeaseTTL/20)
 }
 
 // renew extends every held lease in one statement and drops the ones that did not match.
-func (c *Consumer) renew(ctx context.Context) error {
-	held := c.leases.snapshot()
+func (k *leaseKeeper) renew(ctx context.Context) error {
+	held := k.table.snapshot()
 	if len(held) == 0 {
 		return nil
 	}
-	projects := make([]string, 0, len(held))
-	epochs := make([]int64, 0, len(held))
-	for p, l := range held {
-		projects = append(projects, p)
-		epochs = append(epochs, l.epoch)
-	}
-	sent := c.now()
-	rows, err := c.pool.Query(ctx, renewSQL, c.id, c.owner, c.cfg.LeaseTTL, c.offset(), projects, epochs)
+	projects, epochs := leaseArrays(held, nil)
+	sent := k.now()
+	rows, err := k.pool.Query(ctx, renewSQL, k.id, k.owner, k.cfg.LeaseTTL, k.cfg.Clock.Offset(), projects, epochs)
 	if err != nil {
 		return fmt.Errorf("renew leases: %w", err)
 	}
@@ -203,42 +266,47 @@ func (c *Consumer) renew(ctx context.Context) error {
 		return fmt.Errorf("renew leases: %w", err)
 	}
 	ok := make(map[string]bool, len(renewed))
-	deadline := c.deadlineFrom(sent)
+	deadline := k.deadlineFrom(sent)
 	for _, p := range renewed {
 		ok[p] = true
-		c.leases.extend(p, held[p].epoch, deadline)
+		k.table.extend(p, held[p].epoch, deadline)
 	}
 	for p, l := range held {
-		if !ok[p] && c.leases.lose(p, l.epoch) {
-			c.metrics.leaseLost(p, string(c.id))
-			c.stats.leaseLosses.Add(1)
-			c.log.Warn("lease lost at renewal; will try to re-acquire", zap.String("project_id", p), zap.Int64("epoch", l.epoch))
+		if !ok[p] && k.lost(p, l.epoch) {
+			k.log.Warn("lease lost at renewal; will try to re-acquire", zap.String("project_id", p), zap.Int64("epoch", l.epoch))
 		}
 	}
 	return nil
 }
 
+// leaseArrays lists the projects of held (those keep selects, all when it is nil) and their
+// epochs, as the statements' arrays.
+func leaseArrays(held map[string]lease, keep func(string) bool) (projects []string, epochs []int64) {
+	for p, l := range held {
+		if keep == nil || keep(p) {
+			projects = append(projects, p)
+			epochs = append(epochs, l.epoch)
+		}
+	}
+	return projects, epochs
+}
+
 // release gives up every held lease so that another process with this identity can take over
 // at once instead of waiting for expiry.
-func (c *Consumer) release(ctx context.Context) {
-	held := c.leases.take()
+func (k *leaseKeeper) release(ctx context.Context) {
+	held := k.table.take()
 	if len(held) == 0 {
 		return
 	}
-	projects := make([]string, 0, len(held))
-	epochs := make([]int64, 0, len(held))
-	for p, l := range held {
-		projects = append(projects, p)
-		epochs = append(epochs, l.epoch)
-	}
-	if _, err := c.pool.Exec(ctx, releaseSQL, c.id, c.owner, projects, epochs); err != nil {
-		c.log.Warn("leases not released; they will expire", zap.Error(err))
+	projects, epochs := leaseArrays(held, nil)
+	if _, err := k.pool.Exec(ctx, releaseSQL, k.id, k.owner, projects, epochs); err != nil {
+		k.log.Warn("leases not released; they will expire", zap.Error(err))
 	}
 }
 
 // heartbeatLoop renews leases, follows the observed project set and retries acquisition.
-func (c *Consumer) heartbeatLoop(ctx context.Context) {
-	t := time.NewTicker(c.cfg.HeartbeatInterval)
+func (k *leaseKeeper) heartbeatLoop(ctx context.Context) {
+	t := time.NewTicker(k.cfg.HeartbeatInterval)
 	defer t.Stop()
 	for {
 		select {
@@ -246,24 +314,24 @@ func (c *Consumer) heartbeatLoop(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if c.heartbeatPaused.Load() {
+		if k.paused.Load() {
 			continue
 		}
-		c.heartbeat(ctx)
+		k.heartbeat(ctx)
 	}
 }
 
 // heartbeat is one round: renew what is held, then try to take what is not.
-func (c *Consumer) heartbeat(ctx context.Context) {
-	if err := c.renew(ctx); err != nil {
-		c.logTransient("heartbeat", err)
+func (k *leaseKeeper) heartbeat(ctx context.Context) {
+	if err := k.renew(ctx); err != nil {
+		logTransient(k.log, "heartbeat", err)
 	}
-	projects, err := c.observedProjects(ctx)
+	projects, err := k.observedProjects(ctx)
 	if err != nil {
-		c.logTransient("heartbeat", err)
+		logTransient(k.log, "heartbeat", err)
 		return
 	}
-	held := c.leases.snapshot()
+	held := k.table.snapshot()
 	var missing []string
 	observed := make(map[string]bool, len(projects))
 	for _, p := range projects {
@@ -272,31 +340,31 @@ func (c *Consumer) heartbeat(ctx context.Context) {
 			missing = append(missing, p)
 		}
 	}
-	c.dropUnobserved(ctx, held, observed)
+	k.dropUnobserved(ctx, held, observed)
 	if len(missing) == 0 {
 		return
 	}
-	if err := c.ensureCursors(ctx, missing); err != nil {
-		c.logTransient("heartbeat", err)
+	if err := k.ensureCursors(ctx, missing); err != nil {
+		logTransient(k.log, "heartbeat", err)
 		return
 	}
-	taken, err := c.acquire(ctx, missing)
+	taken, err := k.acquire(ctx, missing)
 	if err != nil {
-		c.logTransient("heartbeat", err)
+		logTransient(k.log, "heartbeat", err)
 		return
 	}
 	if len(taken) > 0 {
-		c.requestScan(taken...)
+		k.gained(taken...)
 	}
 	if len(taken) < len(missing) {
-		c.noteRetired(ctx, missing)
+		k.noteRetired(ctx, missing)
 	}
 }
 
 // noteRetired logs, once per project, that an operator retired this identity while it ran:
 // it stops advancing there and is never silently reinstated.
-func (c *Consumer) noteRetired(ctx context.Context, projects []string) {
-	rows, err := c.pool.Query(ctx, retiredSQL, c.id, projects)
+func (k *leaseKeeper) noteRetired(ctx context.Context, projects []string) {
+	rows, err := k.pool.Query(ctx, retiredSQL, k.id, projects)
 	if err != nil {
 		return
 	}
@@ -305,36 +373,54 @@ func (c *Consumer) noteRetired(ctx context.Context, projects []string) {
 		return
 	}
 	for _, p := range retired {
-		if _, seen := c.retiredSeen.LoadOrStore(p, true); !seen {
-			c.log.Error("consumer identity retired by an operator; it no longer observes this project",
+		if _, seen := k.retiredSeen.LoadOrStore(p, true); !seen {
+			k.log.Error("consumer identity retired by an operator; it no longer observes this project",
 				zap.String("project_id", p), zap.Error(ErrConsumerRetired))
 		}
 	}
 }
 
 // dropUnobserved releases the leases of projects no longer observed.
-func (c *Consumer) dropUnobserved(ctx context.Context, held map[string]lease, observed map[string]bool) {
-	var projects []string
-	var epochs []int64
-	for p, l := range held {
-		if !observed[p] {
-			c.leases.lose(p, l.epoch)
-			projects = append(projects, p)
-			epochs = append(epochs, l.epoch)
-		}
-	}
+func (k *leaseKeeper) dropUnobserved(ctx context.Context, held map[string]lease, observed map[string]bool) {
+	projects, epochs := leaseArrays(held, func(p string) bool { return !observed[p] })
 	if len(projects) == 0 {
 		return
 	}
-	if _, err := c.pool.Exec(ctx, releaseSQL, c.id, c.owner, projects, epochs); err != nil {
-		c.logTransient("release unobserved", err)
+	for i, p := range projects {
+		k.table.lose(p, epochs[i])
 	}
-	c.log.Info("stopped observing projects", zap.Strings("projects", projects))
+	if _, err := k.pool.Exec(ctx, releaseSQL, k.id, k.owner, projects, epochs); err != nil {
+		logTransient(k.log, "release unobserved", err)
+	}
+	k.log.Info("stopped observing projects", zap.Strings("projects", projects))
 }
 
-// heartbeatControl lets tests freeze a consumer's heartbeat, standing in for a process stopped
-// past its lease.
-type heartbeatControl struct {
-	heartbeatPaused atomic.Bool
-	retiredSeen     sync.Map // project -> true, once its retirement was logged
+const fenceSQL = `
+SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
+WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch = $4
+  AND lease_expires_at > pg_catalog.now() + $5::interval AND retired_at IS NULL
+FOR UPDATE`
+
+// fencedTx runs fn in a transaction that first locks the cursor row of project under the
+// lease epoch. When the lease no longer matches it returns ErrLeaseLost and fn never runs.
+// Holding the row lock until commit keeps a takeover from slipping in between the check and
+// the writes.
+func (k *leaseKeeper) fencedTx(ctx context.Context, project string, epoch int64, fn func(pgx.Tx) error) error {
+	tx, err := k.pool.BeginTx(ctx, k.cfg.txOptions("", ""))
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var cursor int64
+	err = tx.QueryRow(ctx, fenceSQL, project, k.id, k.owner, epoch, k.cfg.Clock.Offset()).Scan(&cursor)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ErrLeaseLost
+	}
+	if err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
 }

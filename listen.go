@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 
 	"fusion/outbox/internal/safetext"
@@ -18,32 +19,44 @@ import (
 // consumer's wait: the cursor scan is what delivers, so a lost notification costs at most one
 // poll interval and a forged one costs one scan.
 
-// ParseWakePayload checks a notification payload and returns the project it names. Payloads
+// parseWakePayload checks a notification payload and returns the project it names. Payloads
 // that are not ours (anything but a valid project ID) are an error, which the consumer logs
 // and skips.
-func ParseWakePayload(payload string) (string, error) {
+func parseWakePayload(payload string) (string, error) {
 	if err := ValidateProjectID(payload); err != nil {
 		return "", fmt.Errorf("wake-up payload is not a project ID: %w", err)
 	}
 	return payload, nil
 }
 
+// waker keeps the consumer's LISTEN connection and its self-test (listen_selftest.go), and
+// asks the scan loop to scan the projects notifications name.
+type waker struct {
+	id      ConsumerID
+	pool    *pgxpool.Pool
+	cfg     Config
+	metrics *Metrics
+	log     *zap.Logger
+	scans   *scanRequests
+	check   wakeupCheck // the self-test's outcome
+}
+
 // listenLoop keeps one dedicated LISTEN connection open. After every (re)connection it asks
 // for a full scan, so events committed while it was away are caught up. listening is closed
 // once the first LISTEN is in place or has failed.
-func (c *Consumer) listenLoop(ctx context.Context, listening chan struct{}) {
+func (wk *waker) listenLoop(ctx context.Context, listening chan struct{}) {
 	var once sync.Once
 	ready := func() { once.Do(func() { close(listening) }) }
 	defer ready()
 	wait := 100 * time.Millisecond
 	for {
-		err := c.listenOnce(ctx, ready)
+		err := wk.listenOnce(ctx, ready)
 		ready()
 		if ctx.Err() != nil {
 			return
 		}
-		c.metrics.listenReconnect(string(c.id))
-		c.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", wait))
+		wk.metrics.listenReconnect(string(wk.id))
+		wk.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", wait))
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
@@ -55,8 +68,8 @@ func (c *Consumer) listenLoop(ctx context.Context, listening chan struct{}) {
 	}
 }
 
-func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
-	conn, err := c.listenConn(ctx)
+func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
+	conn, err := wk.listenConn(ctx)
 	if err != nil {
 		return err
 	}
@@ -65,12 +78,12 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 		defer cancel()
 		_ = conn.Close(closeCtx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{c.cfg.NotifyChannel}.Sanitize()); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{wk.cfg.NotifyChannel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	c.requestScan() // catch up on whatever committed while no one was listening
+	wk.scans.request() // catch up on whatever committed while no one was listening
 	ready()
-	check, err := c.startSelfTest(ctx) // see listen_selftest.go
+	check, err := wk.startSelfTest(ctx) // see listen_selftest.go
 	if err != nil {
 		return err
 	}
@@ -80,25 +93,25 @@ func (c *Consumer) listenOnce(ctx context.Context, ready func()) error {
 		if err != nil {
 			return fmt.Errorf("wait for notification: %w", err)
 		}
-		if c.heard(check, n.Payload) {
+		if wk.heard(check, n.Payload) {
 			continue
 		}
-		project, err := ParseWakePayload(n.Payload)
+		project, err := parseWakePayload(n.Payload)
 		if err != nil {
-			c.log.Debug("skipped a notification that is not ours", zap.String("channel", n.Channel), zap.Int("payload_bytes", len(n.Payload)))
+			wk.log.Debug("skipped a notification that is not ours", zap.String("channel", n.Channel), zap.Int("payload_bytes", len(n.Payload)))
 			continue
 		}
-		c.requestScan(project)
+		wk.scans.request(project)
 	}
 }
 
 // listenConn opens the dedicated connection: from Config.ListenDSN when set (a pool behind a
 // transaction-pooling proxy cannot LISTEN), else hijacked from the pool so it never returns.
-func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
-	if c.cfg.ListenDSN != "" {
+func (wk *waker) listenConn(ctx context.Context) (*pgx.Conn, error) {
+	if wk.cfg.ListenDSN != "" {
 		// Config.Validate parsed it already; a parse error is still never wrapped, since pgx's
 		// message can hold part of a password and this one would be logged on every reconnect.
-		cfg, err := pgx.ParseConfig(c.cfg.ListenDSN)
+		cfg, err := pgx.ParseConfig(wk.cfg.ListenDSN)
 		if err != nil {
 			return nil, fmt.Errorf("connect for LISTEN: ListenDSN does not parse: %s", safetext.DSNParseReason(err))
 		}
@@ -108,7 +121,7 @@ func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 		}
 		return conn, nil
 	}
-	pc, err := c.pool.Acquire(ctx)
+	pc, err := wk.pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("acquire LISTEN connection: %w", err)
 	}
@@ -117,6 +130,43 @@ func (c *Consumer) listenConn(ctx context.Context) (*pgx.Conn, error) {
 		return nil, errors.New("acquire LISTEN connection: hijack returned nil")
 	}
 	return conn, nil
+}
+
+// scanRequests is how the waker and the lease keeper ask the loop for a scan.
+type scanRequests struct {
+	wake  chan struct{}
+	mu    sync.Mutex
+	dirty map[string]struct{}
+}
+
+func newScanRequests() *scanRequests {
+	return &scanRequests{wake: make(chan struct{}, 1), dirty: map[string]struct{}{}}
+}
+
+// request asks the loop to look at projects soon (all of them when projects is nil).
+func (r *scanRequests) request(projects ...string) {
+	r.mu.Lock()
+	if projects == nil {
+		r.dirty[""] = struct{}{}
+	}
+	for _, p := range projects {
+		r.dirty[p] = struct{}{}
+	}
+	r.mu.Unlock()
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// take returns the projects to scan and whether a full scan was asked for.
+func (r *scanRequests) take() (map[string]struct{}, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	d := r.dirty
+	r.dirty = map[string]struct{}{}
+	_, all := d[""]
+	return d, all
 }
 
 // wakeLimiter coalesces the scans that notifications start. Anyone who may connect can NOTIFY

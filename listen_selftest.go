@@ -66,17 +66,6 @@ func (w *wakeupCheck) load() WakeupState {
 	return w.state
 }
 
-// Wakeups says whether the consumer's LISTEN wake-ups were proven to work (see WakeupState).
-func (c *Consumer) Wakeups() WakeupState {
-	if c.cfg.NotifyDisabled {
-		return WakeupsDisabled
-	}
-	return c.wakeups.load()
-}
-
-// WakeupsWorking reports whether notifications were seen to reach the LISTEN connection.
-func (c *Consumer) WakeupsWorking() bool { return c.Wakeups() == WakeupsWorking }
-
 // Wakeups is the running consumer's wake-up state, or "" when no consumer runs.
 func (r *Runner) Wakeups() WakeupState {
 	c := r.Consumer()
@@ -95,7 +84,7 @@ type selfTest struct {
 func (st *selfTest) stop() { st.timer.Stop() }
 
 // startSelfTest sends the self-test notification through the pool and arms its bound.
-func (c *Consumer) startSelfTest(ctx context.Context) (*selfTest, error) {
+func (wk *waker) startSelfTest(ctx context.Context) (*selfTest, error) {
 	var b [8]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		return nil, fmt.Errorf("wake-up self-test token: %w", err)
@@ -103,17 +92,17 @@ func (c *Consumer) startSelfTest(ctx context.Context) (*selfTest, error) {
 	st := &selfTest{token: selfTestPrefix + hex.EncodeToString(b[:])}
 	sendCtx, stop := context.WithTimeout(ctx, 10*time.Second)
 	defer stop()
-	if _, err := c.pool.Exec(sendCtx, selfTestNotifySQL, c.cfg.NotifyChannel, st.token); err != nil {
+	if _, err := wk.pool.Exec(sendCtx, selfTestNotifySQL, wk.cfg.NotifyChannel, st.token); err != nil {
 		return nil, fmt.Errorf("wake-up self-test: send: %w", err)
 	}
-	st.timer = time.AfterFunc(c.cfg.ListenCheckTimeout, c.selfTestTimedOut)
+	st.timer = time.AfterFunc(wk.cfg.ListenCheckTimeout, wk.selfTestTimedOut)
 	return st, nil
 }
 
 // heard records that a notification reached the LISTEN connection, which proves the channel
 // whatever its payload, and reports whether it was the self-test's own (not to be parsed).
-func (c *Consumer) heard(st *selfTest, payload string) bool {
-	w := &c.wakeups
+func (wk *waker) heard(st *selfTest, payload string) bool {
+	w := &wk.check
 	// The lock covers the gauge and the log too, so that whoever reads the state sees what
 	// was said about it.
 	w.mu.Lock()
@@ -123,37 +112,37 @@ func (c *Consumer) heard(st *selfTest, payload string) bool {
 	switch previous {
 	case WakeupsWorking:
 	case WakeupsPollingOnly:
-		c.metrics.wakeups(string(c.id), true)
-		c.log.Info("LISTEN wake-ups arrive after all; notifications wake the consumer again")
+		wk.metrics.wakeups(string(wk.id), true)
+		wk.log.Info("LISTEN wake-ups arrive after all; notifications wake the consumer again")
 	default:
-		c.metrics.wakeups(string(c.id), true)
-		c.log.Debug("wake-up self-test passed: notifications reach the LISTEN connection")
+		wk.metrics.wakeups(string(wk.id), true)
+		wk.log.Debug("wake-up self-test passed: notifications reach the LISTEN connection")
 	}
 	return payload == st.token
 }
 
 // selfTestTimedOut runs when the self-test's bound passes. Unless a notification arrived
 // meanwhile, the consumer runs on polling alone and says once what to do.
-func (c *Consumer) selfTestTimedOut() {
-	w := &c.wakeups
+func (wk *waker) selfTestTimedOut() {
+	w := &wk.check
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.state == WakeupsWorking {
 		return
 	}
 	w.state = WakeupsPollingOnly
-	c.metrics.wakeups(string(c.id), false)
+	wk.metrics.wakeups(string(wk.id), false)
 	if w.warned {
 		return
 	}
 	w.warned = true
 	fix := "set ListenDSN (listen_dsn) to a connection string that reaches PostgreSQL directly, not through the pooler"
-	if c.cfg.ListenDSN != "" {
+	if wk.cfg.ListenDSN != "" {
 		fix = "ListenDSN (listen_dsn) is set: point it at PostgreSQL directly, not at the pooler"
 	}
-	c.log.Warn("LISTEN wake-ups do not arrive (is the pool behind a transaction-pooling proxy?); the consumer runs on polling alone",
-		zap.String("channel", c.cfg.NotifyChannel), zap.Duration("self_test_timeout", c.cfg.ListenCheckTimeout),
-		zap.Duration("poll_interval", c.cfg.PollInterval), zap.String("fix", fix))
+	wk.log.Warn("LISTEN wake-ups do not arrive (is the pool behind a transaction-pooling proxy?); the consumer runs on polling alone",
+		zap.String("channel", wk.cfg.NotifyChannel), zap.Duration("self_test_timeout", wk.cfg.ListenCheckTimeout),
+		zap.Duration("poll_interval", wk.cfg.PollInterval), zap.String("fix", fix))
 }
 
 func newListenWakeupsGauge() *prometheus.GaugeVec {

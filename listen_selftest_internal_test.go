@@ -20,7 +20,8 @@ func TestWakeupStateMachine(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := &Consumer{id: "c", cfg: Config{ListenCheckTimeout: time.Second}.WithDefaults(), log: zap.New(core), metrics: m}
+	w := &waker{id: "c", cfg: Config{ListenCheckTimeout: time.Second}.WithDefaults(), log: zap.New(core), metrics: m}
+	c := &Consumer{cfg: w.cfg, waker: w}
 	st := &selfTest{token: selfTestPrefix + "abc", timer: time.NewTimer(time.Hour)}
 	defer st.stop()
 	gauge := func() float64 {
@@ -34,15 +35,15 @@ func TestWakeupStateMachine(t *testing.T) {
 	if got := c.Wakeups(); got != WakeupsUnchecked {
 		t.Fatalf("before the self-test: %s", got)
 	}
-	c.selfTestTimedOut()
-	c.selfTestTimedOut() // a second connection's bound: no second warning
+	w.selfTestTimedOut()
+	w.selfTestTimedOut() // a second connection's bound: no second warning
 	if got := c.Wakeups(); got != WakeupsPollingOnly || gauge() != 0 {
 		t.Fatalf("after the bound: %s, gauge %v", got, gauge())
 	}
 	if n := logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").Len(); n != 1 {
 		t.Fatalf("warned %d times", n)
 	}
-	if ours := c.heard(st, "alpha"); ours {
+	if ours := w.heard(st, "alpha"); ours {
 		t.Fatal("a project's notification is not the self-test's")
 	}
 	if got := c.Wakeups(); got != WakeupsWorking || gauge() != 1 {
@@ -51,8 +52,8 @@ func TestWakeupStateMachine(t *testing.T) {
 	if logs.FilterMessageSnippet("arrive after all").Len() != 1 {
 		t.Fatal("the recovery is not logged")
 	}
-	c.selfTestTimedOut()
-	if !c.heard(st, st.token) || c.Wakeups() != WakeupsWorking {
+	w.selfTestTimedOut()
+	if !w.heard(st, st.token) || c.Wakeups() != WakeupsWorking {
 		t.Fatalf("a bound after a notification must not undo it: %s", c.Wakeups())
 	}
 }

@@ -166,16 +166,25 @@ func (m *Metrics) listenReconnect(consumer string) {
 	}
 }
 
-// watch makes the status gauges cover the projects consumer c observes; unwatch stops it.
-func (m *Metrics) watch(c *Consumer) {
+// statusSource is what the status gauges read through: the database, and the project set a
+// consumer observes. It holds no consumer state: the gauges are whatever the database says.
+type statusSource struct {
+	db       DBTX
+	projects func(context.Context) ([]string, error)
+	clock    Clock
+	log      *zap.Logger
+}
+
+// watch makes the status gauges cover the projects of src; unwatch stops it.
+func (m *Metrics) watch(src *statusSource) {
 	if m != nil {
-		m.status.add(c)
+		m.status.add(src)
 	}
 }
 
-func (m *Metrics) unwatch(c *Consumer) {
+func (m *Metrics) unwatch(src *statusSource) {
 	if m != nil {
-		m.status.remove(c)
+		m.status.remove(src)
 	}
 }
 
@@ -192,20 +201,20 @@ type statusCollector struct {
 	lagEvents, lagSeconds, deadOutstanding, retrying *prometheus.Desc
 	errors                                           prometheus.Counter
 
-	mu        sync.Mutex
-	consumers []*Consumer
+	mu      sync.Mutex
+	sources []*statusSource
 }
 
-func (s *statusCollector) add(c *Consumer) {
+func (s *statusCollector) add(src *statusSource) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.consumers = append(s.consumers, c)
+	s.sources = append(s.sources, src)
 }
 
-func (s *statusCollector) remove(c *Consumer) {
+func (s *statusCollector) remove(src *statusSource) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.consumers = slices.DeleteFunc(s.consumers, func(x *Consumer) bool { return x == c })
+	s.sources = slices.DeleteFunc(s.sources, func(x *statusSource) bool { return x == src })
 }
 
 func (s *statusCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -219,16 +228,16 @@ func (s *statusCollector) Describe(ch chan<- *prometheus.Desc) {
 func (s *statusCollector) Collect(ch chan<- prometheus.Metric) {
 	defer s.errors.Collect(ch)
 	s.mu.Lock()
-	consumers := slices.Clone(s.consumers)
+	sources := slices.Clone(s.sources)
 	s.mu.Unlock()
-	if len(consumers) == 0 {
+	if len(sources) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	var projects []string
-	for _, c := range consumers {
-		ps, err := c.observedProjects(ctx)
+	for _, src := range sources {
+		ps, err := src.projects(ctx)
 		if err != nil {
 			s.errors.Inc()
 			continue
@@ -237,8 +246,8 @@ func (s *statusCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	slices.Sort(projects)
 	projects = slices.Compact(projects)
-	c := consumers[0]
-	rows, err := projectsStatus(ctx, c.pool, c.clock, projects)
+	c := sources[0]
+	rows, err := projectsStatus(ctx, c.db, c.clock, projects)
 	var pe *ProjectErrors
 	switch {
 	case errors.As(err, &pe):

@@ -15,8 +15,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // metricsConsumer builds, in a process of its own, a consumer that reports to m. Its
@@ -24,7 +24,7 @@ import (
 func metricsConsumer(t *testing.T, url string, id outbox.ConsumerID, cfg outbox.Config, m *outbox.Metrics) (*outbox.Consumer, *recorder) {
 	t.Helper()
 	pool := pgtest.Pool(t, url)
-	store := taskstore.New(pool, taskstore.Options{})
+	store := testhost.New(pool, testhost.Options{})
 	require.NoError(t, store.LoadCache(ctxT(t), "p"))
 	rec := newRecorder()
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache(),

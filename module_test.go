@@ -14,14 +14,14 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
-	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testhost/schema"
 )
 
 // engineApp builds an app the way an engine binary does: the outbox module plus the host's
 // own options.
-func engineApp(t *testing.T, host taskstore.HostConfig, extra ...fx.Option) (*fxtest.App, *observer.ObservedLogs, *outbox.Runner, *taskstore.Store) {
+func engineApp(t *testing.T, host testhost.HostConfig, extra ...fx.Option) (*fxtest.App, *observer.ObservedLogs, *outbox.Runner, *testhost.Store) {
 	t.Helper()
 	core, logs := observer.New(zapcore.DebugLevel)
 	t.Cleanup(func() {
@@ -32,10 +32,10 @@ func engineApp(t *testing.T, host taskstore.HostConfig, extra ...fx.Option) (*fx
 		}
 	})
 	var runner *outbox.Runner
-	var store *taskstore.Store
+	var store *testhost.Store
 	app := fxtest.New(t,
 		outbox.Module,
-		taskstore.Module,
+		testhost.Module,
 		fx.Supply(host, zap.New(core)),
 		fx.Populate(&runner, &store),
 		fx.Options(extra...),
@@ -51,14 +51,14 @@ func TestModuleInEngineApp(t *testing.T) {
 	seed := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
 	_, err := seed.store.CreateMany(ctx, "p", "t", 10)
 	require.NoError(t, err)
-	require.NoError(t, taskstore.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "dashboard"))
+	require.NoError(t, testhost.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "dashboard"))
 	fast := outbox.Config{PollInterval: 50 * time.Millisecond}
 
 	t.Run("with an identity it observes through the bus bridge", func(t *testing.T) {
-		app, _, runner, store := engineApp(t, taskstore.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer", Outbox: fast})
+		app, _, runner, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer", Outbox: fast})
 		var mu sync.Mutex
-		var heard []taskstore.TaskDeleted
-		store.Emitter().On(func(_ context.Context, ev taskstore.TaskDeleted) { mu.Lock(); heard = append(heard, ev); mu.Unlock() })
+		var heard []testhost.TaskDeleted
+		store.Emitter().On(func(_ context.Context, ev testhost.TaskDeleted) { mu.Lock(); heard = append(heard, ev); mu.Unlock() })
 		app.RequireStart()
 		require.Equal(t, outbox.StateRunning, runner.State())
 		require.Len(t, store.Cache().Live("p"), 10, "the store loaded its cache at open")
@@ -80,7 +80,7 @@ func TestModuleInEngineApp(t *testing.T) {
 	})
 
 	t.Run("without an identity the writer works and observation is off", func(t *testing.T) {
-		app, logs, runner, store := engineApp(t, taskstore.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "writer-node", Outbox: fast})
+		app, logs, runner, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "writer-node", Outbox: fast})
 		app.RequireStart()
 		require.Equal(t, outbox.StateNoIdentity, runner.State())
 		res, err := store.Delete(ctx, "p", "t-2")
@@ -93,7 +93,7 @@ func TestModuleInEngineApp(t *testing.T) {
 	})
 
 	t.Run("disabled, nothing starts and the hook records nothing", func(t *testing.T) {
-		app, logs, runner, store := engineApp(t, taskstore.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer",
+		app, logs, runner, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer",
 			Outbox: outbox.Config{Disabled: true}})
 		app.RequireStart()
 		require.Equal(t, outbox.StateDisabled, runner.State())
@@ -107,8 +107,8 @@ func TestModuleInEngineApp(t *testing.T) {
 	})
 
 	t.Run("the retention task joins the host's sweep", func(t *testing.T) {
-		var sweep *taskstore.SelfHealing
-		app, _, _, _ := engineApp(t, taskstore.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer", Outbox: fast},
+		var sweep *testhost.SelfHealing
+		app, _, _, _ := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer", Outbox: fast},
 			fx.Populate(&sweep))
 		app.RequireStart()
 		results := sweep.LastResults()
@@ -126,8 +126,8 @@ func TestModuleRefusesABehindSchema(t *testing.T) {
 	require.NoError(t, schema.Migrate(ctxT(t), pool)) // the host's own tables are current
 	_, err := outbox.MigrateThrough(ctxT(t), pool, 1)
 	require.NoError(t, err)
-	app := fx.New(outbox.Module, taskstore.Module,
-		fx.Supply(taskstore.HostConfig{DSN: db.URL, Projects: []string{"p"}}, zap.NewNop()), fx.NopLogger)
+	app := fx.New(outbox.Module, testhost.Module,
+		fx.Supply(testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}}, zap.NewNop()), fx.NopLogger)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	err = app.Start(ctx)
@@ -139,8 +139,8 @@ func TestModuleRefusesABehindSchema(t *testing.T) {
 func TestModuleRejectsInvalidConfig(t *testing.T) {
 	t.Parallel()
 	db := pgtest.NewDB(t)
-	app := fx.New(outbox.Module, taskstore.Module,
-		fx.Supply(taskstore.HostConfig{DSN: db.URL, Outbox: outbox.Config{PollInterval: time.Millisecond, MaxAttempts: -1}}, zap.NewNop()), fx.NopLogger)
+	app := fx.New(outbox.Module, testhost.Module,
+		fx.Supply(testhost.HostConfig{DSN: db.URL, Outbox: outbox.Config{PollInterval: time.Millisecond, MaxAttempts: -1}}, zap.NewNop()), fx.NopLogger)
 	err := app.Err()
 	require.Error(t, err)
 	require.ErrorContains(t, err, "PollInterval")
@@ -149,8 +149,8 @@ func TestModuleRejectsInvalidConfig(t *testing.T) {
 
 func TestModuleReportsADSNThatDoesNotParse(t *testing.T) {
 	t.Parallel()
-	app := fx.New(outbox.Module, taskstore.Module,
-		fx.Supply(taskstore.HostConfig{DSN: "postgres://user@host:notaport/db"}, zap.NewNop()), fx.NopLogger)
+	app := fx.New(outbox.Module, testhost.Module,
+		fx.Supply(testhost.HostConfig{DSN: "postgres://user@host:notaport/db"}, zap.NewNop()), fx.NopLogger)
 	err := app.Err()
 	require.Error(t, err)
 	require.ErrorContains(t, err, "database DSN")

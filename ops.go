@@ -103,7 +103,7 @@ func OpsHandler(admin *Admin, opts OpsOptions) (http.Handler, error) {
 	}
 	var errs []error
 	if admin == nil {
-		errs = append(errs, invalid("admin", "is nil"))
+		errs = append(errs, invalid("OpsHandler.admin", "is nil"))
 	}
 	if u := opts.EventsURL; u != "" && (!strings.HasPrefix(u, "/") || strings.HasPrefix(u, "//") || strings.ContainsAny(u, "\\\r\n")) {
 		errs = append(errs, invalid("OpsOptions.EventsURL", "must be a path on the page's origin, such as /events (got %q)", u))
@@ -346,7 +346,7 @@ func outcomeOf(err error) string {
 	case err == nil:
 		return "done"
 	case errors.As(err, &verr):
-		return "invalid-" + verr.Field
+		return "invalid-" + formField(verr.Field)
 	case errors.Is(err, ErrNotDeadLetter):
 		return "not-dead-letter"
 	case errors.Is(err, ErrUnknownConsumer):
@@ -413,4 +413,13 @@ func opsWhen(t *time.Time) string {
 		layout = "2006-01-02 15:04Z"
 	}
 	return t.UTC().Format(layout) + " (" + rel + ")"
+}
+
+// formField is the form's name for a field a ValidationError names by its Go path
+// ("Operator.Actor" is the form's "actor").
+func formField(goPath string) string {
+	if i := strings.LastIndexByte(goPath, '.'); i >= 0 {
+		goPath = goPath[i+1:]
+	}
+	return strings.ToLower(goPath)
 }

@@ -5,6 +5,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"fusion/outbox/internal/safetext"
 )
 
 // Behind a transaction-pooling proxy (PgBouncer with pool_mode = transaction, and its kin) a
@@ -37,7 +39,7 @@ import (
 // QueryExecModeSimpleProtocol and an error that says what to set for every other mode.
 func CheckPoolerSafe(cfg *pgx.ConnConfig) error {
 	if cfg == nil {
-		return invalid("pool config", "is nil")
+		return invalid("pgx.ConnConfig", "is nil")
 	}
 	switch mode := cfg.DefaultQueryExecMode; mode {
 	case pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol:
@@ -47,7 +49,7 @@ func CheckPoolerSafe(cfg *pgx.ConnConfig) error {
 		if mode == pgx.QueryExecModeDescribeExec || mode == pgx.QueryExecModeCacheDescribe {
 			why = "it describes a statement in one round trip and runs it in another, which the proxy may send to another server connection"
 		}
-		return &ValidationError{Field: "default_query_exec_mode",
+		return &ValidationError{Field: "pgx.ConnConfig.DefaultQueryExecMode (default_query_exec_mode)",
 			Reason: fmt.Sprintf("is %s, which is unsafe behind a transaction-pooling proxy: %s; "+
 				"add default_query_exec_mode=exec to the connection string (or set pgx.ConnConfig.DefaultQueryExecMode to pgx.QueryExecModeExec)", modeName(mode), why)}
 	}
@@ -92,3 +94,8 @@ func checkPooledDB(cfg Config, db any) error {
 	}
 	return nil
 }
+
+// DSNParseReason says why a connection string did not parse (err is what pgx's ParseConfig
+// returned), in a sentence from a fixed set that never repeats part of the string: pgx's own
+// message can hold part of a password. Hosts use it to report their own DSNs the same way.
+func DSNParseReason(err error) string { return safetext.DSNParseReason(err) }

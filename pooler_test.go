@@ -21,8 +21,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // The module behind a real PgBouncer in transaction pooling mode (pgtest.Bouncer).
@@ -44,7 +44,7 @@ func startPooledProcess(t *testing.T, pool *pgxpool.Pool, o processOpts, metrics
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = w.Close(context.Background()) })
 	p.writer = w
-	p.store = taskstore.New(pool, taskstore.Options{Writer: w, Logger: log})
+	p.store = testhost.New(pool, testhost.Options{Writer: w, Logger: log})
 	require.NoError(t, p.store.LoadCache(ctx, o.projects...))
 	if o.id == "" {
 		return p
@@ -88,7 +88,7 @@ func TestCheckPoolerSafe(t *testing.T) {
 			}
 			var verr *outbox.ValidationError
 			require.ErrorAs(t, err, &verr)
-			require.Equal(t, "default_query_exec_mode", verr.Field)
+			require.Equal(t, "pgx.ConnConfig.DefaultQueryExecMode (default_query_exec_mode)", verr.Field)
 			require.Contains(t, err.Error(), "default_query_exec_mode=exec", "the error says what to set")
 		})
 	}
@@ -257,15 +257,15 @@ func TestEngineAppBehindPgBouncer(t *testing.T) {
 	seed := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}})
 	_, err := seed.store.CreateMany(ctx, "p", "t", 3)
 	require.NoError(t, err)
-	require.NoError(t, taskstore.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "engine"))
+	require.NoError(t, testhost.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "engine"))
 	cfg := outbox.Config{TransactionPooler: true, PollInterval: 50 * time.Millisecond, ListenCheckTimeout: 300 * time.Millisecond}
 
-	unsafe := fx.New(outbox.Module, taskstore.Module, fx.NopLogger,
-		fx.Supply(taskstore.HostConfig{DSN: pgtest.Bouncer(t).URL("postgres", db.Name), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg}, zap.NewNop()))
+	unsafe := fx.New(outbox.Module, testhost.Module, fx.NopLogger,
+		fx.Supply(testhost.HostConfig{DSN: pgtest.Bouncer(t).URL("postgres", db.Name), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg}, zap.NewNop()))
 	require.ErrorContains(t, unsafe.Err(), "default_query_exec_mode=exec")
 
 	tp := newTracedProcess(t)
-	app, logs, runner, _ := engineApp(t, taskstore.HostConfig{DSN: pgtest.PooledURL(t, db), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg},
+	app, logs, runner, _ := engineApp(t, testhost.HostConfig{DSN: pgtest.PooledURL(t, db), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg},
 		fx.Supply(fx.Annotate(tp.tp, fx.As(new(trace.TracerProvider)))))
 	app.RequireStart()
 	require.Equal(t, outbox.StateRunning, runner.State())

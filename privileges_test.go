@@ -13,9 +13,9 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
-	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testhost/schema"
 )
 
 // leastPrivilege sets up a database the way a careful deployment does: an owner role that
@@ -135,7 +135,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 	ctx := ctxT(t)
 	lp := newLeastPrivilege(t)
 	// Tasks exist in both projects (created by the owner, say by an import job).
-	seed := taskstore.New(lp.owner, taskstore.Options{})
+	seed := testhost.New(lp.owner, testhost.Options{})
 	for _, p := range []string{"proj-a", "proj-b"} {
 		_, err := seed.CreateMany(ctx, p, "t", 5)
 		require.NoError(t, err)
@@ -158,7 +158,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 	w, err := outbox.NewWriter(rtA, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer closeWriter(t, w)
-	store := taskstore.New(rtA, taskstore.Options{Writer: w})
+	store := testhost.New(rtA, testhost.Options{Writer: w})
 	require.NoError(t, store.LoadCache(ctx, "proj-a"))
 	for _, id := range []string{"t-1", "t-2"} {
 		_, err := store.Delete(ctx, "proj-a", id)
@@ -197,7 +197,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 		rtB := lp.runtime(t, "b", "proj-b")
 		wb, err := outbox.NewWriter(rtB, outbox.Config{NotifyDisabled: true}, zaptest.NewLogger(t))
 		require.NoError(t, err)
-		_, err = taskstore.New(rtB, taskstore.Options{Writer: wb}).Delete(ctx, "proj-b", "t-3")
+		_, err = testhost.New(rtB, testhost.Options{Writer: wb}).Delete(ctx, "proj-b", "t-3")
 		require.NoError(t, err)
 		_, err = outbox.Sequence(ctx, rtB, nil, 100)
 		require.NoError(t, err)

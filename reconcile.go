@@ -2,20 +2,24 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	semconv "go.opentelemetry.io/otel/semconv/v1.37.0"
 	"go.uber.org/zap"
 )
 
-// Why a consumer reconciles. They are stored on the cursor and logged.
+// ReconcileReason is why a consumer reconciled: stored on the cursor (reconcile_reason, as
+// ProjectStatus.ReconcileReason shows it), logged and counted.
+type ReconcileReason string
+
+// Why a consumer reconciles.
 const (
-	ReasonMissingCursor          = "missing_cursor"
-	ReasonCursorAheadOfHead      = "cursor_ahead_of_head"
-	ReasonCursorBelowPrunedFloor = "cursor_below_pruned_floor"
+	ReasonMissingCursor          ReconcileReason = "missing_cursor"
+	ReasonCursorAheadOfHead      ReconcileReason = "cursor_ahead_of_head"
+	ReasonCursorBelowPrunedFloor ReconcileReason = "cursor_below_pruned_floor"
 )
 
 const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1), 0)`
@@ -30,32 +34,41 @@ UPDATE lifecycle_consumer_deliveries
 SET state = 'resolved', resolved_at = pg_catalog.now() + $4::interval, next_attempt_at = NULL
 WHERE project_id = $1 AND consumer_id = $2 AND state = 'retrying' AND sequence <= $3`
 
+// reconciler rebuilds a project's live set when its history cannot be replayed.
+type reconciler struct {
+	id    ConsumerID
+	pool  *pgxpool.Pool
+	cfg   Config
+	cache TaskCache
+	live  LiveTasks
+}
+
+// rebuilds reports whether reconciliation rebuilds the cache, or only moves the cursor.
+func (r *reconciler) rebuilds() bool { return r.cache != nil && r.live != nil }
+
 // reconcile rebuilds the project's live set when its history cannot be replayed, and restarts
 // the cursor at the head. The head and the live tasks come from one REPEATABLE READ snapshot:
 // a delete committed before it is absent from the live set and sequenced at or below the head
 // or later; a delete committed after it is sequenced above the head and delivered normally.
-func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string) (err error) {
-	ctx, span := c.trace.start(ctx, spanReconcile, semconv.MessagingDestinationName(st.project),
-		semconv.MessagingConsumerGroupName(string(c.id)), attrReason.String(reason))
+func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason ReconcileReason) (err error) {
+	ctx, span := l.trace.start(ctx, spanReconcile, semconv.MessagingDestinationName(st.project),
+		semconv.MessagingConsumerGroupName(string(l.id)), attrReason.String(string(reason)))
 	defer func() { endSpan(span, err) }()
-	head, live, err := c.snapshot(ctx, st.project)
+	r := l.recon
+	head, live, err := r.snapshot(ctx, st.project)
 	if err != nil {
 		return err
 	}
-	if c.cache != nil && c.live != nil {
-		if err := c.cache.ReplaceLive(ctx, st.project, live); err != nil {
+	if r.rebuilds() {
+		if err := r.cache.ReplaceLive(ctx, st.project, live); err != nil {
 			return fmt.Errorf("reconcile: replace cache: %w", err)
 		}
-		if err := c.removeDeletedSince(ctx, st.project, head); err != nil {
+		if err := r.removeDeletedSince(ctx, st.project, head); err != nil {
 			return err
 		}
 	}
-	err = c.fencedTx(ctx, st, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, reconcileCursorSQL, st.project, c.id, head, reason, c.offset()); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, supersedeRetriesSQL, st.project, c.id, head, c.offset())
-		return err
+	err = l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
+		return r.restartCursorTx(ctx, tx, st.project, head, reason)
 	})
 	if err != nil {
 		return fmt.Errorf("reconcile: %w", err)
@@ -66,16 +79,27 @@ func (c *Consumer) reconcile(ctx context.Context, st *streamState, reason string
 	// older head reuses them).
 	st.acked, st.position, st.delivered, st.deliveredID, st.checkDelivered = head, head, head, "", false
 	st.blocked = false
-	c.stats.reconciliations.Add(1)
-	c.metrics.reconciled(st.project, string(c.id), reason)
-	fields := []zap.Field{zap.String("project_id", st.project), zap.String("reason", reason),
+	l.stats.reconciliations.Add(1)
+	l.metrics.reconciled(st.project, string(l.id), string(reason))
+	fields := []zap.Field{zap.String("project_id", st.project), zap.String("reason", string(reason)),
 		zap.Int64("previous_cursor", previous), zap.Int64("head", head), zap.Int("live_tasks", len(live))}
-	if c.live == nil || c.cache == nil {
-		c.log.Warn("reconciled the cursor only: no live-task source or cache to rebuild", fields...)
+	if !r.rebuilds() {
+		l.log.Warn("reconciled the cursor only: no live-task source or cache to rebuild", fields...)
 	} else {
-		c.log.Info("reconciled", fields...)
+		l.log.Info("reconciled", fields...)
 	}
 	return nil
+}
+
+// restartCursorTx moves the cursor to head, records why, and resolves the retries it
+// supersedes.
+func (r *reconciler) restartCursorTx(ctx context.Context, tx pgx.Tx, project string, head int64, reason ReconcileReason) error {
+	offset := r.cfg.Clock.Offset()
+	if _, err := tx.Exec(ctx, reconcileCursorSQL, project, r.id, head, string(reason), offset); err != nil {
+		return err
+	}
+	_, err := tx.Exec(ctx, supersedeRetriesSQL, project, r.id, head, offset)
+	return err
 }
 
 // deletedSinceSQL lists the deletions that may have committed after a snapshot whose head was
@@ -93,8 +117,8 @@ SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND seque
 // ReplaceLive put it back. Every such delete has committed by now (the local path removes a
 // task only after commit), so it is listed here and removed again before anything else reads
 // the reconciled stream. Removal is idempotent; the events are still delivered as usual.
-func (c *Consumer) removeDeletedSince(ctx context.Context, project string, head int64) error {
-	rows, err := c.pool.Query(ctx, deletedSinceSQL, project, head)
+func (r *reconciler) removeDeletedSince(ctx context.Context, project string, head int64) error {
+	rows, err := r.pool.Query(ctx, deletedSinceSQL, project, head)
 	if err != nil {
 		return fmt.Errorf("reconcile: read deletions since the snapshot: %w", err)
 	}
@@ -106,9 +130,9 @@ func (c *Consumer) removeDeletedSince(ctx context.Context, project string, head 
 	if err != nil {
 		return fmt.Errorf("reconcile: read deletions since the snapshot: %w", err)
 	}
-	octx := WithObserved(ctx, Observed{ConsumerID: c.id})
+	octx := WithObserved(ctx, Observed{ConsumerID: r.id})
 	for _, d := range gone {
-		if _, err := c.cache.RemoveTask(octx, project, d.TaskID, d.DeletedAt); err != nil {
+		if _, err := r.cache.RemoveTask(octx, project, d.TaskID, d.DeletedAt); err != nil {
 			return fmt.Errorf("reconcile: update cache: %w", err)
 		}
 	}
@@ -116,8 +140,8 @@ func (c *Consumer) removeDeletedSince(ctx context.Context, project string, head 
 }
 
 // snapshot reads the head and the live task IDs in one REPEATABLE READ transaction.
-func (c *Consumer) snapshot(ctx context.Context, project string) (int64, []string, error) {
-	tx, err := c.pool.BeginTx(ctx, c.cfg.txOptions(pgx.RepeatableRead, pgx.ReadOnly))
+func (r *reconciler) snapshot(ctx context.Context, project string) (int64, []string, error) {
+	tx, err := r.pool.BeginTx(ctx, r.cfg.txOptions(pgx.RepeatableRead, pgx.ReadOnly))
 	if err != nil {
 		return 0, nil, fmt.Errorf("reconcile: begin snapshot: %w", err)
 	}
@@ -127,8 +151,8 @@ func (c *Consumer) snapshot(ctx context.Context, project string) (int64, []strin
 		return 0, nil, fmt.Errorf("reconcile: read head: %w", err)
 	}
 	var live []string
-	if c.live != nil {
-		if live, err = c.live.LiveTaskIDsTx(ctx, tx, project); err != nil {
+	if r.live != nil {
+		if live, err = r.live.LiveTaskIDsTx(ctx, tx, project); err != nil {
 			return 0, nil, fmt.Errorf("reconcile: read live tasks: %w", err)
 		}
 	}
@@ -136,33 +160,4 @@ func (c *Consumer) snapshot(ctx context.Context, project string) (int64, []strin
 		return 0, nil, fmt.Errorf("reconcile: end snapshot: %w", err)
 	}
 	return head, live, nil
-}
-
-const fenceSQL = `
-SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
-WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch = $4
-  AND lease_expires_at > pg_catalog.now() + $5::interval AND retired_at IS NULL
-FOR UPDATE`
-
-// fencedTx runs fn in a transaction that first locks the cursor row under the stream's lease.
-// When the lease no longer matches it returns ErrLeaseLost and fn never runs. Holding the row
-// lock until commit keeps a takeover from slipping in between the check and the writes.
-func (c *Consumer) fencedTx(ctx context.Context, st *streamState, fn func(pgx.Tx) error) error {
-	tx, err := c.pool.BeginTx(ctx, c.cfg.txOptions("", ""))
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	var cursor int64
-	err = tx.QueryRow(ctx, fenceSQL, st.project, c.id, c.owner, st.epoch, c.offset()).Scan(&cursor)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return ErrLeaseLost
-	}
-	if err != nil {
-		return err
-	}
-	if err := fn(tx); err != nil {
-		return err
-	}
-	return tx.Commit(ctx)
 }

@@ -300,13 +300,6 @@ func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, re
 	return n, nil
 }
 
-// MaintenanceTask is one unit of the host's self-healing sweep, run at store open and on the
-// host's schedule. The module contributes its retention sweep as one.
-type MaintenanceTask struct {
-	Name string
-	Run  func(ctx context.Context) (fmt.Stringer, error)
-}
-
 // Task returns the retention sweep as a maintenance task.
 func (r *Retention) Task() MaintenanceTask {
 	return MaintenanceTask{Name: "outbox-retention", Run: func(ctx context.Context) (fmt.Stringer, error) {

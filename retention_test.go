@@ -12,8 +12,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 	"fusion/outbox/outboxtest"
 )
 
@@ -187,7 +187,7 @@ func TestRetentionWorksInBoundedBatchesBesideWriters(t *testing.T) {
 	require.NoError(t, err)
 
 	// Writers keep deleting in the same project throughout.
-	store := taskstore.New(pool, taskstore.Options{Writer: newWriter(t, pool, outbox.Config{})})
+	store := testhost.New(pool, testhost.Options{Writer: newWriter(t, pool, outbox.Config{})})
 	ids, err := store.CreateMany(ctx, "p", "new", 2000)
 	require.NoError(t, err)
 	stop := make(chan struct{})
@@ -236,7 +236,7 @@ func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
-	store := taskstore.New(pool, taskstore.Options{Writer: newWriter(t, pool, outbox.Config{NotifyDisabled: true})})
+	store := testhost.New(pool, testhost.Options{Writer: newWriter(t, pool, outbox.Config{NotifyDisabled: true})})
 	ids, err := store.CreateMany(ctx, "p", "t", 20)
 	require.NoError(t, err)
 	for _, id := range ids[:10] {

@@ -53,7 +53,7 @@ func Migrations() []Migration {
 
 // Migrate applies the module's missing migrations, each in its own transaction under a fixed
 // advisory lock, and returns the versions it applied. Concurrent callers are safe.
-func Migrate(ctx context.Context, db migrate.Beginner) ([]int, error) {
+func Migrate(ctx context.Context, db Beginner) ([]int, error) {
 	v, err := migrationSet.Apply(ctx, db)
 	if err != nil {
 		return v, fmt.Errorf("migrate outbox schema: %w", err)
@@ -62,7 +62,7 @@ func Migrate(ctx context.Context, db migrate.Beginner) ([]int, error) {
 }
 
 // MigrateThrough applies migrations up to version target only.
-func MigrateThrough(ctx context.Context, db migrate.Beginner, target int) ([]int, error) {
+func MigrateThrough(ctx context.Context, db Beginner, target int) ([]int, error) {
 	v, err := migrationSet.ApplyThrough(ctx, db, target)
 	if err != nil {
 		return v, fmt.Errorf("migrate outbox schema to %d: %w", target, err)

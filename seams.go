@@ -2,13 +2,15 @@ package outbox
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 )
 
-// The host seams: what the module asks of the process that embeds it. The reference host in
-// example/taskstore implements each one.
+// The host seams: what the module asks of the process that embeds it (Deps carries them to
+// New; the fx Module takes them from the graph). The reference host in example/taskstore
+// implements each one.
 
 // TaskCache is the host's local cache of live tasks. Both methods must be idempotent.
 type TaskCache interface {
@@ -30,18 +32,21 @@ type LiveTasks interface {
 	LiveTaskIDsTx(ctx context.Context, tx pgx.Tx, projectID string) ([]string, error)
 }
 
+// AuditAction names what an audit row records.
+type AuditAction string
+
 // Audit actions the module writes.
 const (
-	AuditConsumerPoisoned = "lifecycle-observation:consumer-poisoned"
-	AuditConsumerReplayed = "lifecycle-observation:consumer-replayed"
-	AuditConsumerRetired  = "lifecycle-observation:consumer-retired"
-	AuditConsumerRestored = "lifecycle-observation:consumer-reinstated"
+	AuditConsumerPoisoned AuditAction = "lifecycle-observation:consumer-poisoned"
+	AuditConsumerReplayed AuditAction = "lifecycle-observation:consumer-replayed"
+	AuditConsumerRetired  AuditAction = "lifecycle-observation:consumer-retired"
+	AuditConsumerRestored AuditAction = "lifecycle-observation:consumer-reinstated"
 )
 
 // AuditRecord is a run-audit row the module asks the host to write. It holds identifiers and
 // counts only: never error text, payload prose or free-form notes.
 type AuditRecord struct {
-	Action     string
+	Action     AuditAction
 	ProjectID  string
 	ConsumerID ConsumerID
 	EventID    string // empty for consumer-level actions
@@ -63,7 +68,7 @@ type TableAuditSink struct{}
 
 // WriteAuditTx inserts rec into lifecycle_audit.
 func (TableAuditSink) WriteAuditTx(ctx context.Context, tx pgx.Tx, rec AuditRecord) error {
-	_, err := tx.Exec(ctx, insertAuditSQL, rec.ProjectID, rec.Action, nullable(string(rec.ConsumerID)),
+	_, err := tx.Exec(ctx, insertAuditSQL, rec.ProjectID, string(rec.Action), nullable(string(rec.ConsumerID)),
 		nullable(rec.EventID), nullableInt(rec.Sequence), nullableInt(int64(rec.Attempts)), nullable(rec.Actor), nullable(rec.Reason))
 	return err
 }
@@ -97,3 +102,40 @@ type StaticProjects []string
 
 // ObservedProjects returns the list.
 func (p StaticProjects) ObservedProjects(context.Context) ([]string, error) { return p, nil }
+
+// Settings is the host seam for persisted configuration: the reference host reads its
+// settings table. Setting reports found=false when the named field has no row.
+type Settings interface {
+	Setting(ctx context.Context, name string) (value string, found bool, err error)
+}
+
+// Listener is an observed-safe listener. It must be idempotent (delivery is at-least-once) and
+// must not perform writer-owned side effects: the context it gets is marked observed, and the
+// writer hook and the host's writer-owned paths refuse such a context.
+type Listener interface {
+	// Name identifies the listener in logs.
+	Name() string
+	HandleObserved(ctx context.Context, ev ObservedEvent) error
+}
+
+// ListenerFunc adapts a function to a Listener.
+func ListenerFunc(name string, fn func(context.Context, ObservedEvent) error) Listener {
+	return listenerFunc{name, fn}
+}
+
+type listenerFunc struct {
+	name string
+	fn   func(context.Context, ObservedEvent) error
+}
+
+func (l listenerFunc) Name() string { return l.name }
+func (l listenerFunc) HandleObserved(ctx context.Context, ev ObservedEvent) error {
+	return l.fn(ctx, ev)
+}
+
+// MaintenanceTask is one unit of the host's self-healing sweep, run at store open and on the
+// host's schedule. The module contributes its retention sweep as one.
+type MaintenanceTask struct {
+	Name string
+	Run  func(ctx context.Context) (fmt.Stringer, error)
+}

@@ -17,8 +17,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // sseFrame is one dispatched server-sent event as a browser's EventSource sees it.
@@ -186,18 +186,18 @@ type hostApp struct {
 
 // startHost starts the reference host with the durable identity consumer (set in its
 // settings scope) observing projects, serving HTTP on addr.
-func startHost(t *testing.T, url, consumer, addr string, projects []string, tweak func(*taskstore.HostConfig), extra ...fx.Option) *hostApp {
+func startHost(t *testing.T, url, consumer, addr string, projects []string, tweak func(*testhost.HostConfig), extra ...fx.Option) *hostApp {
 	t.Helper()
 	ctx := ctxT(t)
 	pool := pgtest.Pool(t, url)
 	scope := consumer + "-node"
-	require.NoError(t, taskstore.NewSettings(pool, scope).Set(ctx, "outbox.consumer_id", consumer))
-	cfg := taskstore.HostConfig{DSN: url, Projects: projects, SettingsScope: scope, HTTPAddr: addr, Actor: "test",
+	require.NoError(t, testhost.NewSettings(pool, scope).Set(ctx, "outbox.consumer_id", consumer))
+	cfg := testhost.HostConfig{DSN: url, Projects: projects, SettingsScope: scope, HTTPAddr: addr, Actor: "test",
 		Outbox: fastConfig()}
 	if tweak != nil {
 		tweak(&cfg)
 	}
-	app := fx.New(append([]fx.Option{outbox.Module, taskstore.Module, fx.Supply(cfg, zaptest.NewLogger(t)), fx.NopLogger}, extra...)...)
+	app := fx.New(append([]fx.Option{outbox.Module, testhost.Module, fx.Supply(cfg, zaptest.NewLogger(t)), fx.NopLogger}, extra...)...)
 	require.NoError(t, app.Err())
 	require.NoError(t, app.Start(ctx))
 	h := &hostApp{app: app, addr: addr}

@@ -123,19 +123,19 @@ func (w *Writer) insertTraced(ctx context.Context, tx pgx.Tx, ev *Event, prior *
 
 // processSpan begins the span of one attempt to dispatch ev, linked to the event's creation
 // context. With tracing off it returns its arguments and a nil span.
-func (c *Consumer) processSpan(ctx context.Context, ev ObservedEvent) (context.Context, ObservedEvent, trace.Span) {
-	if c.trace.tracer == nil {
+func (t tracing) processSpan(ctx context.Context, ev ObservedEvent) (context.Context, ObservedEvent, trace.Span) {
+	if t.tracer == nil {
 		return ctx, ev, nil
 	}
 	opts := []trace.SpanStartOption{trace.WithNewRoot(), trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(semconv.MessagingSystemKey.String(TraceMessagingSystem), semconv.MessagingOperationTypeProcess,
 			semconv.MessagingOperationName("process"), semconv.MessagingDestinationName(ev.ProjectID),
-			semconv.MessagingConsumerGroupName(string(c.id)), semconv.MessagingMessageID(ev.EventID),
+			semconv.MessagingConsumerGroupName(string(ev.ConsumerID)), semconv.MessagingMessageID(ev.EventID),
 			attrAttempt.Int(ev.Attempt), attrSequence.Int64(ev.Sequence), attrReplay.Bool(ev.Replay))}
 	if sc, ok := parseTraceContext(ev.traceContext); ok {
 		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
 	}
-	ctx, span := c.trace.tracer.Start(ctx, "process "+ev.ProjectID, opts...)
+	ctx, span := t.tracer.Start(ctx, "process "+ev.ProjectID, opts...)
 	ev.span = span
 	return ctx, ev, span
 }
@@ -160,21 +160,6 @@ func (ev ObservedEvent) listenerContext(ctx context.Context) context.Context {
 		return ctx
 	}
 	return trace.ContextWithSpan(ctx, ev.span)
-}
-
-// sequence is the consumer's sequencer call, in a span when tracing is on.
-func (c *Consumer) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
-	if c.trace.tracer == nil {
-		return c.seq.sequence(ctx, c.pool, projects, c.cfg.SequenceBatchSize)
-	}
-	ctx, span := c.trace.start(ctx, spanSequence, semconv.MessagingConsumerGroupName(string(c.id)), attrProjects.Int(len(projects)))
-	heads, err := c.seq.sequence(ctx, c.pool, projects, c.cfg.SequenceBatchSize)
-	assigned := 0
-	for _, h := range heads {
-		assigned += h.Assigned
-	}
-	endSpan(span, err, attrAssigned.Int(assigned))
-	return heads, err
 }
 
 // formatTraceContext is the stored form of sc: its traceparent ("00-<trace>-<span>-<flags>"),

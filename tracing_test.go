@@ -18,8 +18,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 	"fusion/outbox/outboxtest"
 )
 
@@ -287,12 +287,12 @@ func TestTracedWriterRoleRecordsTheTraceContext(t *testing.T) {
 	lp := newLeastPrivilege(t)
 	writerPool, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	wt := newTracedProcess(t)
-	_, err := taskstore.New(lp.owner, taskstore.Options{}).CreateMany(ctx, "proj-a", "t", 1)
+	_, err := testhost.New(lp.owner, testhost.Options{}).CreateMany(ctx, "proj-a", "t", 1)
 	require.NoError(t, err)
 	w, err := outbox.NewWriter(writerPool, outbox.Config{TracerProvider: wt.tp}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer func() { _ = w.Close(ctx) }()
-	_, err = taskstore.New(writerPool, taskstore.Options{Writer: w}).Delete(ctx, "proj-a", "t-1")
+	_, err = testhost.New(writerPool, testhost.Options{Writer: w}).Delete(ctx, "proj-a", "t-1")
 	require.NoError(t, err, "a traced delete as the writer role")
 	require.Len(t, wt.spans("create proj-a"), 1)
 	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE trace_context IS NOT NULL`))

@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+
+	"fusion/outbox/startstop"
 )
 
 // TaskDeletion is what the host's delete transaction tells the writer hook.
@@ -55,7 +57,7 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	id, err := NewWriterProcessID(cfg.WriterLabel)
+	id, err := newWriterProcessID(cfg.WriterLabel)
 	if err != nil {
 		return nil, err
 	}
@@ -67,6 +69,12 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 		base, cancel := context.WithCancel(context.Background())
 		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, gap: cfg.NotifyGap, log: w.log, pending: map[string]struct{}{},
 			base: base, cancel: cancel}
+		run, err := w.notify.lifecycle.Begin()
+		if err != nil {
+			cancel()
+			return nil, err // not reached: a new base always begins
+		}
+		w.notify.run = run
 	}
 	return w, nil
 }
@@ -141,22 +149,22 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 
 func (d TaskDeletion) validate() error {
 	if err := ValidateProjectID(d.ProjectID); err != nil {
-		return invalid("ProjectID", "%v", err)
+		return invalid("TaskDeletion.ProjectID", "%v", err)
 	}
-	if err := validateTaskID(d.TaskID); err != nil {
+	if err := validateTaskID("TaskDeletion.TaskID", d.TaskID); err != nil {
 		return err
 	}
 	if d.DeletedAt.IsZero() {
-		return invalid("DeletedAt", "is zero: pass the deleted_at value the database stored")
+		return invalid("TaskDeletion.DeletedAt", "is zero: pass the deleted_at value the database stored")
 	}
 	if d.DeletedAt.Nanosecond()%1000 != 0 {
-		return invalid("DeletedAt", "%s has sub-microsecond precision: pass the value the database stored, not a client clock reading", d.DeletedAt.Format(time.RFC3339Nano))
+		return invalid("TaskDeletion.DeletedAt", "%s has sub-microsecond precision: pass the value the database stored, not a client clock reading", d.DeletedAt.Format(time.RFC3339Nano))
 	}
 	if y := d.DeletedAt.UTC().Year(); y < 1 || y > 9999 {
-		return invalid("DeletedAt", "year %d is out of range", y)
+		return invalid("TaskDeletion.DeletedAt", "year %d is out of range", y)
 	}
 	if len(d.PriorColumn) > 128 || strings.IndexFunc(d.PriorColumn, unicode.IsControl) >= 0 {
-		return invalid("PriorColumn", "must be at most 128 bytes without control characters")
+		return invalid("TaskDeletion.PriorColumn", "must be at most 128 bytes without control characters")
 	}
 	return nil
 }
@@ -189,6 +197,11 @@ type notifier struct {
 	channel string
 	gap     time.Duration
 	log     *zap.Logger
+
+	// lifecycle runs from NewWriter to Close: Close stops it, and it finishes once the
+	// wake-ups in flight are sent.
+	lifecycle startstop.Base
+	run       *startstop.Run
 
 	// base is the parent of every notification's context. Close cancels it, which abandons
 	// the notifications in flight when Close's own context ends before they are sent.
@@ -262,18 +275,19 @@ func (n *notifier) flush() {
 	}
 }
 
-// close refuses further wake-ups and waits for those in flight, bounded by ctx.
+// close refuses further wake-ups and waits for those in flight, bounded by ctx; when ctx
+// ends first, the ones in flight are abandoned.
 func (n *notifier) close(ctx context.Context) error {
 	n.mu.Lock()
-	n.closed = true
+	first := !n.closed
+	n.closed = true // enqueue starts no flush from now on, so wg only falls
 	n.mu.Unlock()
-	idle := make(chan struct{})
-	go func() { n.wg.Wait(); close(idle) }()
-	defer n.cancel()
-	select {
-	case <-idle:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("close writer: %w", ctx.Err())
+	if first {
+		go func() { n.wg.Wait(); n.run.Finished() }()
 	}
+	defer n.cancel()
+	if err := n.lifecycle.Stop(ctx); err != nil {
+		return fmt.Errorf("close writer: %w", err)
+	}
+	return nil
 }

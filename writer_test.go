@@ -15,8 +15,8 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // closeWriter closes w within a bound, as a host's stop path would.
@@ -284,9 +284,9 @@ func TestSequencerRefusesRepeatableRead(t *testing.T) {
 }
 
 // hostWithOutbox is a reference host wired with the writer hook.
-func hostWithOutbox(t *testing.T, pool *pgxpool.Pool) (*taskstore.Store, *outbox.Writer) {
+func hostWithOutbox(t *testing.T, pool *pgxpool.Pool) (*testhost.Store, *outbox.Writer) {
 	w := newWriter(t, pool, outbox.Config{})
-	return taskstore.New(pool, taskstore.Options{Writer: w, Logger: zaptest.NewLogger(t)}), w
+	return testhost.New(pool, testhost.Options{Writer: w, Logger: zaptest.NewLogger(t)}), w
 }
 
 func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
@@ -329,7 +329,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, err)
 		other, _ := hostWithOutbox(t, pgtest.Pool(t, pool.Config().ConnString()))
 		var g errgroup.Group
-		results := make([]taskstore.DeleteResult, 8)
+		results := make([]testhost.DeleteResult, 8)
 		for i := range results {
 			s := store
 			if i%2 == 1 {
@@ -420,7 +420,7 @@ func TestWriterRefusesObservedContextAndBadInput(t *testing.T) {
 		_, _, err := w.RecordTaskDeletedTx(ctx, tx, d)
 		var verr *outbox.ValidationError
 		require.ErrorAs(t, err, &verr, name)
-		require.Equal(t, strings.TrimSpace(name), verr.Field)
+		require.Equal(t, "TaskDeletion."+strings.TrimSpace(name), verr.Field)
 	}
 	require.NoError(t, tx.Commit(ctx))
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox`), "nothing was written")
@@ -467,7 +467,7 @@ func TestDisabledWriterRecordsNothing(t *testing.T) {
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
 	w := newWriter(t, pool, outbox.Config{Disabled: true})
-	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	store := testhost.New(pool, testhost.Options{Writer: w})
 	_, err := store.Create(ctx, "p", "t", "x", "")
 	require.NoError(t, err)
 	res, err := store.Delete(ctx, "p", "t")

@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/testhost"
 )
 
 // txStamps holds when a delete transaction sent BEGIN and when its COMMIT returned, as seen
@@ -102,15 +102,15 @@ func insertBacklog(ctx context.Context, pool *pgxpool.Pool, project, prefix stri
 
 // newHost builds a reference-host store; withOutbox wires the writer hook, whose post-commit
 // NOTIFY is on unless notify is false.
-func newHost(pool *pgxpool.Pool, withOutbox, notify bool) (*taskstore.Store, *outbox.Writer, error) {
+func newHost(pool *pgxpool.Pool, withOutbox, notify bool) (*testhost.Store, *outbox.Writer, error) {
 	if !withOutbox {
-		return taskstore.New(pool, taskstore.Options{}), nil, nil
+		return testhost.New(pool, testhost.Options{}), nil, nil
 	}
 	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, nil)
 	if err != nil {
 		return nil, nil, fmt.Errorf("new writer: %w", err)
 	}
-	return taskstore.New(pool, taskstore.Options{Writer: w}), w, nil
+	return testhost.New(pool, testhost.Options{Writer: w}), w, nil
 }
 
 // closeWriter returns a stop for w, bounded like the bench's other stop paths.
@@ -141,7 +141,7 @@ type deleteRun struct {
 type deleteFunc func(ctx context.Context, j deleteJob) (eventID string, err error)
 
 // hostDelete runs the reference host's Store.Delete, as the host runs it.
-func hostDelete(store *taskstore.Store) deleteFunc {
+func hostDelete(store *testhost.Store) deleteFunc {
 	return func(ctx context.Context, j deleteJob) (string, error) {
 		res, err := store.Delete(ctx, j.project, j.task)
 		if err == nil && !res.Deleted {

@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/testhost"
 )
 
 func init() {
@@ -191,7 +191,7 @@ func runOOO(ctx context.Context, env *Env, o oooOpts, which string) (oooResult, 
 // recorded, if any.
 func openHeldTx(ctx context.Context, pool interface {
 	Begin(context.Context) (pgx.Tx, error)
-}, store *taskstore.Store, w *outbox.Writer, which, project string) (pgx.Tx, string, error) {
+}, store *testhost.Store, w *outbox.Writer, which, project string) (pgx.Tx, string, error) {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return nil, "", fmt.Errorf("ooo: begin held transaction: %w", err)
@@ -204,7 +204,7 @@ func openHeldTx(ctx context.Context, pool interface {
 		return tx, "", nil
 	}
 	// The reference host's delete transaction, stopped before its commit.
-	t := taskstore.Task{ProjectID: project, ID: "held-1"}
+	t := testhost.Task{ProjectID: project, ID: "held-1"}
 	var deletedAt time.Time
 	err = tx.QueryRow(ctx, `UPDATE tasks SET deleted_at = now(), updated_at = now()
 		WHERE project_id = $1 AND id = $2 AND deleted_at IS NULL RETURNING title, "column", deleted_at`, project, t.ID).

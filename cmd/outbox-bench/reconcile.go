@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/testhost"
 )
 
 func init() {
@@ -51,8 +51,8 @@ func runReconcile(ctx context.Context, env *Env, o reconcileOpts) (reconcileResu
 	if _, err := pool.Exec(ctx, "VACUUM ANALYZE tasks"); err != nil {
 		return res, fmt.Errorf("vacuum tasks: %w", err)
 	}
-	host := taskstore.New(pool, taskstore.Options{})
-	cache := taskstore.NewCache()
+	host := testhost.New(pool, testhost.Options{})
+	cache := testhost.NewCache()
 	env.Logf("reconcile: %d live tasks", o.tasks)
 	started := time.Now()
 	c, err := startConsumer(ctx, db, consumerSpec{id: "bench-reconcile", projects: []string{project},

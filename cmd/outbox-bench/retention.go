@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/testhost"
 )
 
 func init() {
@@ -114,7 +114,7 @@ func runRetention(ctx context.Context, env *Env, o retentionOpts) (retentionResu
 
 // deleter deletes tasks t-1, t-2, ... of one project through the reference host.
 type deleter struct {
-	store     *taskstore.Store
+	store     *testhost.Store
 	project   string
 	tasks     int64
 	next      atomic.Int64

@@ -11,7 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/testhost"
 )
 
 func init() {
@@ -69,7 +69,7 @@ func runWriteTrace(ctx context.Context, env *Env, o writeTraceOpts) (writeTraceR
 			if err != nil {
 				return nil, nil, fmt.Errorf("new writer: %w", err)
 			}
-			del := hostDelete(taskstore.New(pool, taskstore.Options{Writer: w}))
+			del := hostDelete(testhost.New(pool, testhost.Options{Writer: w}))
 			if hostSpan {
 				del = withHostSpan(tp.Tracer("bench-host"), del)
 			}

@@ -1,9 +1,7 @@
 package main
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -12,7 +10,6 @@ import (
 	"os"
 	"os/signal"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -20,7 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/testhost"
 )
 
 // The child processes are engine binaries in miniature: each builds its fx app from
@@ -69,7 +66,7 @@ func runChild(args []string) error {
 		return err
 	}
 	defer func() { _ = log.Sync() }()
-	host := taskstore.HostConfig{DSN: *dsn, Projects: strings.Split(*projects, ","), SettingsScope: *scope,
+	host := testhost.HostConfig{DSN: *dsn, Projects: strings.Split(*projects, ","), SettingsScope: *scope,
 		HTTPAddr: *httpAddr, Actor: args[0] + ":" + *scope, Outbox: demoOutbox(),
 		SSE: outbox.SSEOptions{Retry: 500 * time.Millisecond}, OpsAuthorize: loopbackOnly}
 
@@ -77,11 +74,11 @@ func runChild(args []string) error {
 	case "writer":
 		return runWriter(ctx, host, log, *count, *rate)
 	case "observer":
-		al, err := openAppliedLog(*applied, *poison, *fixed)
+		al, err := testhost.OpenApplyLog(testhost.ApplyOptions{Path: *applied, Poison: *poison, Fixed: *fixed, Progress: true})
 		if err != nil {
 			return err
 		}
-		defer al.close()
+		defer func() { _ = al.Close() }()
 		return runObserver(ctx, host, log, al)
 	}
 	return fmt.Errorf("child: unknown role %q", args[0])
@@ -119,16 +116,9 @@ func loopbackOnly(r *http.Request, _ outbox.OpsAction) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-func runObserver(ctx context.Context, host taskstore.HostConfig, log *zap.Logger, al *appliedLog) error {
+func runObserver(ctx context.Context, host testhost.HostConfig, log *zap.Logger, al *testhost.ApplyLog) error {
 	var runner *outbox.Runner
-	app := fx.New(
-		outbox.Module,
-		taskstore.Module,
-		fx.Supply(host, log),
-		fx.Provide(outbox.AsListener(func() outbox.Listener { return al })),
-		fx.Populate(&runner),
-		fx.NopLogger,
-	)
+	app := testhost.ObserverApp(host, log, al, fx.Populate(&runner))
 	if stopped, err := startApp(ctx, app); stopped || err != nil {
 		return err
 	}
@@ -137,10 +127,10 @@ func runObserver(ctx context.Context, host taskstore.HostConfig, log *zap.Logger
 	return stopApp(app)
 }
 
-func runWriter(ctx context.Context, host taskstore.HostConfig, log *zap.Logger, count int, rate float64) error {
-	var store *taskstore.Store
+func runWriter(ctx context.Context, host testhost.HostConfig, log *zap.Logger, count int, rate float64) error {
+	var store *testhost.Store
 	var runner *outbox.Runner
-	app := fx.New(outbox.Module, taskstore.Module, fx.Supply(host, log), fx.Populate(&store, &runner), fx.NopLogger)
+	app := fx.New(outbox.Module, testhost.Module, fx.Supply(host, log), fx.Populate(&store, &runner), fx.NopLogger)
 	if stopped, err := startApp(ctx, app); stopped || err != nil {
 		return err
 	}
@@ -165,76 +155,4 @@ func runWriter(ctx context.Context, host taskstore.HostConfig, log *zap.Logger, 
 		}
 	}
 	return stopApp(app)
-}
-
-// appliedLog is the demo observer's idempotent listener. It applies each deletion once and
-// records it in an append-only file that survives SIGKILL (one write per line, no buffering);
-// a re-delivered event already in the log is counted as a suppressed duplicate instead.
-type appliedLog struct {
-	mu      sync.Mutex
-	f       *os.File
-	seen    map[string]bool
-	applied int
-	poison  string
-	fixed   string
-}
-
-type logLine struct {
-	Kind     string `json:"kind"` // "applied" or "duplicate"
-	EventID  string `json:"eventId"`
-	Project  string `json:"project"`
-	Sequence int64  `json:"sequence"`
-	Replay   bool   `json:"replay,omitempty"`
-}
-
-func openAppliedLog(path, poison, fixed string) (*appliedLog, error) {
-	al := &appliedLog{seen: map[string]bool{}, poison: poison, fixed: fixed}
-	if f, err := os.Open(path); err == nil {
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			var l logLine
-			if json.Unmarshal(sc.Bytes(), &l) == nil && l.Kind == "applied" {
-				al.seen[l.EventID] = true
-				al.applied++
-			}
-		}
-		_ = f.Close()
-	}
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return nil, fmt.Errorf("open applied log: %w", err)
-	}
-	al.f = f
-	return al, nil
-}
-
-func (a *appliedLog) close() { _ = a.f.Close() }
-
-func (a *appliedLog) Name() string { return "applied-log" }
-
-var errPoison = errors.New("this listener cannot handle the event yet")
-
-func (a *appliedLog) HandleObserved(_ context.Context, ev outbox.ObservedEvent) error {
-	if a.poison == ev.ProjectID+"/"+ev.TaskID {
-		if _, err := os.Stat(a.fixed); err != nil {
-			return errPoison
-		}
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	kind := "applied"
-	if a.seen[ev.EventID] {
-		kind = "duplicate"
-	}
-	b, _ := json.Marshal(logLine{Kind: kind, EventID: ev.EventID, Project: ev.ProjectID, Sequence: ev.Sequence, Replay: ev.Replay})
-	if _, err := a.f.Write(append(b, '\n')); err != nil {
-		return fmt.Errorf("append applied log: %w", err)
-	}
-	if kind == "applied" {
-		a.seen[ev.EventID] = true
-		if a.applied++; a.applied%100 == 0 {
-			fmt.Printf("applied %d\n", a.applied)
-		}
-	}
-	return nil
 }

@@ -17,9 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
-	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgcluster"
+	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testhost/schema"
 )
 
 const (
@@ -71,7 +71,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	}
 	say("applied the outbox migrations (version %d) and the task store's own schema", outbox.SchemaVersion)
 
-	host := taskstore.New(pool, taskstore.Options{Actor: "demo"})
+	host := testhost.New(pool, testhost.Options{Actor: "demo"})
 	for _, p := range projects {
 		if _, err := host.CreateMany(ctx, p, "t", tasksPerProject); err != nil {
 			return 1, err
@@ -83,7 +83,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 			extra: []string{"-poison", poisonTask, "-fixed", filepath.Join(dir, "listener-fixed")}},
 	}
 	for _, o := range observers {
-		if err := taskstore.NewSettings(pool, o.scope).Set(ctx, "outbox.consumer_id", o.consumer); err != nil {
+		if err := testhost.NewSettings(pool, o.scope).Set(ctx, "outbox.consumer_id", o.consumer); err != nil {
 			return 1, err
 		}
 		o.logPath = filepath.Join(dir, o.name+".applied.jsonl")
@@ -376,13 +376,19 @@ func readAppliedLog(path string) (consumerReport, error) {
 	last := map[string]int64{}
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		var l logLine
+		var l testhost.ApplyRecord
 		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
 			return r, fmt.Errorf("%s: %w", path, err)
 		}
-		if l.Kind == "duplicate" {
+		switch l.Kind {
+		case "duplicate":
 			r.duplicates++
 			continue
+		case "fence-violated":
+			return r, fmt.Errorf("%s: an observer performed a writer-owned side effect for %s", path, l.EventID)
+		case "applied":
+		default:
+			continue // fence-refused: the fence held
 		}
 		r.applied[l.EventID] = true
 		if !l.Replay {

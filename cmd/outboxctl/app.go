@@ -102,14 +102,14 @@ requested without --yes while stdin is not a terminal).`,
 	pf.BoolVar(&a.json, "json", false, "print machine-readable JSON on stdout instead of tables")
 	pf.DurationVar(&a.timeout, "timeout", 30*time.Second, "bound on each phase of database work (time spent waiting for your confirmation does not count)")
 	root.AddCommand(
-		a.statusCommand(),
-		a.deadLettersCommand(),
-		a.replayCommand(),
-		a.retireCommand(false),
-		a.retireCommand(true),
-		a.pruneCommand(),
-		a.migrateCommand(),
-		a.verifyCommand(),
+		statusCommand(a),
+		deadLettersCommand(a),
+		replayCommand(a),
+		retireCommand(a, false),
+		retireCommand(a, true),
+		pruneCommand(a),
+		migrateCommand(a),
+		verifyCommand(a),
 	)
 	return root
 }

@@ -53,7 +53,7 @@ func (f *changeFlags) operator() (outbox.Operator, error) {
 	if err := op.Validate(); err != nil {
 		var v *outbox.ValidationError
 		if errors.As(err, &v) {
-			return outbox.Operator{}, usageErrorf("--%s %s", v.Field, v.Reason)
+			return outbox.Operator{}, usageErrorf("--%s %s", flagName(v.Field), v.Reason)
 		}
 		return outbox.Operator{}, usageErrorf("%v", err)
 	}
@@ -86,4 +86,13 @@ func capitalize(s string) string {
 		return s
 	}
 	return strings.ToUpper(s[:1]) + s[1:]
+}
+
+// flagName is the flag that sets a field a ValidationError names by its Go path
+// ("Operator.Reason" is --reason).
+func flagName(goPath string) string {
+	if i := strings.LastIndexByte(goPath, '.'); i >= 0 {
+		goPath = goPath[i+1:]
+	}
+	return strings.ToLower(goPath)
 }

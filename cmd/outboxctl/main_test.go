@@ -21,8 +21,8 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // binary is the outboxctl built once for the whole test run.
@@ -184,7 +184,7 @@ func startConsumer(t *testing.T, url string, id outbox.ConsumerID, projects []st
 	t.Helper()
 	ctx := testCtx(t)
 	pool := pgtest.Pool(t, url)
-	store := taskstore.New(pool, taskstore.Options{})
+	store := testhost.New(pool, testhost.Options{})
 	require.NoError(t, store.LoadCache(ctx, projects...))
 	log := zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))
 	p := &consumerProc{fail: fail}
@@ -255,7 +255,7 @@ func newFixture(t *testing.T) *fixture {
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel)))
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, w.Close(context.Background())) })
-	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	store := testhost.New(pool, testhost.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "alpha", "t", 5)
 	require.NoError(t, err)
 	_, err = store.CreateMany(ctx, "beta", "t", 2)
@@ -307,10 +307,10 @@ type auditRow struct {
 	Sequence                                  int64
 }
 
-func audits(t *testing.T, pool *pgxpool.Pool, action string) []auditRow {
+func audits(t *testing.T, pool *pgxpool.Pool, action outbox.AuditAction) []auditRow {
 	t.Helper()
 	rows, err := pool.Query(context.Background(), `SELECT project_id, coalesce(consumer_id, ''), coalesce(actor, ''), coalesce(reason, ''),
-		coalesce(event_id, ''), coalesce(sequence, 0) FROM lifecycle_audit WHERE action = $1 ORDER BY id`, action)
+		coalesce(event_id, ''), coalesce(sequence, 0) FROM lifecycle_audit WHERE action = $1 ORDER BY id`, string(action))
 	require.NoError(t, err)
 	defer rows.Close()
 	var out []auditRow

@@ -7,8 +7,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // TestThroughPgBouncer runs the binary against a DSN that goes through PgBouncer in
@@ -24,7 +24,7 @@ func TestThroughPgBouncer(t *testing.T) {
 	w, err := outbox.NewWriter(pool, outbox.Config{TransactionPooler: true}, nil)
 	require.NoError(t, err)
 	defer func() { _ = w.Close(ctx) }()
-	store := taskstore.New(pool, taskstore.Options{Writer: w})
+	store := testhost.New(pool, testhost.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "alpha", "t", 3)
 	require.NoError(t, err)
 	for i := 1; i <= 3; i++ {

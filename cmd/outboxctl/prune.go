@@ -18,7 +18,7 @@ type pruneCmd struct {
 	cfg    outbox.Config
 }
 
-func (a *app) pruneCommand() *cobra.Command {
+func pruneCommand(a *app) *cobra.Command {
 	p := &pruneCmd{app: a, cfg: outbox.Config{}.WithDefaults()}
 	cmd := &cobra.Command{
 		Use:   "prune",

@@ -16,7 +16,7 @@ type replayCmd struct {
 	all bool
 }
 
-func (a *app) replayCommand() *cobra.Command {
+func replayCommand(a *app) *cobra.Command {
 	r := &replayCmd{app: a}
 	cmd := &cobra.Command{
 		Use:   "replay [SEQUENCE...]",
@@ -153,7 +153,7 @@ func (r *replayCmd) plan(ctx context.Context, seqs []int64) ([]replayItem, error
 	for _, d := range letters {
 		bySeq[d.Sequence] = d
 		if r.all && d.State == "dead" {
-			items = append(items, replayItem{d.ProjectID, d.ConsumerID, d.Sequence, d.EventID, d.State})
+			items = append(items, replayItem{d.ProjectID, d.ConsumerID, d.Sequence, d.EventID, string(d.State)})
 		}
 	}
 	for _, s := range seqs {
@@ -166,7 +166,7 @@ func (r *replayCmd) plan(ctx context.Context, seqs []int64) ([]replayItem, error
 			return nil, fmt.Errorf("%w: sequence %d of project %q for consumer %q already awaits replay (requested by %s)",
 				outbox.ErrNotDeadLetter, s, a.project, a.consumer, orDash(d.ReplayRequestedBy))
 		}
-		items = append(items, replayItem{d.ProjectID, d.ConsumerID, d.Sequence, d.EventID, d.State})
+		items = append(items, replayItem{d.ProjectID, d.ConsumerID, d.Sequence, d.EventID, string(d.State)})
 	}
 	return items, nil
 }

@@ -15,7 +15,7 @@ type retireCmd struct {
 	changeFlags
 }
 
-func (a *app) retireCommand(reinstate bool) *cobra.Command {
+func retireCommand(a *app, reinstate bool) *cobra.Command {
 	r := &retireCmd{app: a, reinstate: reinstate}
 	cmd := &cobra.Command{
 		Use:   "retire",

@@ -15,7 +15,7 @@ import (
 // undefinedTable is SQLSTATE 42P01: the bookkeeping table does not exist yet (version 0).
 const undefinedTable = "42P01"
 
-func (a *app) migrateCommand() *cobra.Command {
+func migrateCommand(a *app) *cobra.Command {
 	var f changeFlags
 	cmd := &cobra.Command{
 		Use:   "migrate",
@@ -120,7 +120,7 @@ func appliedMigrations(ctx context.Context, a *app) ([]outbox.AppliedMigration, 
 	return applied, nil
 }
 
-func (a *app) verifyCommand() *cobra.Command {
+func verifyCommand(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "verify",
 		Short: "Check that the database schema is the one this build expects",

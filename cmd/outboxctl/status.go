@@ -11,7 +11,7 @@ import (
 	"fusion/outbox"
 )
 
-func (a *app) statusCommand() *cobra.Command {
+func statusCommand(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "status",
 		Short: "Show each consumer's cursor, lag, lease and open deliveries",
@@ -90,7 +90,7 @@ func partialError(p *outbox.ProjectErrors) error {
 	return fmt.Errorf("%w (the other projects are shown above)", p)
 }
 
-func (a *app) deadLettersCommand() *cobra.Command {
+func deadLettersCommand(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "dead-letters",
 		Short: "List unresolved dead letters (parked, or waiting for a requested replay)",
@@ -133,7 +133,7 @@ func (a *app) runDeadLetters(ctx context.Context, cmd *cobra.Command, _ []string
 	}
 	t := newTable(a.stdout, "PROJECT", "CONSUMER", "SEQUENCE", "EVENT_ID", "STATE", "ATTEMPTS", "FAILURE", "PARKED_AT", "REPLAY_REQUESTED_BY")
 	for _, d := range dead {
-		t.row(d.ProjectID, d.ConsumerID, itoa(d.Sequence), d.EventID, d.State, itoa(d.Attempts),
+		t.row(d.ProjectID, d.ConsumerID, itoa(d.Sequence), d.EventID, string(d.State), itoa(d.Attempts),
 			orDash(d.LastFailureClass), timeText(d.ParkedAt), orDash(d.ReplayRequestedBy))
 	}
 	return t.flush()

@@ -16,7 +16,6 @@ import (
 	"go.uber.org/zap"
 
 	"fusion/outbox"
-	"fusion/outbox/internal/safetext"
 )
 
 // HostConfig is the reference host's per-deployment configuration.
@@ -71,7 +70,6 @@ var Module = fx.Module("taskstore",
 		newSelfHealing,
 	),
 	fx.Invoke(
-		func(s *Store, w *outbox.Writer) { s.SetWriter(w) },
 		func(*SelfHealing) {},
 		serveHTTP,
 	),
@@ -81,7 +79,7 @@ func newPool(lc fx.Lifecycle, c HostConfig) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(c.DSN)
 	if err != nil {
 		// Not %w: pgx's message can repeat part of a password.
-		return nil, fmt.Errorf("database DSN does not parse: %s", safetext.DSNParseReason(err))
+		return nil, fmt.Errorf("database DSN does not parse: %s", outbox.DSNParseReason(err))
 	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
@@ -94,10 +92,13 @@ func newPool(lc fx.Lifecycle, c HostConfig) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// newStore builds the store and loads its cache at open, before the outbox consumer starts
-// (this hook is registered first because the consumer's runner depends on the store).
-func newStore(lc fx.Lifecycle, pool *pgxpool.Pool, cache *Cache, c HostConfig, log *zap.Logger) *Store {
-	s := New(pool, Options{Cache: cache, Logger: log, Actor: c.Actor})
+// newStore builds the store with the outbox writer hook (the module provides the writer on
+// its own, from the pool and the config, so the store takes it here while the rest of the
+// module takes the store as its cache, live-task source and audit sink) and loads its cache at
+// open, before the outbox consumer starts (this hook is registered first because the
+// consumer's runner depends on the store).
+func newStore(lc fx.Lifecycle, pool *pgxpool.Pool, cache *Cache, writer *outbox.Writer, c HostConfig, log *zap.Logger) *Store {
+	s := New(pool, Options{Writer: writer, Cache: cache, Logger: log, Actor: c.Actor})
 	lc.Append(fx.Hook{OnStart: func(ctx context.Context) error { return s.LoadCache(ctx, c.Projects...) }})
 	return s
 }
@@ -120,7 +121,7 @@ type selfHealingParams struct {
 func newSelfHealing(p selfHealingParams) *SelfHealing {
 	m := NewSelfHealing(p.Tasks, p.Config.SweepInterval, p.Logger)
 	p.Lifecycle.Append(fx.Hook{
-		OnStart: func(ctx context.Context) error { m.Start(ctx); return nil },
+		OnStart: m.Start,
 		OnStop:  m.Stop,
 	})
 	return m

@@ -2,12 +2,14 @@ package taskstore
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
 	"go.uber.org/zap"
 
 	"fusion/outbox"
+	"fusion/outbox/startstop"
 )
 
 // SelfHealing is the store's maintenance sweep: it runs every registered task when the store
@@ -18,9 +20,11 @@ type SelfHealing struct {
 	interval time.Duration
 	log      *zap.Logger
 
+	// lifecycle is the module's own start/stop base: Start after Stop refuses, Stop is
+	// idempotent and bounded by its context.
+	lifecycle startstop.Base
+
 	mu      sync.Mutex
-	cancel  context.CancelFunc
-	done    chan struct{}
 	results []SweepResult
 }
 
@@ -73,42 +77,37 @@ func (m *SelfHealing) LastResults() []SweepResult {
 	return append([]SweepResult(nil), m.results...)
 }
 
-// Start runs a sweep now (the store-open sweep) and then every interval until Stop.
-func (m *SelfHealing) Start(ctx context.Context) {
-	m.RunOnce(ctx)
-	runCtx, cancel := context.WithCancel(context.Background())
-	m.mu.Lock()
-	m.cancel, m.done = cancel, make(chan struct{})
-	done := m.done
-	m.mu.Unlock()
+// Start runs a sweep now (the store-open sweep, bounded by ctx) and then every interval until
+// Stop. After Stop it refuses with startstop.ErrStopped.
+func (m *SelfHealing) Start(ctx context.Context) error {
+	run, err := m.lifecycle.Begin()
+	if err != nil {
+		return fmt.Errorf("start self-healing: %w", err)
+	}
+	startCtx, release := run.StartContext(ctx)
+	m.RunOnce(startCtx)
+	release()
 	go func() {
-		defer close(done)
+		defer run.Finished()
 		t := time.NewTicker(m.interval)
 		defer t.Stop()
 		for {
 			select {
-			case <-runCtx.Done():
+			case <-run.Ctx.Done():
 				return
 			case <-t.C:
-				m.RunOnce(runCtx)
+				m.RunOnce(run.Ctx)
 			}
 		}
 	}()
+	return nil
 }
 
-// Stop ends the schedule and waits for a sweep in progress, bounded by ctx.
+// Stop ends the schedule and waits for a sweep in progress, bounded by ctx. It is idempotent
+// and safe before Start.
 func (m *SelfHealing) Stop(ctx context.Context) error {
-	m.mu.Lock()
-	cancel, done := m.cancel, m.done
-	m.mu.Unlock()
-	if cancel == nil {
-		return nil
+	if err := m.lifecycle.Stop(ctx); err != nil {
+		return fmt.Errorf("stop self-healing: %w", err)
 	}
-	cancel()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return nil
 }

@@ -81,9 +81,6 @@ func (s *Store) Cache() *Cache { return s.cache }
 // Pool is the store's database pool.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
-// SetWriter wires the outbox writer hook after construction (the fx graph does this).
-func (s *Store) SetWriter(w *outbox.Writer) { s.writer = w }
-
 // Create inserts a live task.
 func (s *Store) Create(ctx context.Context, projectID, id, title, column string) (Task, error) {
 	if column == "" {

@@ -24,8 +24,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 	"fusion/outbox/outboxtest"
 )
 
@@ -220,7 +220,7 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 	// More tasks than the writers (3 x 30/s) can delete in the window; they delete until the
 	// window ends, and the database says what was committed.
 	perProject := int(duration.Seconds()*25) + 50
-	host := taskstore.New(pool, taskstore.Options{})
+	host := testhost.New(pool, testhost.Options{})
 	var all []string
 	for _, p := range projects {
 		ids, err := host.CreateMany(ctx, p, "t", perProject)
@@ -233,7 +233,7 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 	failing := []string{"t-13", "t-77"}
 	identities := map[string]string{"obs-a": "node-a", "obs-b": "node-b", "obs-c": "node-c"}
 	for id, scope := range identities {
-		require.NoError(t, taskstore.NewSettings(pool, scope).Set(ctx, "outbox.consumer_id", id))
+		require.NoError(t, testhost.NewSettings(pool, scope).Set(ctx, "outbox.consumer_id", id))
 	}
 
 	var writers, observers []*proc

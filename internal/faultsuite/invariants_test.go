@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/testhost"
 )
 
 // invariants watches the run and checks the end state.
@@ -163,7 +164,7 @@ func (inv *invariants) readProcessLog(p *proc) processLog {
 	last := map[string]int64{}
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		var r applyRecord
+		var r testhost.ApplyRecord
 		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
 			inv.violate("%s: bad log line %q", p.name, sc.Text())
 			continue

@@ -1,7 +1,6 @@
 package faultsuite
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -10,7 +9,6 @@ import (
 	"net/url"
 	"os"
 	"os/signal"
-	"sync"
 	"syscall"
 	"time"
 
@@ -19,7 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore"
+	"fusion/outbox/internal/testhost"
 )
 
 // The child processes. The suite re-executes its own test binary with FAULTSUITE_ROLE set and
@@ -105,13 +103,13 @@ func withAppName(dsn, name string) string {
 	return dsn + " application_name=" + name
 }
 
-func hostConfig(a roleArgs) taskstore.HostConfig {
+func hostConfig(a roleArgs) testhost.HostConfig {
 	cfg := faultConfig()
 	cfg.TransactionPooler = a.Pooled
 	if a.ListenDSN != "" {
 		cfg.ListenDSN = withAppName(a.ListenDSN, a.Name)
 	}
-	return taskstore.HostConfig{DSN: withAppName(a.DSN, a.Name), Projects: a.Projects, SettingsScope: a.Scope,
+	return testhost.HostConfig{DSN: withAppName(a.DSN, a.Name), Projects: a.Projects, SettingsScope: a.Scope,
 		Actor: a.Name, Outbox: cfg, SweepInterval: time.Hour}
 }
 
@@ -160,9 +158,9 @@ func stopApp(app *fx.App) error {
 // connection is simply found already deleted. A restarted writer walks past the tasks it
 // already deleted without waiting for its rate.
 func runWriter(ctx context.Context, a roleArgs, log *zap.Logger) error {
-	var store *taskstore.Store
+	var store *testhost.Store
 	app, err := startApp(ctx, func() *fx.App {
-		return fx.New(outbox.Module, taskstore.Module, fx.Supply(hostConfig(a), log), fx.Populate(&store), fx.NopLogger)
+		return fx.New(outbox.Module, testhost.Module, fx.Supply(hostConfig(a), log), fx.Populate(&store), fx.NopLogger)
 	})
 	if err != nil {
 		return err
@@ -210,87 +208,16 @@ func splitTask(pt string) (string, string) {
 	return pt, ""
 }
 
-// applyLog is an observer's idempotent application of deletions, kept in an append-only file
-// that survives SIGKILL. Each line is one JSON record.
-type applyLog struct {
-	mu      sync.Mutex
-	f       *os.File
-	seen    map[string]bool
-	failing map[string]bool
-	store   *taskstore.Store
-}
-
-type applyRecord struct {
-	Kind     string `json:"kind"` // applied, duplicate, fence-refused, fence-violated
-	EventID  string `json:"eventId"`
-	Project  string `json:"project"`
-	Sequence int64  `json:"sequence"`
-}
-
-func openApplyLog(path string, failing []string) (*applyLog, error) {
-	l := &applyLog{seen: map[string]bool{}, failing: map[string]bool{}}
-	for _, t := range failing {
-		l.failing[t] = true
-	}
-	if f, err := os.Open(path); err == nil {
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			var r applyRecord
-			if json.Unmarshal(sc.Bytes(), &r) == nil && r.Kind == "applied" {
-				l.seen[r.EventID] = true
-			}
-		}
-		_ = f.Close()
-	}
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return nil, err
-	}
-	l.f = f
-	return l, nil
-}
-
-func (l *applyLog) Name() string { return "fault-apply-log" }
-
-var errChosenFailure = errors.New("chosen to fail")
-
-func (l *applyLog) HandleObserved(ctx context.Context, ev outbox.ObservedEvent) error {
-	if l.failing[ev.TaskID] {
-		return errChosenFailure
-	}
-	// An observer must never be able to perform the writer's side effects.
-	fence := "fence-refused"
-	if err := l.store.SendDeleteNotice(ctx, taskstore.Task{ProjectID: ev.ProjectID, ID: ev.TaskID}); !errors.Is(err, outbox.ErrObservedContext) {
-		fence = "fence-violated"
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	kind := "applied"
-	if l.seen[ev.EventID] {
-		kind = "duplicate"
-	}
-	for _, k := range []string{fence, kind} {
-		b, _ := json.Marshal(applyRecord{Kind: k, EventID: ev.EventID, Project: ev.ProjectID, Sequence: ev.Sequence})
-		if _, err := l.f.Write(append(b, '\n')); err != nil {
-			return err
-		}
-	}
-	l.seen[ev.EventID] = true
-	return nil
-}
-
 // runObserver runs a consumer whose listener is the apply log, and prints its stats.
 func runObserver(ctx context.Context, a roleArgs, log *zap.Logger) error {
-	al, err := openApplyLog(a.Log, a.Failing)
+	al, err := testhost.OpenApplyLog(testhost.ApplyOptions{Path: a.Log, Failing: a.Failing})
 	if err != nil {
 		return err
 	}
+	defer func() { _ = al.Close() }()
 	var runner *outbox.Runner
 	app, err := startApp(ctx, func() *fx.App {
-		return fx.New(outbox.Module, taskstore.Module, fx.Supply(hostConfig(a), log),
-			// The listener gets the store before anything starts: the consumer may deliver at once.
-			fx.Provide(outbox.AsListener(func(s *taskstore.Store) outbox.Listener { al.store = s; return al })),
-			fx.Populate(&runner), fx.NopLogger)
+		return testhost.ObserverApp(hostConfig(a), log, al, fx.Populate(&runner))
 	})
 	if err != nil {
 		return err

@@ -27,8 +27,8 @@ import (
 	"go.uber.org/goleak"
 
 	"fusion/outbox"
-	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgcluster"
+	"fusion/outbox/internal/testhost/schema"
 )
 
 // server is where test databases are created.
@@ -201,6 +201,32 @@ func NewEmptyDB(t testing.TB) DB {
 
 func newDB(t testing.TB, template string) DB {
 	t.Helper()
+	db, drop, err := createDB(template)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := drop(); err != nil {
+			t.Logf("pgtest: %v", err)
+		}
+	})
+	return db
+}
+
+// ExampleDB creates a fresh migrated database for a runnable example, which has no testing.T
+// to skip or clean up with: it returns the database and a function that drops it. With no
+// server it returns an error (under CI=true, Main has failed the binary already).
+func ExampleDB() (DB, func() error, error) {
+	if srv == nil {
+		if unavailble == "" {
+			return DB{}, nil, errors.New("pgtest: no server; is TestMain calling pgtest.Main?")
+		}
+		return DB{}, nil, fmt.Errorf("pgtest: no PostgreSQL available: %s", unavailble)
+	}
+	return createDB(srv.template)
+}
+
+func createDB(template string) (DB, func() error, error) {
 	name := fmt.Sprintf("t%d_%d", os.Getpid(), dbCounter.Add(1))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -208,20 +234,21 @@ func newDB(t testing.TB, template string) DB {
 	err := srv.exec(ctx, `CREATE DATABASE `+pgx.Identifier{name}.Sanitize()+` TEMPLATE `+pgx.Identifier{template}.Sanitize())
 	createMu.Unlock()
 	if err != nil {
-		t.Fatalf("pgtest: create database: %v", err)
+		return DB{}, nil, fmt.Errorf("create database: %w", err)
 	}
 	url, err := withDatabase(srv.adminURL, name)
 	if err != nil {
-		t.Fatalf("pgtest: %v", err)
+		return DB{}, nil, err
 	}
-	t.Cleanup(func() {
+	drop := func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		if err := srv.exec(ctx, `DROP DATABASE IF EXISTS `+pgx.Identifier{name}.Sanitize()+` WITH (FORCE)`); err != nil {
-			t.Logf("pgtest: drop database %s: %v", name, err)
+			return fmt.Errorf("drop database %s: %w", name, err)
 		}
-	})
-	return DB{Name: name, URL: url}
+		return nil
+	}
+	return DB{Name: name, URL: url}, drop, nil
 }
 
 // NewPool creates a fresh migrated database and returns a pool on it, closed when t ends.

@@ -1,4 +1,4 @@
-package taskstore_test
+package referencetest_test
 
 import (
 	"context"

@@ -1,0 +1,99 @@
+package outbox
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// The acknowledger writes cursors. A cursor write names the lease epoch it was granted, so a
+// process that lost its lease writes nothing. Writes are batched (one statement for every
+// stream that owes one), and one may be in flight in the background while the loop reads and
+// dispatches the next batch, so that the commit's WAL flush overlaps useful work. Only the scan
+// loop's goroutine uses it (and the consumer's shutdown, after the loop returned).
+
+// ack is an acknowledgement to write: the cursor of project under lease epoch.
+type ack struct {
+	project  string
+	epoch    int64
+	sequence int64
+}
+
+// ROWS FROM spells out the multi-argument unnest, whose shorthand exists only unqualified.
+const ackSQL = `
+UPDATE lifecycle_consumer_cursors c
+SET last_acked_sequence = a.sequence, acked_at = pg_catalog.now()
+FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[]), pg_catalog.unnest($5::bigint[])) AS a(project_id, epoch, sequence)
+WHERE c.consumer_id = $1 AND c.lease_owner = $2
+  AND c.project_id = a.project_id AND c.lease_epoch = a.epoch
+  AND c.lease_expires_at > pg_catalog.now() + $6::interval AND c.retired_at IS NULL
+  AND (c.last_acked_sequence IS NULL OR c.last_acked_sequence <= a.sequence)
+RETURNING c.project_id`
+
+type acknowledger struct {
+	id    ConsumerID
+	owner string
+	pool  *pgxpool.Pool
+	clock Clock
+	// apply tells the loop what a write did: which projects it wrote, or the error. A project
+	// of acks missing from written lost its lease.
+	apply    func(acks []ack, written []string, err error)
+	inflight *inflightAck
+}
+
+// inflightAck is an acknowledgement being written in the background.
+type inflightAck struct {
+	acks    []ack
+	written []string
+	err     error
+	done    chan struct{}
+}
+
+// start writes a in the background, after applying the one still in flight: at most one is in
+// flight, on a second pool connection.
+func (a *acknowledger) start(ctx context.Context, k ack) {
+	a.await()
+	p := &inflightAck{acks: []ack{k}, done: make(chan struct{})}
+	a.inflight = p
+	go func() {
+		defer close(p.done)
+		p.written, p.err = a.write(ctx, p.acks)
+	}()
+}
+
+// await waits for the acknowledgement in flight, if any, and applies its outcome.
+func (a *acknowledger) await() {
+	p := a.inflight
+	if p == nil {
+		return
+	}
+	a.inflight = nil
+	<-p.done
+	a.apply(p.acks, p.written, p.err)
+}
+
+// flush writes acks in one fenced statement, after the one in flight.
+func (a *acknowledger) flush(ctx context.Context, acks []ack) {
+	a.await()
+	if len(acks) == 0 {
+		return
+	}
+	written, err := a.write(ctx, acks)
+	a.apply(acks, written, err)
+}
+
+// write runs the fenced acknowledgement statement and returns the projects it wrote.
+func (a *acknowledger) write(ctx context.Context, acks []ack) ([]string, error) {
+	projects := make([]string, len(acks))
+	epochs := make([]int64, len(acks))
+	seqs := make([]int64, len(acks))
+	for i, k := range acks {
+		projects[i], epochs[i], seqs[i] = k.project, k.epoch, k.sequence
+	}
+	rows, err := a.pool.Query(ctx, ackSQL, a.id, a.owner, projects, epochs, seqs, a.clock.Offset())
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}

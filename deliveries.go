@@ -1,0 +1,230 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The delivery store: a consumer's rows in lifecycle_consumer_deliveries, read and written
+// over DBTX (the fenced transaction, for every write). A failed event is not acknowledged. Its
+// delivery row keeps the attempt count, the next attempt time (on the database clock) and the
+// failure class, so the backoff survives a restart and a takeover by another process with the
+// same identity. After Config.MaxAttempts failures one fenced transaction parks it as a dead
+// letter, writes the consumer-poisoned audit row and moves the cursor past it.
+
+// DeliveryState is the state of a delivery row, as stored and as DeadLetter.State shows it.
+type DeliveryState string
+
+// Delivery states.
+const (
+	DeliveryRetrying        DeliveryState = "retrying"         // the head-of-line event waits for its next attempt
+	DeliveryDead            DeliveryState = "dead"             // parked after its last attempt
+	DeliveryReplayRequested DeliveryState = "replay_requested" // an operator asked to replay a dead letter
+	DeliveryResolved        DeliveryState = "resolved"         // delivered at last, replayed, or superseded
+)
+
+// delivery is an open delivery row: a head-of-line retry or a replay request.
+type delivery struct {
+	sequence int64
+	eventID  string
+	state    DeliveryState
+	attempts int
+	due      bool
+	wait     time.Duration // until next_attempt_at, for a retry not yet due
+}
+
+// FailureUndecodableEvent is the class of a row the consumer cannot decode or deliver as it is
+// (a deleted_at that is not finite, an identifier the writer would refuse): it is parked at
+// once, since no retry can change it.
+const FailureUndecodableEvent FailureClass = "undecodable_event"
+
+// deliveryStore reads and writes one consumer's delivery rows.
+type deliveryStore struct {
+	id    ConsumerID
+	cfg   Config
+	audit AuditSink
+}
+
+func (s *deliveryStore) offset() time.Duration { return s.cfg.Clock.Offset() }
+
+// openDeliveriesSQL reads a consumer's head-of-line retries and replay requests. A retry falls
+// due at its next_attempt_at, or a day after its last failure if that is sooner: the longest
+// delay the configuration allows, and all the database accepts since it checks the column, so
+// a next_attempt_at centuries ahead (or 'infinity') written before cannot hold a stream back
+// for ever. The wait is computed without subtracting a time that may not be finite, and is
+// capped at that day.
+const openDeliveriesSQL = `
+SELECT project_id, sequence, event_id, state, attempts,
+       coalesce(due_at <= pg_catalog.now() + $3::interval + interval '1 millisecond', true),
+       CASE WHEN due_at IS NULL OR due_at <= pg_catalog.now() + $3::interval THEN 0
+            WHEN due_at >= pg_catalog.now() + $3::interval + interval '1 day' THEN 86400
+            ELSE extract(epoch FROM due_at - (pg_catalog.now() + $3::interval))::float8
+       END
+FROM (
+    SELECT project_id, sequence, event_id, state, attempts,
+           least(next_attempt_at, last_failed_at + interval '1 day') AS due_at
+    FROM lifecycle_consumer_deliveries
+    WHERE consumer_id = $1 AND project_id = ANY ($2::text[]) AND state IN ('retrying', 'replay_requested')
+) d
+ORDER BY project_id, sequence`
+
+// open reads the open deliveries of projects. When the read of them all fails it reads each
+// project alone and returns, with a *ProjectErrors, what the others have.
+func (s *deliveryStore) open(ctx context.Context, db DBTX, projects []string) (map[string][]delivery, error) {
+	out, err := s.queryOpen(ctx, db, projects)
+	if err == nil || len(projects) < 2 || ctx.Err() != nil || !readIsolatable(err) {
+		return out, err
+	}
+	out = map[string][]delivery{}
+	failed := map[string]error{}
+	for _, p := range projects {
+		got, err := s.queryOpen(ctx, db, []string{p})
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			failed[p] = err
+			continue
+		}
+		out[p] = got[p]
+	}
+	if len(failed) > 0 {
+		return out, &ProjectErrors{Op: "read open deliveries", Failed: failed}
+	}
+	return out, nil
+}
+
+func (s *deliveryStore) queryOpen(ctx context.Context, db DBTX, projects []string) (map[string][]delivery, error) {
+	rows, err := db.Query(ctx, openDeliveriesSQL, s.id, projects, s.offset())
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := map[string][]delivery{}
+	for rows.Next() {
+		var p string
+		var d delivery
+		var waitSeconds float64
+		if err := rows.Scan(&p, &d.sequence, &d.eventID, &d.state, &d.attempts, &d.due, &waitSeconds); err != nil {
+			return nil, err
+		}
+		d.wait = clampWait(waitSeconds)
+		out[p] = append(out[p], d)
+	}
+	return out, rows.Err()
+}
+
+const lockDeliverySQL = `
+SELECT attempts FROM lifecycle_consumer_deliveries
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3
+FOR UPDATE`
+
+const upsertRetryingSQL = `
+INSERT INTO lifecycle_consumer_deliveries AS d
+    (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, first_failed_at, last_failed_at)
+VALUES ($1, $2, $3, $4, 'retrying', $5, pg_catalog.now() + $7::interval + $6::interval, $8, pg_catalog.now() + $7::interval, pg_catalog.now() + $7::interval)
+ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
+SET state = 'retrying', attempts = excluded.attempts, next_attempt_at = excluded.next_attempt_at,
+    last_failure_class = excluded.last_failure_class, last_failed_at = excluded.last_failed_at`
+
+const upsertDeadSQL = `
+INSERT INTO lifecycle_consumer_deliveries AS d
+    (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, first_failed_at, last_failed_at, parked_at)
+VALUES ($1, $2, $3, $4, 'dead', $5, $7, pg_catalog.now() + $6::interval, pg_catalog.now() + $6::interval, pg_catalog.now() + $6::interval)
+ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
+SET state = 'dead', attempts = excluded.attempts, next_attempt_at = NULL, last_failure_class = excluded.last_failure_class,
+    last_failed_at = excluded.last_failed_at, parked_at = excluded.parked_at`
+
+const advanceCursorSQL = `
+UPDATE lifecycle_consumer_cursors SET last_acked_sequence = $3, acked_at = pg_catalog.now()
+WHERE project_id = $1 AND consumer_id = $2 AND (last_acked_sequence IS NULL OR last_acked_sequence < $3)`
+
+// recordFailureTx records one failed attempt of ev in tx: a retrying row with its next
+// attempt time, or, when the attempts are spent (or no attempt can succeed), a dead letter
+// with its consumer-poisoned audit row and the cursor moved past it. It returns the attempt
+// count and whether it parked.
+func (s *deliveryStore) recordFailureTx(ctx context.Context, tx pgx.Tx, project string, ev Event, class FailureClass) (attempts int, parked bool, err error) {
+	err = tx.QueryRow(ctx, lockDeliverySQL, project, s.id, ev.Sequence).Scan(&attempts)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, err
+	}
+	attempts++
+	if attempts < s.cfg.MaxAttempts && class != FailureUndecodableEvent {
+		_, err := tx.Exec(ctx, upsertRetryingSQL, project, s.id, ev.Sequence, ev.EventID, attempts,
+			s.cfg.retryDelay(attempts), s.offset(), string(class))
+		return attempts, false, err
+	}
+	if _, err := tx.Exec(ctx, upsertDeadSQL, project, s.id, ev.Sequence, ev.EventID, attempts, s.offset(), string(class)); err != nil {
+		return 0, false, err
+	}
+	if err := s.audit.WriteAuditTx(ctx, tx, AuditRecord{Action: AuditConsumerPoisoned, ProjectID: project,
+		ConsumerID: s.id, EventID: ev.EventID, Sequence: ev.Sequence, Attempts: attempts}); err != nil {
+		return 0, false, fmt.Errorf("write poison audit: %w", err)
+	}
+	_, err = tx.Exec(ctx, advanceCursorSQL, project, s.id, ev.Sequence)
+	return attempts, true, err
+}
+
+const resolveRetriedSQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'resolved', attempts = attempts + 1, resolved_at = pg_catalog.now() + $4::interval, next_attempt_at = NULL
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'retrying'`
+
+// resolveRetriedTx closes a retried event's delivery row and acknowledges it.
+func (s *deliveryStore) resolveRetriedTx(ctx context.Context, tx pgx.Tx, project string, sequence int64) error {
+	if _, err := tx.Exec(ctx, resolveRetriedSQL, project, s.id, sequence, s.offset()); err != nil {
+		return err
+	}
+	_, err := tx.Exec(ctx, advanceCursorSQL, project, s.id, sequence)
+	return err
+}
+
+const replayResolvedSQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'resolved', attempts = attempts + 1, resolved_at = pg_catalog.now() + $4::interval
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'
+RETURNING attempts, coalesce(replay_requested_by, ''), coalesce(replay_reason, '')`
+
+const replayMissingSQL = `
+UPDATE lifecycle_consumer_deliveries SET state = 'dead', parked_at = pg_catalog.now() + $4::interval
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
+
+const replayFailedSQL = `
+UPDATE lifecycle_consumer_deliveries
+SET state = 'dead', attempts = attempts + 1, last_failure_class = $5,
+    last_failed_at = pg_catalog.now() + $4::interval, parked_at = pg_catalog.now() + $4::interval
+WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
+
+// replayMissingTx puts a replay request whose event is no longer stored back to dead.
+func (s *deliveryStore) replayMissingTx(ctx context.Context, tx pgx.Tx, project string, sequence int64) error {
+	_, err := tx.Exec(ctx, replayMissingSQL, project, s.id, sequence, s.offset())
+	return err
+}
+
+// replayFailedTx puts a replay that failed back to dead, counting the attempt.
+func (s *deliveryStore) replayFailedTx(ctx context.Context, tx pgx.Tx, project string, sequence int64, class FailureClass) error {
+	_, err := tx.Exec(ctx, replayFailedSQL, project, s.id, sequence, s.offset(), string(class))
+	return err
+}
+
+// replayResolvedTx resolves a replayed dead letter with its consumer-replayed audit row.
+// warnActor is set when the request names no valid actor and reason: the audit row then
+// leaves them out.
+func (s *deliveryStore) replayResolvedTx(ctx context.Context, tx pgx.Tx, project string, ev Event) (warnActor bool, err error) {
+	var attempts int
+	var actor, reason string
+	if err := tx.QueryRow(ctx, replayResolvedSQL, project, s.id, ev.Sequence, s.offset()).Scan(&attempts, &actor, &reason); err != nil {
+		return false, err
+	}
+	// The audit row names who asked only if it is an identifier: a request written before
+	// the database checked it could hold anything, and no free text reaches the sink.
+	if (Operator{Actor: actor, Reason: reason}).Validate() != nil {
+		warnActor, actor, reason = true, "", ""
+	}
+	return warnActor, s.audit.WriteAuditTx(ctx, tx, AuditRecord{Action: AuditConsumerReplayed, ProjectID: project, ConsumerID: s.id,
+		EventID: ev.EventID, Sequence: ev.Sequence, Attempts: attempts, Actor: actor, Reason: reason})
+}

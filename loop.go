@@ -1,0 +1,492 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	semconv "go.opentelemetry.io/otel/semconv/v1.37.0"
+	"go.uber.org/zap"
+)
+
+// The scan loop: the consumer's one dispatching goroutine. It owns every stream's state and
+// asks the other parts for what it needs: the lease keeper whether a lease is still valid (and
+// for the fenced transaction), the acknowledger to write cursors, the delivery store for the
+// retry, dead-letter and replay rows, the reconciler when history is gone, and the dispatcher's
+// session to hand events over.
+
+// scanLoop is the consumer's loop and the stream states it owns.
+type scanLoop struct {
+	id       ConsumerID
+	pool     *pgxpool.Pool
+	cfg      Config
+	log      *zap.Logger
+	metrics  *Metrics
+	trace    tracing
+	dispatch *Dispatcher
+	leases   *leaseKeeper
+	acks     *acknowledger
+	store    *deliveryStore
+	recon    *reconciler
+	scans    *scanRequests
+	stats    *stats
+
+	state   map[string]*streamState // owned by the loop goroutine
+	seq     isolatingSequencer      // owned by the loop goroutine
+	skipLog logEvery                // owned by the loop goroutine
+}
+
+// streamState is the loop's view of one project stream.
+type streamState struct {
+	project   string
+	epoch     int64  // lease epoch this state belongs to; 0 before the first lease
+	acked     int64  // durable cursor; -1 when the cursor is NULL (never positioned)
+	position  int64  // dispatched through; position > acked means acknowledgements are pending
+	lease     uint64 // the lease (leaseTable's grant number) this state belongs to
+	delivered int64  // highest sequence this instance delivered: re-deliveries below are suppressed
+	// deliveredID is the event delivered at sequence delivered. When a new lease moves the
+	// position back below delivered, the event stored there now must still be this one, or
+	// the history was rewritten (a restored database) and nothing is suppressed.
+	deliveredID    string
+	checkDelivered bool
+	// retryAt is when the blocked head-of-line event falls due, on the consumer's shifted
+	// clock (see shiftedNow). An absolute time, so a timer re-armed later waits only what is
+	// left.
+	retryAt time.Time
+	blocked bool // the head-of-line event waits for its next attempt
+	found   bool // the last scan had events or deliveries to look at
+}
+
+// run scans on a notification (the notified projects), on the poll interval (every project),
+// when a blocked retry falls due (on the injected clock), and soon after a step failed. It
+// hands events over through one dispatcher session it owns; abandon is closed when the
+// consumer's stop cannot wait for a listener in flight.
+func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
+	s := l.dispatch.session(ctx, l.cfg.ListenerTimeout, abandon)
+	defer s.close()
+	s.trace, s.metrics = l.trace, l.metrics
+	poll := time.NewTimer(0)
+	defer poll.Stop()
+	resetPoll := func(d time.Duration) {
+		if !poll.Stop() {
+			select {
+			case <-poll.C:
+			default:
+			}
+		}
+		poll.Reset(d)
+	}
+	full := true
+	wakes := newWakeLimiter(l.cfg.WakeInterval)
+	for {
+		dirty, all := l.scans.take()
+		full = full || all
+		var failed bool
+		if full {
+			wakes.covered()
+			failed = l.iterate(ctx, s, nil, true)
+		} else if scan := wakes.admit(dirty, time.Now()); len(scan) > 0 {
+			for p := range scan {
+				if st := l.state[p]; st != nil {
+					st.found = false // a project the scan skips found nothing
+				}
+			}
+			failed = l.iterate(ctx, s, scan, false)
+			for p := range scan {
+				st := l.state[p]
+				wakes.scanned(p, st != nil && st.found, time.Now())
+			}
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		switch {
+		case failed:
+			resetPoll(min(l.cfg.PollInterval, time.Second))
+		case full:
+			resetPoll(l.cfg.PollInterval)
+		}
+		full = false
+
+		var retry Timer
+		var retryC <-chan time.Time
+		if wait, ok := l.nextRetry(); ok {
+			retry = l.cfg.Clock.NewTimer(wait) // fires at once when the retry is already due
+			retryC = retry.C()
+		}
+		var held *time.Timer
+		var heldC <-chan time.Time
+		if at, ok := wakes.next(); ok {
+			held = time.NewTimer(time.Until(at)) // notifications held back by the wake interval
+			heldC = held.C
+		}
+		select {
+		case <-ctx.Done():
+		case <-poll.C:
+			full = true
+		case <-l.scans.wake:
+		case <-heldC:
+		case <-retryC:
+			full = true
+		}
+		if retry != nil {
+			retry.Stop()
+		}
+		if held != nil {
+			held.Stop()
+		}
+		if ctx.Err() != nil {
+			return
+		}
+	}
+}
+
+// iterate runs one scan over the held leases of the dirty projects (all of them on a full
+// scan). It reports whether a step failed, in which case the loop scans again soon.
+func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]struct{}, full bool) (failed bool) {
+	held := l.syncStates()
+	if !full {
+		scoped := held[:0:0]
+		for _, p := range held {
+			if _, ok := dirty[p]; ok {
+				scoped = append(scoped, p)
+			}
+		}
+		held = scoped
+	}
+	if len(held) == 0 {
+		return false
+	}
+	l.stats.scans.Add(1)
+	// One project's broken rows cost only that project: a step that failed for some projects
+	// skips them this scan and the others go on.
+	heads, err := l.sequence(ctx, held)
+	if held, failed = l.skipFailed("sequence", held, err); len(held) == 0 {
+		return failed
+	}
+	open, err := l.store.open(ctx, l.pool, held)
+	held, stepFailed := l.skipFailed("read open deliveries", held, err)
+	failed = failed || stepFailed
+	for _, p := range held {
+		if ctx.Err() != nil {
+			break
+		}
+		st := l.state[p]
+		if err := l.scanProject(ctx, s, st, heads[p], open[p]); err != nil {
+			failed = failed || !errors.Is(err, ErrLeaseLost)
+			l.handleStreamError(st, err)
+		}
+	}
+	l.acks.await()
+	l.acks.flush(ctx, l.pendingAcks())
+	return failed
+}
+
+// sequence is the consumer's sequencer call, in a span when tracing is on.
+func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
+	if l.trace.tracer == nil {
+		return l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
+	}
+	ctx, span := l.trace.start(ctx, spanSequence, semconv.MessagingConsumerGroupName(string(l.id)), attrProjects.Int(len(projects)))
+	heads, err := l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
+	assigned := 0
+	for _, h := range heads {
+		assigned += h.Assigned
+	}
+	endSpan(span, err, attrAssigned.Int(assigned))
+	return heads, err
+}
+
+// skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
+// names from this scan (each logged and counted) and keeps the rest; any other error drops
+// them all. failed reports whether anything was dropped, so the loop scans again soon.
+func (l *scanLoop) skipFailed(step string, projects []string, err error) (kept []string, failed bool) {
+	if err == nil {
+		return projects, false
+	}
+	var pe *ProjectErrors
+	if !errors.As(err, &pe) {
+		logTransient(l.log, step, err)
+		for _, p := range projects {
+			l.unblock(p)
+		}
+		return nil, true
+	}
+	kept = projects[:0:0]
+	for _, p := range projects {
+		perr, bad := pe.Failed[p]
+		if !bad {
+			kept = append(kept, p)
+			continue
+		}
+		l.unblock(p)
+		l.metrics.projectError(p, string(l.id), step)
+		if n, ok := l.skipLog.due(step+"\x00"+p, time.Now()); ok {
+			l.log.Warn("consumer step failed for one project; it is skipped while the others go on",
+				zap.String("step", step), zap.String("project_id", p), zap.Int("times_since_last_logged", n), zap.Error(perr))
+		}
+	}
+	return kept, true
+}
+
+// unblock forgets that a skipped project waits for a retry: its due time would otherwise keep
+// firing the loop's retry timer at once, a full scan each time, while the step keeps failing.
+// The failed step already brings the next scan within a second, which finds the retry again.
+func (l *scanLoop) unblock(project string) {
+	if st := l.state[project]; st != nil {
+		st.blocked = false
+	}
+}
+
+// scanProject brings one project's stream up to its head, or to its first blocked event.
+func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery) error {
+	st.blocked = false
+	// Whether this scan had anything to do: the wake limiter holds back notifications only for
+	// projects whose last notified scan found nothing.
+	st.found = head.Assigned > 0 || head.LastSequence > st.position || len(open) > 0
+	for _, d := range open {
+		if d.state == DeliveryReplayRequested {
+			if err := l.replay(ctx, s, st, d); err != nil {
+				return err
+			}
+		}
+	}
+	if err := l.checkPosition(ctx, st, head); err != nil {
+		return err
+	}
+	if st.checkDelivered {
+		if err := l.verifyDelivered(ctx, st); err != nil {
+			return err
+		}
+	}
+	var retrying *delivery
+	for i := range open {
+		if open[i].state == DeliveryRetrying {
+			retrying = &open[i]
+			break
+		}
+	}
+	if retrying != nil && retrying.sequence <= st.position {
+		retrying = nil // superseded, for example by a reconciliation
+	}
+	for st.position < head.LastSequence {
+		if ctx.Err() != nil || !l.leases.valid(st.project, st.epoch) {
+			return nil
+		}
+		if retrying != nil && retrying.sequence == st.position+1 && !retrying.due {
+			st.blocked, st.retryAt = true, shiftedNow(l.cfg.Clock).Add(retrying.wait)
+			return nil
+		}
+		batch, err := readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize)
+		if err != nil {
+			return err
+		}
+		if len(batch) == 0 {
+			return nil
+		}
+		stop, err := l.dispatchBatch(ctx, s, st, batch, retrying)
+		if err != nil || stop {
+			return err
+		}
+		retrying = nil
+		if st.position-st.acked >= int64(l.cfg.BatchSize) {
+			l.acks.start(ctx, ack{st.project, st.epoch, st.position})
+		}
+	}
+	return nil
+}
+
+// dispatchBatch delivers events in order. It stops at the first failure (which it records) or
+// when the lease is gone; stop reports that the stream cannot go further this scan.
+func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamState, batch []storedEvent, retrying *delivery) (stop bool, err error) {
+	for _, row := range batch {
+		ev := row.Event
+		if ev.Sequence != st.position+1 {
+			return true, fmt.Errorf("project %s: read sequence %d after %d", st.project, ev.Sequence, st.position)
+		}
+		if ctx.Err() != nil || !l.leases.valid(st.project, st.epoch) {
+			return true, nil // stopping, or the lease is gone: nothing more is handed over
+		}
+		if row.bad != nil {
+			// No attempt can decode it: park it now rather than wedge the stream.
+			l.acks.flush(ctx, []ack{{st.project, st.epoch, st.position}})
+			if _, err := l.parkUndecodable(ctx, st, row); err != nil {
+				return true, err
+			}
+			retrying = nil
+			continue
+		}
+		if ev.Sequence <= st.delivered {
+			// Delivered by this instance before a lease change: a re-delivery, not new work.
+			st.position = ev.Sequence
+			l.stats.suppressed.Add(1)
+			continue
+		}
+		attempt := 1
+		if retrying != nil && retrying.sequence == ev.Sequence {
+			attempt = retrying.attempts + 1
+		}
+		outcome, class := s.attempt(ctx, ObservedEvent{Event: ev, ConsumerID: l.id, Attempt: attempt})
+		switch outcome {
+		case Interrupted:
+			return true, nil
+		case Failed:
+			l.acks.flush(ctx, []ack{{st.project, st.epoch, st.position}})
+			parked, err := l.recordFailure(ctx, st, ev, class)
+			if err != nil || !parked {
+				return true, err
+			}
+			retrying = nil
+			continue // parked: the cursor moved past it, the stream goes on
+		case Own:
+			l.stats.own.Add(1)
+		default:
+			l.stats.delivered.Add(1)
+		}
+		st.position, st.delivered, st.deliveredID = ev.Sequence, ev.Sequence, ev.EventID
+		if attempt > 1 {
+			// The event that was retrying succeeded: close its delivery with the cursor move.
+			if err := l.resolveRetried(ctx, st, ev); err != nil {
+				return true, err
+			}
+		}
+	}
+	return false, nil
+}
+
+// checkPosition positions a never-read cursor and reconciles one whose history is gone.
+func (l *scanLoop) checkPosition(ctx context.Context, st *streamState, head Head) error {
+	switch {
+	case st.acked < 0 && l.cfg.NewCursor == NewCursorOldest && head.PrunedThrough == 0:
+		// Start before the first event; the position is written with the next acknowledgement
+		// batch, so many new cursors cost one statement.
+		if st.position == 0 {
+			l.log.Debug("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
+		}
+		return nil
+	case st.acked < 0:
+		return l.reconcile(ctx, st, ReasonMissingCursor)
+	case st.acked > head.LastSequence:
+		return l.reconcile(ctx, st, ReasonCursorAheadOfHead)
+	case st.acked < head.PrunedThrough:
+		return l.reconcile(ctx, st, ReasonCursorBelowPrunedFloor)
+	}
+	return nil
+}
+
+const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`
+
+// verifyDelivered checks, after a new lease moved the position back, that the event stored at
+// the sequence this instance last delivered is still the one it delivered. If it is not (a
+// restored database numbers new events with sequences it had delivered before), nothing is
+// suppressed as a re-delivery: those events are new.
+func (l *scanLoop) verifyDelivered(ctx context.Context, st *streamState) error {
+	var taskID string
+	var deletedAt time.Time
+	err := l.pool.QueryRow(ctx, eventAtSQL, st.project, st.delivered).Scan(&taskID, &deletedAt)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("check delivered event: %w", err)
+	}
+	st.checkDelivered = false
+	if err == nil && TaskDeletedEventID(taskID, deletedAt) == st.deliveredID {
+		return nil
+	}
+	l.log.Warn("the history this instance delivered was rewritten (a restored database?): events are not suppressed as re-deliveries",
+		zap.String("project_id", st.project), zap.Int64("delivered", st.delivered), zap.Int64("cursor", st.position))
+	st.delivered, st.deliveredID = st.position, ""
+	return nil
+}
+
+func (l *scanLoop) handleStreamError(st *streamState, err error) {
+	if errors.Is(err, ErrLeaseLost) {
+		if l.leases.lost(st.project, st.epoch) {
+			l.log.Warn("lease lost; dispatch stopped for the project until it is re-acquired",
+				zap.String("project_id", st.project), zap.Int64("epoch", st.epoch))
+		}
+		return
+	}
+	logTransient(l.log, "project "+st.project, err)
+}
+
+// syncStates aligns the loop's stream states with the lease table and returns the projects
+// whose lease is held now, sorted.
+func (l *scanLoop) syncStates() []string {
+	held := l.leases.held()
+	out := make([]string, 0, len(held))
+	for p, ls := range held {
+		st := l.state[p]
+		if st == nil {
+			st = &streamState{project: p}
+			l.state[p] = st
+		}
+		if st.lease != ls.grant {
+			// A new lease: start from the durable cursor it came with. What this instance
+			// delivered beyond it is suppressed, once checked to be still what is stored.
+			st.lease, st.epoch, st.acked, st.position = ls.grant, ls.epoch, ls.acked, max(ls.acked, 0)
+			st.checkDelivered = st.delivered > st.position
+		}
+		out = append(out, p)
+	}
+	for p := range l.state {
+		if _, ok := held[p]; !ok {
+			l.state[p].blocked = false
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// nextRetry is the wait until the earliest blocked stream falls due; ok is false when no
+// stream is blocked. The wait may be zero or negative: the retry is due now.
+func (l *scanLoop) nextRetry() (wait time.Duration, ok bool) {
+	var earliest time.Time
+	for _, st := range l.state {
+		if st.blocked && (earliest.IsZero() || st.retryAt.Before(earliest)) {
+			earliest = st.retryAt
+		}
+	}
+	if earliest.IsZero() {
+		return 0, false
+	}
+	return earliest.Sub(shiftedNow(l.cfg.Clock)), true
+}
+
+// pendingAcks lists the cursor writes the streams owe: dispatched beyond their durable cursor.
+func (l *scanLoop) pendingAcks() []ack {
+	var out []ack
+	for _, st := range l.state {
+		if st.position > st.acked && st.epoch > 0 {
+			out = append(out, ack{st.project, st.epoch, st.position})
+		}
+	}
+	return out
+}
+
+// applyAcks records on the stream states what the acknowledger wrote. A project whose row did
+// not match lost its lease: nothing was written for it.
+func (l *scanLoop) applyAcks(acks []ack, ok []string, err error) {
+	if err != nil {
+		logTransient(l.log, "acknowledge", err)
+		return
+	}
+	written := make(map[string]bool, len(ok))
+	for _, p := range ok {
+		written[p] = true
+	}
+	for _, a := range acks {
+		st := l.state[a.project]
+		if written[a.project] {
+			if st != nil && st.epoch == a.epoch && st.acked < a.sequence {
+				st.acked = a.sequence
+			}
+			continue
+		}
+		if st != nil {
+			l.handleStreamError(st, ErrLeaseLost)
+		}
+	}
+}

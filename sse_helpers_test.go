@@ -1,0 +1,96 @@
+package outbox_test
+
+import (
+	"bufio"
+	"net"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox"
+)
+
+// Helpers of the event-stream tests: seeded events, a handler, and response writers that stall
+// or can be hijacked.
+
+// seedEvents writes n sequenced events into project straight into the outbox, as many
+// writers would have: what a freshly started stream handler finds there.
+func seedEvents(t *testing.T, pool *pgxpool.Pool, project string, n int) {
+	t.Helper()
+	ctx := ctxT(t)
+	_, err := pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT $1, 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, $2) g`, project, n)
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, pool, []string{project}, 10000)
+	require.NoError(t, err)
+}
+
+// newSSE builds a stream handler over pool serving projects.
+func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*outbox.SSEOptions)) *outbox.SSEHandler {
+	t.Helper()
+	opts := outbox.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond}
+	if tweak != nil {
+		tweak(&opts)
+	}
+	h, err := outbox.NewSSEHandler(opts)
+	require.NoError(t, err)
+	t.Cleanup(h.Close)
+	return h
+}
+
+// stalledWriter is an http.ResponseWriter whose client never reads: every write blocks until
+// released, as a browser on a dead connection would make it. It supports neither write
+// deadlines nor hijacking.
+type stalledWriter struct {
+	header  http.Header
+	blocked chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func newStalledWriter() *stalledWriter {
+	return &stalledWriter{header: http.Header{}, blocked: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (w *stalledWriter) Header() http.Header { return w.header }
+func (w *stalledWriter) WriteHeader(int)     {}
+func (w *stalledWriter) Flush()              {}
+func (w *stalledWriter) Write(b []byte) (int, error) {
+	w.once.Do(func() { close(w.blocked) })
+	<-w.release
+	return len(b), nil
+}
+
+// hijackableWriter is a ResponseWriter without write deadlines whose connection the handler
+// can take over: writes go to one end of a pipe nobody reads.
+type hijackableWriter struct {
+	header   http.Header
+	server   net.Conn
+	client   net.Conn
+	blocked  chan struct{}
+	once     sync.Once
+	hijacked chan struct{}
+}
+
+func newHijackableWriter() *hijackableWriter {
+	s, c := net.Pipe()
+	return &hijackableWriter{header: http.Header{}, server: s, client: c, blocked: make(chan struct{}), hijacked: make(chan struct{})}
+}
+
+func (w *hijackableWriter) Header() http.Header { return w.header }
+func (w *hijackableWriter) WriteHeader(int)     {}
+func (w *hijackableWriter) Flush()              {}
+func (w *hijackableWriter) Write(b []byte) (int, error) {
+	w.once.Do(func() { close(w.blocked) })
+	return w.server.Write(b)
+}
+func (w *hijackableWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	close(w.hijacked)
+	return w.server, nil, nil
+}
