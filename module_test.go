@@ -14,9 +14,9 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"fusion/outbox"
+	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
-	"fusion/outbox/internal/testhost/schema"
 )
 
 // engineApp builds an app the way an engine binary does: the outbox module plus the host's

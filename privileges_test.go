@@ -13,9 +13,9 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
+	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
-	"fusion/outbox/internal/testhost/schema"
 )
 
 // leastPrivilege sets up a database the way a careful deployment does: an owner role that

@@ -15,8 +15,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"fusion/outbox"
+	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgcluster"
-	"fusion/outbox/internal/testhost/schema"
 )
 
 // Header starts every JSON line.

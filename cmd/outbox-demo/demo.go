@@ -17,9 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"fusion/outbox"
+	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgcluster"
 	"fusion/outbox/internal/testhost"
-	"fusion/outbox/internal/testhost/schema"
 )
 
 const (

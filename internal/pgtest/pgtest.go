@@ -27,8 +27,8 @@ import (
 	"go.uber.org/goleak"
 
 	"fusion/outbox"
+	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgcluster"
-	"fusion/outbox/internal/testhost/schema"
 )
 
 // server is where test databases are created.

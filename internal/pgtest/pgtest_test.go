@@ -8,8 +8,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgtest"
-	"fusion/outbox/internal/testhost/schema"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
