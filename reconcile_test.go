@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap/zaptest"
 
@@ -107,8 +108,10 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 	t.Cleanup(cancel) // the subtests run after this function returns
 
 	// setup delivers 6 deletions to a running consumer and then "restores" the outbox to a
-	// backup taken at head 3: the rows above it and the head go back.
-	setup := func(t *testing.T) (*process, *process) {
+	// backup taken at head 3, in one transaction as a restore is: the rows above it and the
+	// head go back, and with restoreCursor the consumer's cursor row too (at 3, under the
+	// previous, expired lease, so that taking it again gives the epoch number it holds now).
+	setup := func(t *testing.T, restoreCursor bool) (*process, *process) {
 		db := pgtest.NewDB(t)
 		w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
 		_, err := w.store.CreateMany(ctx, "p", "t", 9)
@@ -120,10 +123,22 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 		}
 		obs.rec.waitCount(t, ctx, 6)
 		waitCursor(t, ctx, w.pool, "p", "dash", 6)
-		_, err = w.pool.Exec(ctx, `DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence > 3`)
-		require.NoError(t, err)
-		_, err = w.pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 3 WHERE project_id = 'p'`)
-		require.NoError(t, err)
+		restore := []string{
+			`DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence > 3`,
+			`UPDATE lifecycle_outbox_heads SET last_sequence = 3 WHERE project_id = 'p'`,
+		}
+		if restoreCursor {
+			restore = append(restore, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 3, lease_owner = 'dash@0000000000000000',
+				lease_expires_at = now() - interval '1 hour', lease_epoch = lease_epoch - 1 WHERE project_id = 'p' AND consumer_id = 'dash'`)
+		}
+		require.NoError(t, pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
+			for _, stmt := range restore {
+				if _, err := tx.Exec(ctx, stmt); err != nil {
+					return err
+				}
+			}
+			return nil
+		}))
 		return w, obs
 	}
 	deleteNew := func(t *testing.T, w *process) {
@@ -146,7 +161,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	t.Run("the cursor is ahead of the head: reconcile", func(t *testing.T) {
 		t.Parallel()
-		w, obs := setup(t)
+		w, obs := setup(t, false)
 		outbox.ScanNow(obs.consumer)
 		waitCursor(t, ctx, w.pool, "p", "dash", 3)
 		require.Equal(t, int64(1), obs.consumer.Stats().Reconciliations)
@@ -157,12 +172,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	t.Run("the cursor was restored too: a new lease", func(t *testing.T) {
 		t.Parallel()
-		w, obs := setup(t)
-		// The backup's cursor row: at 3, under the previous (expired) lease. Taking it again
-		// gives the consumer the epoch number it holds now.
-		_, err := w.pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 3, lease_owner = 'dash@0000000000000000',
-			lease_expires_at = now() - interval '1 hour', lease_epoch = lease_epoch - 1 WHERE project_id = 'p' AND consumer_id = 'dash'`)
-		require.NoError(t, err)
+		w, obs := setup(t, true)
 		deleteNew(t, w)
 		requireNewOnes(t, obs)
 		waitCursor(t, ctx, w.pool, "p", "dash", 6)
