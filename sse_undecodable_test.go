@@ -1,0 +1,57 @@
+package outbox_test
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+)
+
+// TestSSEMovesPastAnUndecodableRow: a row the consumer parks as undecodable (deleted_at
+// 'infinity', written before the database checked rows) is skipped by a resuming client, which
+// gets every other event, no reset, and an ID past the row; a second resume from before it
+// works the same way instead of failing on the page again.
+func TestSSEMovesPastAnUndecodableRow(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	seedEvents(t, pool, "p", 3)
+	// Sequence 4 as a pre-check row: a numbered row, which the writer checks do not cover.
+	_, err := pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+VALUES ('p', 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 4 WHERE project_id = 'p'`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT 'p', 'late-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, 2) g`)
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, pool, []string{"p"}, 10000) // sequences 5 and 6
+	require.NoError(t, err)
+
+	sse := newSSE(t, pool, []string{"p"}, nil)
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	probe, _ := openStream(t, ctx, srv.URL, "")
+	parts := strings.Split(probe.position(t, ctx), ".")
+	require.Len(t, parts, 3)
+	for attempt := range 2 {
+		s, code := openStream(t, ctx, srv.URL, "1."+parts[1]+".0")
+		require.Equal(t, http.StatusOK, code)
+		var seqs []int64
+		for len(seqs) < 5 {
+			seqs = append(seqs, decodeDeletion(t, s.next(t, ctx, fmt.Sprintf("attempt %d", attempt))).Sequence)
+		}
+		require.Equal(t, []int64{1, 2, 3, 5, 6}, seqs, "attempt %d: every event but the undecodable one, in order", attempt)
+		require.Equal(t, "1."+parts[1]+".6", s.close(), "the last ID is past every row")
+	}
+	require.Zero(t, sse.Stats().Resets)
+}
