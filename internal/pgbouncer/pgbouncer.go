@@ -19,7 +19,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -27,6 +26,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"fusion/outbox/internal/pgcluster"
 )
 
 // Options configure a bouncer.
@@ -116,18 +117,12 @@ func Start(ctx context.Context, opts Options) (*Bouncer, error) {
 		return nil, fmt.Errorf("pgbouncer directory: %w", err)
 	}
 	b := &Bouncer{bin: bin, dir: dir, port: Port, opts: opts, users: slices.Clone(opts.Users), exited: make(chan struct{})}
-	if os.Geteuid() == 0 {
-		cred, err := credentialOf("postgres")
-		if err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, err
-		}
-		b.cred = cred
-		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, fmt.Errorf("hand pgbouncer directory to postgres: %w", err)
-		}
+	cred, err := pgcluster.HandToPostgresUser(dir, "pgbouncer")
+	if err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
 	}
+	b.cred = cred
 	if err := b.writeFiles(); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
@@ -145,16 +140,6 @@ func Start(ctx context.Context, opts Options) (*Bouncer, error) {
 		return nil, err
 	}
 	return b, nil
-}
-
-func credentialOf(name string) (*syscall.Credential, error) {
-	u, err := user.Lookup(name)
-	if err != nil {
-		return nil, fmt.Errorf("running as root needs the %q OS user for pgbouncer: %w", name, err)
-	}
-	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
-	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
-	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
 }
 
 // checkUser keeps user names to what the auth file can hold without quoting surprises.
@@ -234,20 +219,11 @@ func (b *Bouncer) writeFiles() error {
 // startReaper launches the process that stops the bouncer if we die without calling Stop. It
 // reads the bouncer's PID as its first line, then waits for the pipe to close.
 func (b *Bouncer) startReaper() error {
-	r, w, err := os.Pipe()
+	cmd, w, err := pgcluster.StartReaper(`read pid; read _ignored; [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null; sleep 0.2; rm -rf "$1"`,
+		b.cred, b.dir)
 	if err != nil {
-		return fmt.Errorf("reaper pipe: %w", err)
+		return err
 	}
-	script := `read pid; read _ignored; [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null; sleep 0.2; rm -rf "$1"`
-	cmd := exec.Command("/bin/sh", "-c", script, "reaper", b.dir)
-	cmd.Stdin = r
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: b.cred}
-	if err := cmd.Start(); err != nil {
-		_ = r.Close()
-		_ = w.Close()
-		return fmt.Errorf("start reaper: %w", err)
-	}
-	_ = r.Close()
 	b.reaper, b.reaperPipe = cmd, w
 	return nil
 }

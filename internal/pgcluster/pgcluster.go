@@ -112,18 +112,12 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 		logFile: filepath.Join(baseDir, "server.log"),
 		opts:    opts,
 	}
-	if os.Geteuid() == 0 {
-		cred, err := credentialOf("postgres")
-		if err != nil {
-			_ = os.RemoveAll(baseDir)
-			return nil, err
-		}
-		c.cred = cred
-		if err := os.Chown(baseDir, int(cred.Uid), int(cred.Gid)); err != nil {
-			_ = os.RemoveAll(baseDir)
-			return nil, fmt.Errorf("hand cluster directory to postgres: %w", err)
-		}
+	cred, err := HandToPostgresUser(baseDir, "initdb")
+	if err != nil {
+		_ = os.RemoveAll(baseDir)
+		return nil, err
 	}
+	c.cred = cred
 	if err := c.startReaper(); err != nil {
 		_ = os.RemoveAll(baseDir)
 		return nil, err
@@ -145,32 +139,13 @@ func isDir(path string) bool {
 	return err == nil && fi.IsDir()
 }
 
-func credentialOf(name string) (*syscall.Credential, error) {
-	u, err := user.Lookup(name)
-	if err != nil {
-		return nil, fmt.Errorf("running as root needs the %q OS user for initdb: %w", name, err)
-	}
-	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
-	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
-	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
-}
-
 // startReaper launches the process that cleans up after us if we die without calling Stop.
 func (c *Cluster) startReaper() error {
-	r, w, err := os.Pipe()
+	cmd, w, err := StartReaper(`read _ignored; "$1" -D "$2" stop -m immediate >/dev/null 2>&1; rm -rf "$3"`,
+		c.cred, filepath.Join(c.binDir, "pg_ctl"), c.dataDir, c.baseDir)
 	if err != nil {
-		return fmt.Errorf("reaper pipe: %w", err)
+		return err
 	}
-	script := `read _ignored; "$1" -D "$2" stop -m immediate >/dev/null 2>&1; rm -rf "$3"`
-	cmd := exec.Command("/bin/sh", "-c", script, "reaper", filepath.Join(c.binDir, "pg_ctl"), c.dataDir, c.baseDir)
-	cmd.Stdin = r
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: c.cred}
-	if err := cmd.Start(); err != nil {
-		_ = r.Close()
-		_ = w.Close()
-		return fmt.Errorf("start reaper: %w", err)
-	}
-	_ = r.Close()
 	c.reaper, c.reaperPipe = cmd, w
 	return nil
 }
@@ -266,4 +241,45 @@ func (c *Cluster) Stop() {
 	_ = c.reaperPipe.Close()
 	_ = c.reaper.Wait()
 	_ = os.RemoveAll(c.baseDir)
+}
+
+// HandToPostgresUser prepares dir for server processes run as the "postgres" OS user when the
+// current user is root (initdb and pgbouncer refuse root): it chowns dir to that user and
+// returns the credential to run them with. Otherwise it returns nil and changes nothing.
+func HandToPostgresUser(dir, tool string) (*syscall.Credential, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil
+	}
+	u, err := user.Lookup(Superuser)
+	if err != nil {
+		return nil, fmt.Errorf("running as root needs the %q OS user for %s: %w", Superuser, tool, err)
+	}
+	uid, _ := strconv.ParseUint(u.Uid, 10, 32)
+	gid, _ := strconv.ParseUint(u.Gid, 10, 32)
+	cred := &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+		return nil, fmt.Errorf("hand %s directory to %s: %w", tool, Superuser, err)
+	}
+	return cred, nil
+}
+
+// StartReaper launches a shell running script (with args as $1, $2, ...) as cred, with its
+// standard input on a pipe. The caller keeps the write end: when the caller's process ends
+// for any reason, SIGKILL included, the pipe closes, the script's read returns, and it cleans
+// up. Closing the write end on purpose does the same.
+func StartReaper(script string, cred *syscall.Credential, args ...string) (*exec.Cmd, *os.File, error) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, nil, fmt.Errorf("reaper pipe: %w", err)
+	}
+	cmd := exec.Command("/bin/sh", append([]string{"-c", script, "reaper"}, args...)...)
+	cmd.Stdin = r
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
+	if err := cmd.Start(); err != nil {
+		_ = r.Close()
+		_ = w.Close()
+		return nil, nil, fmt.Errorf("start reaper: %w", err)
+	}
+	_ = r.Close()
+	return cmd, w, nil
 }
