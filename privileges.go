@@ -18,20 +18,26 @@ import (
 
 type grant struct{ privileges, object string }
 
-// writerGrants: the writer hook inserts one row per first deletion and reads it back on a
-// repeat. It cannot choose a sequence, change or delete a row, or touch any other table.
+// pendingColumns are what a writer inserts into the pending table.
+const pendingColumns = "project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context"
+
+// writerGrants: the writer hook inserts one pending row per first deletion and reads it back on
+// a repeat, wherever it is by then. It cannot number, change or delete a row, or touch any
+// other table. (INSERT on lifecycle_outbox is for writers of schema 6 and earlier during a
+// rolling deploy: the sequencer numbers their unnumbered rows too.)
 var writerGrants = []grant{
-	{"SELECT, INSERT (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context)",
-		"TABLE lifecycle_outbox"},
+	{"SELECT, INSERT (" + pendingColumns + ")", "TABLE lifecycle_outbox_pending"},
+	{"SELECT, INSERT (" + pendingColumns + ")", "TABLE lifecycle_outbox"},
 	{"SELECT", "TABLE lifecycle_project_access"},
 	{"SELECT", "TABLE " + schemaTable},
 }
 
-// consumerGrants: the consumer sequences (numbering rows that have no sequence, moving the
-// head), reads events, and writes its own cursors, leases and delivery attempts, and the
+// consumerGrants: the consumer sequences (the function moves pending rows into the stream as
+// its owner, for the projects the role is granted; see migration 0007), reads events, and writes its own cursors, leases and delivery attempts, and the
 // poison and replay audit rows. It cannot retire anyone, ask for a replay, prune or delete.
 var consumerGrants = []grant{
 	{"SELECT, UPDATE (sequence)", "TABLE lifecycle_outbox"},
+	{"SELECT", "TABLE lifecycle_outbox_pending"},
 	{"SELECT, INSERT (project_id), UPDATE (last_sequence, sequenced_at)", "TABLE lifecycle_outbox_heads"},
 	{"SELECT, INSERT (project_id, consumer_id), UPDATE (last_acked_sequence, acked_at, lease_owner, lease_epoch, " +
 		"lease_expires_at, heartbeat_at, reconciled_at, reconcile_reason)", "TABLE lifecycle_consumer_cursors"},
@@ -49,6 +55,7 @@ var consumerGrants = []grant{
 // DELETE, which pruning needs, is the one table-level write privilege any role holds.
 var operatorGrants = []grant{
 	{"SELECT, DELETE", "TABLE lifecycle_outbox"},
+	{"SELECT", "TABLE lifecycle_outbox_pending"},
 	{"SELECT, UPDATE (pruned_through, pruned_at)", "TABLE lifecycle_outbox_heads"},
 	{"SELECT, UPDATE (retired_at, retired_by, retired_reason, lease_owner, lease_expires_at)", "TABLE lifecycle_consumer_cursors"},
 	{"SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason), DELETE", "TABLE lifecycle_consumer_deliveries"},
@@ -59,7 +66,7 @@ var operatorGrants = []grant{
 
 // moduleObjects is everything the grants above name, for RevokeModulePrivileges.
 var moduleObjects = []string{
-	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_consumer_cursors",
+	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_pending", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_consumer_cursors",
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE " + schemaTable, "FUNCTION lifecycle_outbox_sequence(text[], integer)",
 }

@@ -103,11 +103,13 @@ func (r *reconciler) restartCursorTx(ctx context.Context, tx pgx.Tx, project str
 }
 
 // deletedSinceSQL lists the deletions that may have committed after a snapshot whose head was
-// $2: those numbered above it and those not numbered yet (unnumbered rows that committed
-// before the snapshot come too; removing them again is harmless). Two branches, so that each
-// uses its partial index.
+// $2: those numbered above it and those not numbered yet, pending or written unnumbered by an
+// older writer (rows that committed before the snapshot come too; removing them again is
+// harmless). One branch per index.
 const deletedSinceSQL = `
 SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence > $2
+UNION ALL
+SELECT task_id, deleted_at FROM lifecycle_outbox_pending WHERE project_id = $1
 UNION ALL
 SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence IS NULL`
 

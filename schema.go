@@ -14,7 +14,7 @@ import (
 
 // SchemaVersion is the migration version this build needs. VerifySchema fails unless the
 // database is at exactly this version with unchanged migration checksums.
-const SchemaVersion = 6
+const SchemaVersion = 7
 
 // schemaTable records the module's applied migrations.
 const schemaTable = "lifecycle_outbox_schema"
@@ -103,12 +103,13 @@ func VerifySchema(ctx context.Context, db DBTX) error {
 // module's schema is.
 const schemaDriftSQL = `
 WITH tables(name, forced) AS (VALUES
-    ('lifecycle_outbox', true), ('lifecycle_outbox_heads', true), ('lifecycle_consumer_cursors', true),
+    ('lifecycle_outbox', true), ('lifecycle_outbox_pending', true), ('lifecycle_outbox_heads', true), ('lifecycle_consumer_cursors', true),
     ('lifecycle_consumer_deliveries', true), ('lifecycle_audit', true),
     ('lifecycle_project_access', false), ('lifecycle_consumer_access', false)
 ), policies(tab, name) AS (VALUES
     ('lifecycle_outbox', 'lifecycle_outbox_project_scope'),
     ('lifecycle_outbox', 'lifecycle_outbox_sequence_once'),
+    ('lifecycle_outbox_pending', 'lifecycle_outbox_pending_project_scope'),
     ('lifecycle_outbox_heads', 'lifecycle_outbox_heads_project_scope'),
     ('lifecycle_consumer_cursors', 'lifecycle_consumer_cursors_project_scope'),
     ('lifecycle_consumer_cursors', 'lifecycle_consumer_cursors_consumer_insert'),
@@ -150,6 +151,10 @@ WITH tables(name, forced) AS (VALUES
     WHERE p.oid = pg_catalog.to_regprocedure('lifecycle_outbox_sequence(text[], integer)') AND EXISTS (
         SELECT 1 FROM pg_catalog.aclexplode(coalesce(p.proacl, pg_catalog.acldefault('f', p.proowner))) a
         WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
+    UNION ALL
+    SELECT 8, 'lifecycle_outbox_sequence(text[], integer) does not run as its owner (SECURITY DEFINER)'
+    FROM pg_catalog.pg_proc p
+    WHERE p.oid = pg_catalog.to_regprocedure('lifecycle_outbox_sequence(text[], integer)') AND NOT p.prosecdef
 )
 SELECT problem FROM problems ORDER BY ord, problem`
 

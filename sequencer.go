@@ -28,6 +28,8 @@ const sequenceSQL = `SELECT project_id, last_sequence, pruned_through, assigned 
 const sequencedProjectsSQL = `
 SELECT DISTINCT project_id FROM lifecycle_outbox WHERE sequence IS NULL
 UNION
+SELECT DISTINCT project_id::text FROM lifecycle_outbox_pending
+UNION
 SELECT project_id FROM lifecycle_outbox_heads
 ORDER BY 1`
 

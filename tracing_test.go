@@ -239,7 +239,7 @@ func TestNoTracerStoresNoTraceContext(t *testing.T) {
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
 	w := seedDeletes(t, ctx, db.URL, "p", 2)
-	require.Equal(t, 2, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM lifecycle_outbox WHERE trace_context IS NULL`))
+	require.Equal(t, 2, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE trace_context IS NULL`))
 }
 
 // TestStoredTraceContextIsW3C: the stored form agrees with the W3C propagator both ways,
@@ -295,7 +295,7 @@ func TestTracedWriterRoleRecordsTheTraceContext(t *testing.T) {
 	_, err = testhost.New(writerPool, testhost.Options{Writer: w}).Delete(ctx, "proj-a", "t-1")
 	require.NoError(t, err, "a traced delete as the writer role")
 	require.Len(t, wt.spans("create proj-a"), 1)
-	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE trace_context IS NOT NULL`))
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending WHERE trace_context IS NOT NULL`))
 
 	consumerPool, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
 	cfg := fastConfig()

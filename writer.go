@@ -83,15 +83,21 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 func (w *Writer) ProcessID() string { return w.processID }
 
 const insertEventSQL = `
-INSERT INTO lifecycle_outbox
+INSERT INTO lifecycle_outbox_pending
     (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
 VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7, $8)
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
+// selectEventByIDSQL reads a recorded event back wherever it is: still pending (sequence 0) or
+// numbered in the stream.
 const selectEventByIDSQL = `
+SELECT writer_process_id::text, occurred_at::timestamptz, 0::bigint
+FROM lifecycle_outbox_pending WHERE project_id = $1 AND task_id = $2 AND deleted_at = $3
+UNION ALL
 SELECT writer_process_id, occurred_at, coalesce(sequence, 0)
-FROM lifecycle_outbox WHERE project_id = $1 AND task_id = $2 AND deleted_at = $3`
+FROM lifecycle_outbox WHERE project_id = $1 AND task_id = $2 AND deleted_at = $3
+LIMIT 1`
 
 // RecordTaskDeletedTx records the first deletion of a task inside the caller's delete
 // transaction, so that the delete and its event commit or roll back together. It returns the

@@ -270,6 +270,7 @@ func TestCompetingSequencersNeverDuplicateOrSkip(t *testing.T) {
 	require.Equal(t, count, distinct, "no sequence assigned twice")
 	require.Equal(t, count, maxSeq, "1..n with none skipped")
 	require.Zero(t, unsequenced)
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`), "every pending row was moved")
 }
 
 func TestSequencerRefusesRepeatableRead(t *testing.T) {
@@ -309,7 +310,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		again, err := store.Delete(ctx, "p1", "t1")
 		require.NoError(t, err)
 		require.False(t, again.Deleted)
-		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't1'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't1'`))
 		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't1' AND action = 'task:deleted'`))
 	})
 
@@ -345,7 +346,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 			}
 		}
 		require.Equal(t, 1, deleted)
-		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't2'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't2'`))
 		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't2'`))
 	})
 
@@ -360,7 +361,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, inserted)
 		require.NoError(t, tx.Rollback(ctx))
-		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't3'`))
+		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't3'`))
 		task, err := store.Get(ctx, "p1", "t3")
 		require.NoError(t, err)
 		require.Nil(t, task.DeletedAt)
@@ -371,17 +372,17 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, err)
 		_, err = store.Archive(ctx, "p1", "t4")
 		require.NoError(t, err)
-		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't4'`), "archiving is not a deletion")
+		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't4'`), "archiving is not a deletion")
 		res, err := store.Delete(ctx, "p1", "t4")
 		require.NoError(t, err)
 		require.True(t, res.Event.Archived)
 		require.Equal(t, "done", res.Event.PriorColumn)
 		var archived bool
 		var prior string
-		require.NoError(t, pool.QueryRow(ctx, `SELECT archived, prior_column FROM lifecycle_outbox WHERE task_id = 't4'`).Scan(&archived, &prior))
+		require.NoError(t, pool.QueryRow(ctx, `SELECT archived, prior_column FROM lifecycle_outbox_pending WHERE task_id = 't4'`).Scan(&archived, &prior))
 		require.True(t, archived)
 		require.Equal(t, "done", prior)
-		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't4'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't4'`))
 	})
 }
 
@@ -423,7 +424,7 @@ func TestWriterRefusesObservedContextAndBadInput(t *testing.T) {
 		require.Equal(t, "TaskDeletion."+strings.TrimSpace(name), verr.Field)
 	}
 	require.NoError(t, tx.Commit(ctx))
-	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox`), "nothing was written")
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`), "nothing was written")
 }
 
 func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
@@ -474,6 +475,6 @@ func TestDisabledWriterRecordsNothing(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res.Deleted)
 	require.False(t, res.EventRecorded)
-	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`))
 	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`), "the host's own delete path is unchanged")
 }

@@ -1,0 +1,246 @@
+-- A narrow pending table on the writer's path; the sequencer moves rows into the stream.
+--
+-- Until now a writer inserted an unnumbered row into lifecycle_outbox: a heap tuple, the primary
+-- key and the unsequenced index, and eight table checks, each of which PostgreSQL rebuilds
+-- from its stored expression for every single-row insert. Sequencing then updated the row (a
+-- second heap tuple and new index entries) and pruning deleted both. Now the delete
+-- transaction inserts into lifecycle_outbox_pending: one heap tuple, one index, and checks on
+-- the column types (domains), which the server keeps compiled. The sequencer deletes a batch of
+-- committed pending rows and inserts them, numbered, into lifecycle_outbox in one statement, so
+-- the stream only ever holds numbered rows and the insert's checks are paid once per batch.
+--
+-- Rows written into lifecycle_outbox with no sequence (by writers of schema 6, during a rolling
+-- deploy) are still numbered, first, so nothing written either way is skipped.
+
+-- The checks of 0005, as types. A domain's check is kept compiled with the type, so a column of
+-- one costs a value test per row and no per-statement set-up.
+CREATE DOMAIN lifecycle_identifier AS text
+    CHECK (VALUE OPERATOR(pg_catalog.~) '^[A-Za-z0-9][A-Za-z0-9._:-]*$' AND pg_catalog.octet_length(VALUE) OPERATOR(pg_catalog.<=) 128);
+CREATE DOMAIN lifecycle_task_id AS text
+    CHECK (pg_catalog.octet_length(VALUE) BETWEEN 1 AND 256
+           AND VALUE OPERATOR(pg_catalog.!~) '[\x01-\x20\x7f-\xa0\u1680\u2000-\u200f\u2028-\u202f\u205f-\u206f\u3000\ufeff]');
+CREATE DOMAIN lifecycle_label AS text
+    CHECK (pg_catalog.octet_length(VALUE) BETWEEN 1 AND 128 AND VALUE OPERATOR(pg_catalog.!~) '[\x01-\x1f\x7f-\x9f]');
+CREATE DOMAIN lifecycle_instant AS timestamptz
+    CHECK (VALUE BETWEEN '0001-01-01 00:00:00+00' AND '9999-12-31 23:59:59.999999+00');
+CREATE DOMAIN lifecycle_payload_version AS smallint CHECK (VALUE OPERATOR(pg_catalog.>) 0);
+CREATE DOMAIN lifecycle_trace_context AS text
+    CHECK (pg_catalog.length(VALUE) OPERATOR(pg_catalog.<=) 600
+           AND VALUE OPERATOR(pg_catalog.~) '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}( |$)');
+
+-- What the writer hook inserts: the event's columns, its identity as the one index.
+CREATE TABLE lifecycle_outbox_pending (
+    project_id        lifecycle_identifier      NOT NULL,
+    task_id           lifecycle_task_id         NOT NULL,
+    deleted_at        lifecycle_instant         NOT NULL,
+    event_type        lifecycle_event_type      NOT NULL,
+    archived          boolean                   NOT NULL,
+    payload_version   lifecycle_payload_version NOT NULL,
+    occurred_at       lifecycle_instant         NOT NULL,
+    writer_process_id lifecycle_identifier      NOT NULL,
+    prior_column      lifecycle_label,
+    trace_context     lifecycle_trace_context,
+    PRIMARY KEY (project_id, task_id, deleted_at)
+) WITH (
+    -- A queue: rows live for milliseconds while consumers run. Vacuum it by dead rows, not by
+    -- a fraction of a size that swings from nothing to a backlog.
+    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 10000,
+    autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000
+);
+
+ALTER TABLE lifecycle_outbox_pending ENABLE ROW LEVEL SECURITY;
+ALTER TABLE lifecycle_outbox_pending FORCE ROW LEVEL SECURITY;
+CREATE POLICY lifecycle_outbox_pending_project_scope ON lifecycle_outbox_pending
+    USING (project_id OPERATOR(pg_catalog.=) ANY (SELECT a.project_id FROM lifecycle_project_access a WHERE a.role_name OPERATOR(pg_catalog.=) CURRENT_USER)
+           OR EXISTS (SELECT 1 FROM lifecycle_project_access a WHERE a.role_name OPERATOR(pg_catalog.=) CURRENT_USER AND a.project_id OPERATOR(pg_catalog.=) '*'))
+    WITH CHECK (project_id OPERATOR(pg_catalog.=) ANY (SELECT a.project_id FROM lifecycle_project_access a WHERE a.role_name OPERATOR(pg_catalog.=) CURRENT_USER)
+           OR EXISTS (SELECT 1 FROM lifecycle_project_access a WHERE a.role_name OPERATOR(pg_catalog.=) CURRENT_USER AND a.project_id OPERATOR(pg_catalog.=) '*'));
+
+-- Roles that could write events keep doing so, now into the pending table; every role that
+-- could read the outbox may read what is pending (status, reconciliation, the writer's repeat).
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole::text AS role_name, a.privilege_type
+        FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+        WHERE c.oid = 'lifecycle_outbox'::regclass AND a.grantee <> 0 AND a.grantee <> c.relowner
+          AND a.privilege_type IN ('SELECT', 'INSERT')
+        UNION
+        SELECT DISTINCT a.grantee::regrole::text, 'INSERT'
+        FROM pg_catalog.pg_attribute t, pg_catalog.aclexplode(t.attacl) a
+        WHERE t.attrelid = 'lifecycle_outbox'::regclass AND t.attname = 'task_id' AND a.privilege_type = 'INSERT'
+          AND a.grantee <> 0
+    LOOP
+        IF r.privilege_type = 'SELECT' THEN
+            EXECUTE pg_catalog.format('GRANT SELECT ON lifecycle_outbox_pending TO %s', r.role_name);
+        ELSE
+            EXECUTE pg_catalog.format('GRANT INSERT (project_id, task_id, deleted_at, event_type, archived, payload_version, '
+                'occurred_at, writer_process_id, prior_column, trace_context) ON lifecycle_outbox_pending TO %s', r.role_name);
+        END IF;
+    END LOOP;
+END;
+$$;
+
+-- The sequencer, now a mover. It runs as the owner (SECURITY DEFINER), because moving a row
+-- deletes it from the pending table, and a role holding DELETE there could LOCK that table and
+-- stop every writer of every project. What the caller may sequence is decided here instead: the
+-- projects granted in lifecycle_project_access to the session's login role or a role it is a
+-- member of. The caller still needs EXECUTE (consumer roles only).
+--
+-- Each project in sorted order (two sequencers cannot deadlock): take its heads row lock, which
+-- serialises the sequencers of the project and which writers never take; number its legacy
+-- unnumbered rows in the stream; then move up to the rest of p_limit pending rows. READ
+-- COMMITTED gives every statement a fresh snapshot, so a move sees every row and every earlier
+-- move that committed before the lock was granted; a row that commits later is moved later.
+-- A batch is taken in key order (a task's deletions in their order) and numbered by
+-- occurred_at within the batch. A pending row whose identity the stream already holds is
+-- dropped, so an identity is delivered once however often it was written.
+CREATE OR REPLACE FUNCTION lifecycle_outbox_sequence(p_projects text[], p_limit integer)
+RETURNS TABLE (project_id text, last_sequence bigint, pruned_through bigint, assigned integer)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+SET lock_timeout = '1s'
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_every    boolean;
+    v_allowed  text[];
+    v_projects text[];
+    v_project  text;
+    v_last     bigint;
+    v_count    integer;
+    v_moved    integer;
+    v_max      bigint;
+    v_assigned jsonb := '{}';
+BEGIN
+    IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
+        RAISE EXCEPTION 'lifecycle_outbox_sequence must run at READ COMMITTED, not %',
+            pg_catalog.current_setting('transaction_isolation') USING ERRCODE = '25000';
+    END IF;
+    IF p_limit IS NULL OR p_limit OPERATOR(pg_catalog.<) 1 THEN
+        RAISE EXCEPTION 'p_limit must be at least 1' USING ERRCODE = '22023';
+    END IF;
+
+    SELECT coalesce(pg_catalog.bool_or(a.project_id OPERATOR(pg_catalog.=) '*'), false), pg_catalog.array_agg(a.project_id)
+    INTO v_every, v_allowed
+    FROM lifecycle_project_access a
+    JOIN pg_catalog.pg_roles r ON r.rolname OPERATOR(pg_catalog.=) a.role_name -- a dropped role's rows grant nothing
+    WHERE pg_catalog.pg_has_role(SESSION_USER, r.oid, 'MEMBER');
+
+    IF p_projects IS NULL THEN
+        -- Every project with something to number: a loose scan of the pending key, one probe
+        -- per project, and the legacy index.
+        WITH RECURSIVE loose(p) AS (
+            SELECT pg_catalog.min(q.project_id::text) FROM lifecycle_outbox_pending q
+            UNION ALL
+            SELECT (SELECT pg_catalog.min(q.project_id::text) FROM lifecycle_outbox_pending q
+                    WHERE q.project_id::text OPERATOR(pg_catalog.>) loose.p)
+            FROM loose WHERE loose.p IS NOT NULL
+        )
+        SELECT pg_catalog.array_agg(DISTINCT x.p ORDER BY x.p) INTO v_projects
+        FROM (SELECT loose.p FROM loose WHERE loose.p IS NOT NULL
+              UNION
+              SELECT o.project_id FROM lifecycle_outbox o WHERE o.sequence IS NULL) x
+        WHERE v_every OR x.p OPERATOR(pg_catalog.=) ANY (v_allowed);
+    ELSE
+        SELECT pg_catalog.array_agg(DISTINCT x.p ORDER BY x.p) INTO v_projects
+        FROM pg_catalog.unnest(p_projects) AS x(p)
+        WHERE (v_every OR x.p OPERATOR(pg_catalog.=) ANY (v_allowed))
+          AND (EXISTS (SELECT 1 FROM lifecycle_outbox_pending q WHERE q.project_id::text OPERATOR(pg_catalog.=) x.p)
+               OR EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.project_id OPERATOR(pg_catalog.=) x.p AND o.sequence IS NULL));
+    END IF;
+
+    FOREACH v_project IN ARRAY coalesce(v_projects, '{}')
+    LOOP
+        INSERT INTO lifecycle_outbox_heads AS h (project_id) VALUES (v_project)
+        ON CONFLICT (project_id) DO NOTHING;
+
+        SELECT h.last_sequence INTO v_last
+        FROM lifecycle_outbox_heads h
+        WHERE h.project_id OPERATOR(pg_catalog.=) v_project
+        FOR UPDATE;
+
+        v_count := 0;
+        v_max := v_last;
+        IF EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.project_id OPERATOR(pg_catalog.=) v_project AND o.sequence IS NULL) THEN
+            WITH legacy AS (
+                SELECT o.ctid AS row_id, pg_catalog.row_number() OVER (ORDER BY o.occurred_at) AS rn
+                FROM lifecycle_outbox o
+                WHERE o.project_id OPERATOR(pg_catalog.=) v_project AND o.sequence IS NULL
+                ORDER BY o.occurred_at
+                LIMIT p_limit
+            ), numbered AS (
+                UPDATE lifecycle_outbox o
+                SET sequence = v_last OPERATOR(pg_catalog.+) legacy.rn
+                FROM legacy
+                WHERE o.ctid OPERATOR(pg_catalog.=) legacy.row_id AND o.sequence IS NULL
+                RETURNING o.sequence
+            )
+            SELECT pg_catalog.count(*), coalesce(pg_catalog.max(numbered.sequence), v_last) INTO v_count, v_max FROM numbered;
+        END IF;
+
+        IF v_count OPERATOR(pg_catalog.<) p_limit THEN
+            WITH batch AS (
+                SELECT q.ctid AS row_id
+                FROM lifecycle_outbox_pending q
+                WHERE q.project_id::text OPERATOR(pg_catalog.=) v_project
+                ORDER BY q.project_id, q.task_id, q.deleted_at
+                LIMIT p_limit OPERATOR(pg_catalog.-) v_count
+            ), moved AS (
+                DELETE FROM lifecycle_outbox_pending q
+                USING batch
+                WHERE q.ctid OPERATOR(pg_catalog.=) batch.row_id
+                RETURNING q.*
+            ), fresh AS (
+                SELECT m.*, pg_catalog.row_number() OVER (ORDER BY m.occurred_at, m.task_id, m.deleted_at) AS rn
+                FROM moved m
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM lifecycle_outbox o
+                    WHERE o.project_id OPERATOR(pg_catalog.=) m.project_id::text AND o.task_id OPERATOR(pg_catalog.=) m.task_id::text
+                      AND o.deleted_at OPERATOR(pg_catalog.=) m.deleted_at::timestamptz)
+            ), numbered AS (
+                INSERT INTO lifecycle_outbox
+                    (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
+                     writer_process_id, prior_column, trace_context)
+                SELECT f.project_id, f.task_id, f.deleted_at, v_max OPERATOR(pg_catalog.+) f.rn, f.event_type, f.archived,
+                       f.payload_version, f.occurred_at, f.writer_process_id, f.prior_column, f.trace_context
+                FROM fresh f
+                RETURNING lifecycle_outbox.sequence
+            )
+            SELECT pg_catalog.count(*), coalesce(pg_catalog.max(numbered.sequence), v_max) INTO v_moved, v_max FROM numbered;
+            v_count := v_count OPERATOR(pg_catalog.+) v_moved;
+        END IF;
+
+        -- Only a sequencer holding the heads lock numbers rows, so nothing can be skipped here;
+        -- if it ever were, a gap would follow, and a gap must never commit.
+        IF v_max OPERATOR(pg_catalog.-) v_last OPERATOR(pg_catalog.<>) v_count THEN
+            RAISE EXCEPTION 'sequencer for project % would leave a gap (last %, max %, count %)',
+                v_project, v_last, v_max, v_count USING ERRCODE = 'XX000';
+        END IF;
+
+        IF v_count OPERATOR(pg_catalog.>) 0 THEN
+            UPDATE lifecycle_outbox_heads h
+            SET last_sequence = v_max, sequenced_at = pg_catalog.now()
+            WHERE h.project_id OPERATOR(pg_catalog.=) v_project;
+        END IF;
+        v_assigned := v_assigned OPERATOR(pg_catalog.||) pg_catalog.jsonb_build_object(v_project, v_count);
+    END LOOP;
+
+    RETURN QUERY
+        SELECT h.project_id, h.last_sequence, h.pruned_through,
+               coalesce((v_assigned OPERATOR(pg_catalog.->>) h.project_id)::integer, 0)
+        FROM lifecycle_outbox_heads h
+        WHERE (p_projects IS NULL OR h.project_id OPERATOR(pg_catalog.=) ANY (p_projects))
+          AND (v_every OR h.project_id OPERATOR(pg_catalog.=) ANY (v_allowed));
+END;
+$$;
+
+DO $$
+BEGIN
+    EXECUTE pg_catalog.format('ALTER FUNCTION lifecycle_outbox_sequence(text[], integer) SET search_path = pg_catalog, %I, pg_temp',
+                              pg_catalog.current_schema());
+END;
+$$;

@@ -1,0 +1,181 @@
+package outbox_test
+
+import (
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+)
+
+// The pending table (migration 0007): the writer's insert lands there, and the sequencer moves
+// committed rows into the numbered stream.
+
+const insertPendingRow = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
+
+func TestWriterInsertsIntoPendingAndTheSequencerMovesIt(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilege(t)
+	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
+	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
+	deleteTasksAs(t, lp, writer, "proj-a", 3)
+
+	require.Equal(t, 3, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending`))
+	require.Zero(t, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox`), "the delete transaction wrote only the pending row")
+
+	heads, err := outbox.Sequence(ctx, consumer, []string{"proj-a"}, 2)
+	require.NoError(t, err)
+	require.EqualValues(t, 3, heads["proj-a"].LastSequence)
+	require.Equal(t, 3, heads["proj-a"].Assigned)
+	require.Zero(t, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending`))
+	var seqs []int64
+	rows, err := lp.owner.Query(ctx, `SELECT sequence FROM lifecycle_outbox WHERE project_id = 'proj-a' ORDER BY occurred_at, sequence`)
+	require.NoError(t, err)
+	seqs, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
+	require.Equal(t, []int64{1, 2, 3}, seqs, "numbered 1..3 in the order the deletes committed")
+}
+
+// TestSequencerNumbersLegacyRowsFirst: a writer of schema 6 (a rolling deploy) still inserts
+// unnumbered rows into the stream; they are older than what is pending, and numbered first.
+func TestSequencerNumbersLegacyRowsFirst(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	_, err := pool.Exec(ctx, insertRow, "p", "legacy")
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, insertPendingRow, "p", "pending")
+	require.NoError(t, err)
+
+	heads, err := outbox.Sequence(ctx, pool, nil, 10)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, heads["p"].LastSequence)
+	rows, err := pool.Query(ctx, `SELECT task_id FROM lifecycle_outbox WHERE project_id = 'p' ORDER BY sequence`)
+	require.NoError(t, err)
+	tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"legacy", "pending"}, tasks)
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE sequence IS NULL`))
+}
+
+// TestSequencerDropsAPendingRowTheStreamAlreadyHolds: an identity is delivered once, however
+// often it was written; the gap check holds because the duplicate takes no number.
+func TestSequencerDropsAPendingRowTheStreamAlreadyHolds(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	_, err := pool.Exec(ctx, insertPendingRow, "p", "t1")
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, pool, []string{"p"}, 10)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, insertPendingRow, "p", "t1") // the same identity again, after the move
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, insertPendingRow, "p", "t2")
+	require.NoError(t, err)
+
+	heads, err := outbox.Sequence(ctx, pool, []string{"p"}, 10)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, heads["p"].LastSequence)
+	require.Equal(t, 1, heads["p"].Assigned, "only t2 was numbered")
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't1'`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`))
+}
+
+// TestSequencerMovesOnlyTheCallersProjects: the sequencer runs as its owner (it deletes pending
+// rows, and no consumer role may hold DELETE there), so it decides itself which projects the
+// caller may sequence. A project-A consumer can neither number, nor lock, nor see project B.
+func TestSequencerMovesOnlyTheCallersProjects(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilege(t)
+	for _, p := range []string{"proj-a", "proj-b"} {
+		_, err := lp.owner.Exec(ctx, insertPendingRow, p, "t1")
+		require.NoError(t, err)
+	}
+	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
+
+	tx, err := consumer.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	rows, err := tx.Query(ctx, `SELECT project_id, last_sequence FROM lifecycle_outbox_sequence(ARRAY['proj-a', 'proj-b'], 100)`)
+	require.NoError(t, err)
+	heads, err := pgx.CollectRows(rows, pgx.RowToMap)
+	require.NoError(t, err)
+	require.Len(t, heads, 1, "project B's head is not returned")
+	require.Equal(t, "proj-a", heads[0]["project_id"])
+
+	// While the consumer's transaction is open, project B's heads row is free: it was never
+	// locked, so no project-A role can stall project B's sequencing.
+	_, err = lp.owner.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id) VALUES ('proj-b') ON CONFLICT DO NOTHING`)
+	require.NoError(t, err)
+	otx, err := lp.owner.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = otx.Rollback(ctx) }()
+	_, err = otx.Exec(ctx, `SELECT 1 FROM lifecycle_outbox_heads WHERE project_id = 'proj-b' FOR UPDATE NOWAIT`)
+	require.NoError(t, err)
+	require.NoError(t, otx.Rollback(ctx))
+	require.NoError(t, tx.Commit(ctx))
+
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending WHERE project_id = 'proj-b'`))
+	require.Zero(t, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE project_id = 'proj-b'`))
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE project_id = 'proj-a'`))
+
+	// Every project at once (NULL) is every project the caller may sequence, no more.
+	_, err = lp.owner.Exec(ctx, insertPendingRow, "proj-a", "t2")
+	require.NoError(t, err)
+	all, err := outbox.Sequence(ctx, consumer, nil, 100)
+	require.NoError(t, err)
+	require.Len(t, all, 1)
+	require.EqualValues(t, 2, all["proj-a"].LastSequence)
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending WHERE project_id = 'proj-b'`))
+
+	// The consumer role cannot delete pending rows itself, nor lock the table writers insert into.
+	_, err = consumer.Exec(ctx, `DELETE FROM lifecycle_outbox_pending`)
+	requireSQLState(t, err, "42501")
+	ltx, err := consumer.Begin(ctx)
+	require.NoError(t, err)
+	_, err = ltx.Exec(ctx, `LOCK TABLE lifecycle_outbox_pending IN ACCESS EXCLUSIVE MODE`)
+	requireSQLState(t, err, "42501")
+	_ = ltx.Rollback(ctx)
+}
+
+// TestPendingRefusesMalformedRows: the column types carry 0005's checks, so a hostile or broken
+// writer cannot leave a row no consumer could deliver; and the writer role writes only its
+// own projects.
+func TestPendingRefusesMalformedRows(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilege(t)
+	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
+	const insert = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context)
+		VALUES ($1, $2, $3::timestamptz, 'task:deleted', false, $4, now(), $5, $6, $7)`
+	ok := []any{"proj-a", "t1", "2026-01-02T03:04:05Z", 1, "w-1", nil, nil}
+	with := func(i int, v any) []any {
+		args := append([]any(nil), ok...)
+		args[i] = v
+		return args
+	}
+	for name, args := range map[string][]any{
+		"project with a space":       with(0, "proj a"),
+		"task with a newline":        with(1, "t\n1"),
+		"empty task":                 with(1, ""),
+		"infinite deletion time":     with(2, "infinity"),
+		"payload version zero":       with(3, 0),
+		"writer with a slash":        with(4, "w/1"),
+		"prior column with a tab":    with(5, "to\tdo"),
+		"trace context of free text": with(6, "hello"),
+	} {
+		_, err := writer.Exec(ctx, insert, args...)
+		require.Error(t, err, name)
+		requireSQLState(t, err, "23514") // check_violation, from the column's domain
+	}
+	_, err := writer.Exec(ctx, insert, with(0, "proj-b")...)
+	requireSQLState(t, err, "42501") // another project's row violates the policy
+	_, err = writer.Exec(ctx, insert, ok...)
+	require.NoError(t, err, "the well-formed row is accepted")
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending`))
+}
