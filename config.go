@@ -71,9 +71,23 @@ type Config struct {
 
 	// NotifyGap is the shortest time between two wake-up notifications sent by one writer
 	// process. A commit after a quiet spell is announced at once; commits within the gap
-	// share the next notification. Each notification is a transaction of its own, so the gap
-	// bounds their cost under load. Defaults to 1ms; at most 1s.
+	// share the next notification, sent when the gap has passed. Each notification is a
+	// transaction of its own, so the gap bounds their cost under load; consumers find the
+	// commits in between by their follow-up scans (FollowUpInterval), so the gap costs no
+	// latency while FollowUpWindow is longer than it. Defaults to 20ms; at most 1s.
 	NotifyGap time.Duration `yaml:"notify_gap" json:"notify_gap"`
+
+	// FollowUpInterval is how soon a consumer scans a project again after a scan of it found
+	// events. It keeps doing so while scans find events and for FollowUpWindow after the last
+	// one that did, so under load a project is read without waiting for a notification: the
+	// edge from idle to busy is announced, the rest is found. Defaults to 2ms; 1ms to
+	// PollInterval.
+	FollowUpInterval time.Duration `yaml:"follow_up_interval" json:"follow_up_interval"`
+
+	// FollowUpWindow is how long after its last scan that found events a project keeps being
+	// scanned every FollowUpInterval. Keep it longer than the writers' NotifyGap. Defaults to
+	// 50ms; at most PollInterval.
+	FollowUpWindow time.Duration `yaml:"follow_up_window" json:"follow_up_window"`
 
 	// WakeInterval bounds the scans that notifications start for nothing. After a notified scan
 	// of a project found nothing to do, further notifications for it within WakeInterval are
@@ -199,7 +213,9 @@ func (c Config) WithDefaults() Config {
 	if c.NotifyChannel == "" {
 		c.NotifyChannel = "lifecycle_outbox"
 	}
-	def(&c.NotifyGap, time.Millisecond)
+	def(&c.NotifyGap, 20*time.Millisecond)
+	def(&c.FollowUpInterval, min(2*time.Millisecond, c.PollInterval))
+	def(&c.FollowUpWindow, min(50*time.Millisecond, c.PollInterval))
 	def(&c.ListenCheckTimeout, 2*time.Second)
 	def(&c.WakeInterval, min(10*time.Millisecond, c.PollInterval))
 	def(&c.LockTimeout, 5*time.Second)
@@ -261,6 +277,12 @@ func (c Config) Validate() error {
 	}
 	if c.ListenCheckTimeout < 10*time.Millisecond || c.ListenCheckTimeout > time.Minute {
 		bad("ListenCheckTimeout", "must be between 10ms and 1m (got %s)", c.ListenCheckTimeout)
+	}
+	if c.FollowUpInterval < time.Millisecond || c.FollowUpInterval > c.PollInterval {
+		bad("FollowUpInterval", "must be between 1ms and PollInterval %s (got %s)", c.PollInterval, c.FollowUpInterval)
+	}
+	if c.FollowUpWindow < 0 || c.FollowUpWindow > c.PollInterval {
+		bad("FollowUpWindow", "must be between 0 and PollInterval %s (got %s)", c.PollInterval, c.FollowUpWindow)
 	}
 	if c.WakeInterval < time.Millisecond || c.WakeInterval > c.PollInterval {
 		bad("WakeInterval", "must be between 1ms and PollInterval %s (got %s)", c.PollInterval, c.WakeInterval)

@@ -59,6 +59,9 @@ type streamState struct {
 	retryAt time.Time
 	blocked bool // the head-of-line event waits for its next attempt
 	found   bool // the last scan had events or deliveries to look at
+	// progressed: the last scan numbered events or moved the stream forward. A project waiting
+	// on a retry makes no progress, so it gets no follow-up scans.
+	progressed bool
 }
 
 // run scans on a notification (the notified projects), on the poll interval (every project),
@@ -82,6 +85,8 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	}
 	full := true
 	wakes := newWakeLimiter(l.cfg.WakeInterval)
+	busy := followUps{interval: l.cfg.FollowUpInterval, window: l.cfg.FollowUpWindow, last: map[string]time.Time{}}
+	followUp := false
 	for {
 		dirty, all := l.scans.take()
 		full = full || all
@@ -89,18 +94,28 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 		if full {
 			wakes.covered()
 			failed = l.iterate(ctx, s, nil, true)
-		} else if scan := wakes.admit(dirty, time.Now()); len(scan) > 0 {
-			for p := range scan {
-				if st := l.state[p]; st != nil {
-					st.found = false // a project the scan skips found nothing
-				}
+			busy.record(l.state, nil, time.Now())
+		} else {
+			scan := wakes.admit(dirty, time.Now())
+			if followUp {
+				busy.add(scan)
 			}
-			failed = l.iterate(ctx, s, scan, false)
-			for p := range scan {
-				st := l.state[p]
-				wakes.scanned(p, st != nil && st.found, time.Now())
+			if len(scan) > 0 {
+				for p := range scan {
+					if st := l.state[p]; st != nil {
+						st.found = false // a project the scan skips found nothing
+					}
+				}
+				failed = l.iterate(ctx, s, scan, false)
+				now := time.Now()
+				for p := range scan {
+					st := l.state[p]
+					wakes.scanned(p, st != nil && st.found, now)
+				}
+				busy.record(l.state, scan, now)
 			}
 		}
+		followUp = false
 		if ctx.Err() != nil {
 			return
 		}
@@ -124,12 +139,20 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 			held = time.NewTimer(time.Until(at)) // notifications held back by the wake interval
 			heldC = held.C
 		}
+		var next *time.Timer
+		var nextC <-chan time.Time
+		if busy.pending(time.Now()) {
+			next = time.NewTimer(busy.interval) // a busy project's follow-up scan
+			nextC = next.C
+		}
 		select {
 		case <-ctx.Done():
 		case <-poll.C:
 			full = true
 		case <-l.scans.wake:
 		case <-heldC:
+		case <-nextC:
+			followUp = true
 		case <-retryC:
 			full = true
 		}
@@ -139,9 +162,49 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 		if held != nil {
 			held.Stop()
 		}
+		if next != nil {
+			next.Stop()
+		}
 		if ctx.Err() != nil {
 			return
 		}
+	}
+}
+
+// followUps are the projects being scanned again every interval because a scan of theirs
+// made progress within window: under load the writers stay quiet (NotifyGap), and their events
+// are found by these scans. Only the loop goroutine uses it.
+type followUps struct {
+	interval, window time.Duration
+	last             map[string]time.Time // when a scan of each busy project last made progress
+}
+
+// record notes which of the scanned projects (every project when scanned is nil) made progress.
+func (f *followUps) record(states map[string]*streamState, scanned map[string]struct{}, now time.Time) {
+	if f.window <= 0 {
+		return
+	}
+	for p, st := range states {
+		if _, ok := scanned[p]; (scanned == nil || ok) && st.progressed {
+			f.last[p] = now
+		}
+	}
+}
+
+// pending reports whether a follow-up scan is due, forgetting projects quiet for a window.
+func (f *followUps) pending(now time.Time) bool {
+	for p, at := range f.last {
+		if now.Sub(at) > f.window {
+			delete(f.last, p)
+		}
+	}
+	return len(f.last) > 0
+}
+
+// add puts every busy project into scan.
+func (f *followUps) add(scan map[string]struct{}) {
+	for p := range f.last {
+		scan[p] = struct{}{}
 	}
 }
 
@@ -160,6 +223,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	}
 	if len(held) == 0 {
 		return false
+	}
+	for _, p := range held {
+		l.state[p].progressed = false // until its scan says otherwise; a skipped step makes none
 	}
 	l.stats.scans.Add(1)
 	// One project's broken rows cost only that project: a step that failed for some projects
@@ -245,6 +311,8 @@ func (l *scanLoop) unblock(project string) {
 // scanProject brings one project's stream up to its head, or to its first blocked event.
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery) error {
 	st.blocked = false
+	start := st.position
+	defer func() { st.progressed = head.Assigned > 0 || st.position > start }()
 	// Whether this scan had anything to do: the wake limiter holds back notifications only for
 	// projects whose last notified scan found nothing.
 	st.found = head.Assigned > 0 || head.LastSequence > st.position || len(open) > 0

@@ -19,6 +19,7 @@ import (
 func quietConfig() outbox.Config {
 	cfg := fastConfig()
 	cfg.PollInterval = time.Hour
+	cfg.FollowUpInterval = time.Hour // no follow-up scans either
 	cfg.NotifyDisabled = true
 	return cfg
 }

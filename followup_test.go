@@ -1,0 +1,112 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap/zaptest"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
+	"fusion/outbox/outboxtest"
+)
+
+// Wake-ups on the edge: a writer announces the first commit after a quiet spell and stays quiet
+// for NotifyGap; a consumer that found events scans the project again every FollowUpInterval
+// for FollowUpWindow, so it finds what the quiet writer did not announce.
+
+// TestFollowUpScansFindUnannouncedEvents: after one announced event, the next ones arrive
+// without any notification and with an hour-long poll: only follow-up scans can find them.
+func TestFollowUpScansFindUnannouncedEvents(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	cfg := fastConfig()
+	cfg.PollInterval, cfg.FollowUpInterval, cfg.FollowUpWindow = time.Hour, 2*time.Millisecond, time.Minute
+	c, rec := startConsumer(t, pool, "c1", []string{"p"}, cfg, nil)
+	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, 30*time.Second, time.Millisecond, "the first scan")
+
+	_, err := pool.Exec(ctx, insertPendingRow, "p", "t0")
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`)
+	require.NoError(t, err)
+	rec.waitCount(t, ctx, 1)
+	for i := 1; i <= 4; i++ {
+		_, err := pool.Exec(ctx, insertPendingRow, "p", fmt.Sprintf("t%d", i)) // no notification
+		require.NoError(t, err)
+		rec.waitCount(t, ctx, i+1)
+	}
+}
+
+// TestNoFollowUpScansWhileWaitingOnARetry: a project whose head-of-line event waits for its
+// next attempt makes no progress, so its open delivery does not keep it busy: the loop does
+// not scan it every FollowUpInterval until the retry falls due.
+func TestNoFollowUpScansWhileWaitingOnARetry(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	clock := outboxtest.NewFakeClock()
+	cfg := fastConfig()
+	cfg.PollInterval, cfg.Clock = time.Hour, clock
+	cfg.FollowUpInterval, cfg.FollowUpWindow = time.Millisecond, 20*time.Millisecond
+	c, rec := startConsumer(t, pool, "c1", []string{"p"}, cfg, nil)
+	rec.setFail(func(outbox.ObservedEvent) error { return errors.New("listener down") })
+	_, err := pool.Exec(ctx, insertPendingRow, "p", "t0")
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`)
+	require.NoError(t, err)
+	_, err = waitForRetry(ctx, clock, time.Second) // the event failed once and waits 1s on the fake clock
+	require.NoError(t, err)
+
+	time.Sleep(50 * time.Millisecond) // let the window of the scan that numbered the event pass
+	before := c.Stats().Scans
+	require.Never(t, func() bool { return c.Stats().Scans-before >= 50 }, time.Second, 10*time.Millisecond,
+		"a project waiting on a retry is scanned again and again")
+}
+
+// TestWriterStaysQuietWithinTheGap: commits in a burst are announced on the edge and then at
+// most once per NotifyGap, not once per commit.
+func TestWriterStaysQuietWithinTheGap(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	const gap = 200 * time.Millisecond
+	w := newWriter(t, pool, outbox.Config{NotifyGap: gap})
+	store := testhost.New(pool, testhost.Options{Writer: w, Logger: zaptest.NewLogger(t)})
+
+	listener, err := pgx.Connect(ctx, db.URL)
+	require.NoError(t, err)
+	defer listener.Close(ctx)
+	_, err = listener.Exec(ctx, `LISTEN lifecycle_outbox`)
+	require.NoError(t, err)
+
+	ids, err := store.CreateMany(ctx, "proj-n", "t", 40)
+	require.NoError(t, err)
+	started := time.Now()
+	for _, id := range ids {
+		_, err := store.Delete(ctx, "proj-n", id)
+		require.NoError(t, err)
+	}
+	elapsed := time.Since(started)
+	require.NoError(t, w.Close(ctx)) // every wake-up in flight has been sent
+
+	got := 0
+	for {
+		wctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		_, err := listener.WaitForNotification(wctx)
+		cancel()
+		if err != nil {
+			break
+		}
+		got++
+	}
+	require.GreaterOrEqual(t, got, 1, "the first commit is announced")
+	require.LessOrEqual(t, got, int(elapsed/gap)+2, "one on the edge, then at most one per gap (%d commits in %s)", len(ids), elapsed)
+}
