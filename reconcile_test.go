@@ -105,14 +105,19 @@ func TestReconciliationDoesNotResurrectAnOwnDeletion(t *testing.T) {
 // the sequences above the restored head are new events, not re-deliveries.
 func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(ctxT(t), 30*time.Second)
-	t.Cleanup(cancel) // the subtests run after this function returns
+	// Each subtest takes its own deadline when it runs: parallel subtests wait for a free slot
+	// after this function returns, and a deadline taken here could pass while they wait.
+	subtestCtx := func(t *testing.T) context.Context {
+		ctx, cancel := context.WithTimeout(ctxT(t), 30*time.Second)
+		t.Cleanup(cancel)
+		return ctx
+	}
 
 	// setup delivers 6 deletions to a running consumer and then "restores" the outbox to a
 	// backup taken at head 3, in one transaction as a restore is: the rows above it and the
 	// head go back, and with restoreCursor the consumer's cursor row too (at 3, under the
 	// previous, expired lease, so that taking it again gives the epoch number it holds now).
-	setup := func(t *testing.T, restoreCursor bool) (*process, *process) {
+	setup := func(t *testing.T, ctx context.Context, restoreCursor bool) (*process, *process) {
 		db := pgtest.NewDB(t)
 		w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
 		_, err := w.store.CreateMany(ctx, "p", "t", 9)
@@ -142,13 +147,13 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 		}))
 		return w, obs
 	}
-	deleteNew := func(t *testing.T, w *process) {
+	deleteNew := func(t *testing.T, ctx context.Context, w *process) {
 		for i := 7; i <= 9; i++ {
 			_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 			require.NoError(t, err)
 		}
 	}
-	requireNewOnes := func(t *testing.T, obs *process) {
+	requireNewOnes := func(t *testing.T, ctx context.Context, obs *process) {
 		evs := obs.rec.waitCount(t, ctx, 9)
 		var tasks []string
 		for _, ev := range evs[6:] {
@@ -162,20 +167,22 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	t.Run("the cursor is ahead of the head: reconcile", func(t *testing.T) {
 		t.Parallel()
-		w, obs := setup(t, false)
+		ctx := subtestCtx(t)
+		w, obs := setup(t, ctx, false)
 		outbox.ScanNow(obs.consumer)
 		waitCursor(t, ctx, w.pool, "p", "dash", 3)
 		require.Equal(t, int64(1), obs.consumer.Stats().Reconciliations)
-		deleteNew(t, w)
-		requireNewOnes(t, obs)
+		deleteNew(t, ctx, w)
+		requireNewOnes(t, ctx, obs)
 		waitCursor(t, ctx, w.pool, "p", "dash", 6)
 	})
 
 	t.Run("the cursor was restored too: a new lease", func(t *testing.T) {
 		t.Parallel()
-		w, obs := setup(t, true)
-		deleteNew(t, w)
-		requireNewOnes(t, obs)
+		ctx := subtestCtx(t)
+		w, obs := setup(t, ctx, true)
+		deleteNew(t, ctx, w)
+		requireNewOnes(t, ctx, obs)
 		waitCursor(t, ctx, w.pool, "p", "dash", 6)
 	})
 }

@@ -97,14 +97,19 @@ VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7,
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
-// insertTraced is the writer hook's insert with tracing on: in a "create" span, storing that
-// span's trace context with the event.
-func (w *Writer) insertTraced(ctx context.Context, tx pgx.Tx, ev *Event, prior *string) error {
+// startCreate begins the "create" span of ev's insert and formats its trace context.
+func (w *Writer) startCreate(ctx context.Context, ev Event) (context.Context, trace.Span, *string) {
 	ctx, span := w.trace.tracer.Start(ctx, "create "+ev.ProjectID, trace.WithSpanKind(trace.SpanKindProducer),
 		trace.WithAttributes(semconv.MessagingSystemKey.String(TraceMessagingSystem), semconv.MessagingOperationTypeCreate,
 			semconv.MessagingOperationName("create"), semconv.MessagingDestinationName(ev.ProjectID),
 			semconv.MessagingMessageID(ev.EventID)))
-	tc := formatTraceContext(span.SpanContext())
+	return ctx, span, formatTraceContext(span.SpanContext())
+}
+
+// insertTraced is the writer hook's insert with tracing on: in a "create" span, storing that
+// span's trace context with the event.
+func (w *Writer) insertTraced(ctx context.Context, tx pgx.Tx, ev *Event, prior *string) error {
+	ctx, span, tc := w.startCreate(ctx, *ev)
 	err := tx.QueryRow(ctx, insertTracedEventSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion,
 		w.clock.Offset(), ev.WriterProcessID, prior, tc).Scan(&ev.OccurredAt)
 	switch {

@@ -103,7 +103,8 @@ LIMIT 1`
 // transaction, so that the delete and its event commit or roll back together. It returns the
 // event and whether this call inserted it: a second call for the same deletion (same task,
 // same stored deletedAt) inserts nothing and returns the stored event. Called from an observed
-// context it refuses with a *FenceError and writes nothing.
+// context it refuses with a *FenceError and writes nothing. QueueTaskDeleted is the same hook
+// for a host that sends its statements in one batch.
 func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDeletion) (Event, bool, error) {
 	if err := RefuseObserved(ctx, "record "+EventTypeTaskDeleted); err != nil {
 		return Event{}, false, err
@@ -111,8 +112,31 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 	if tx == nil {
 		return Event{}, false, errors.New("record task:deleted: nil transaction: the hook must run inside the delete transaction")
 	}
-	if err := d.validate(); err != nil {
+	ev, prior, err := w.prepare(ctx, d)
+	if err != nil || w.disabled {
+		return ev, false, err
+	}
+	if w.trace.tracer != nil {
+		err = w.insertTraced(ctx, tx, &ev, prior) // tracing.go
+	} else {
+		err = tx.QueryRow(ctx, insertEventSQL, w.insertArgs(ev, prior)...).Scan(&ev.OccurredAt)
+	}
+	if err == nil {
+		return ev, true, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
 		return Event{}, false, fmt.Errorf("record task:deleted: %w", err)
+	}
+	return readRecorded(ctx, tx, ev)
+}
+
+// prepare refuses an observed context, validates d and builds its event.
+func (w *Writer) prepare(ctx context.Context, d TaskDeletion) (Event, *string, error) {
+	if err := RefuseObserved(ctx, "record "+EventTypeTaskDeleted); err != nil {
+		return Event{}, nil, err
+	}
+	if err := d.validate(); err != nil {
+		return Event{}, nil, fmt.Errorf("record task:deleted: %w", err)
 	}
 	ev := Event{
 		ProjectID:       d.ProjectID,
@@ -125,27 +149,20 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 		WriterProcessID: w.processID,
 		PayloadVersion:  PayloadVersion,
 	}
-	if w.disabled {
-		return ev, false, nil
-	}
 	var prior *string
 	if d.PriorColumn != "" {
 		prior = &d.PriorColumn
 	}
-	var err error
-	if w.trace.tracer != nil {
-		err = w.insertTraced(ctx, tx, &ev, prior) // tracing.go
-	} else {
-		err = tx.QueryRow(ctx, insertEventSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion,
-			w.clock.Offset(), ev.WriterProcessID, prior).Scan(&ev.OccurredAt)
-	}
-	if err == nil {
-		return ev, true, nil
-	}
-	if !errors.Is(err, pgx.ErrNoRows) {
-		return Event{}, false, fmt.Errorf("record task:deleted: %w", err)
-	}
-	// Already recorded: return the stored event.
+	return ev, prior, nil
+}
+
+// insertArgs are insertEventSQL's arguments for ev.
+func (w *Writer) insertArgs(ev Event, prior *string) []any {
+	return []any{ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion, w.clock.Offset(), ev.WriterProcessID, prior}
+}
+
+// readRecorded returns the stored event of a deletion recorded before.
+func readRecorded(ctx context.Context, tx pgx.Tx, ev Event) (Event, bool, error) {
 	if err := tx.QueryRow(ctx, selectEventByIDSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt).
 		Scan(&ev.WriterProcessID, &ev.OccurredAt, &ev.Sequence); err != nil {
 		return Event{}, false, fmt.Errorf("read recorded task:deleted: %w", err)

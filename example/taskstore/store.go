@@ -208,15 +208,26 @@ func (s *Store) deleteTx(ctx context.Context, projectID, id string) (DeleteResul
 		return DeleteResult{}, fmt.Errorf("delete task: %w", err)
 	}
 	t.DeletedAt = &deletedAt
-	if err := s.WriteDeleteAuditTx(ctx, tx, t); err != nil {
+	// The audit row and the outbox event go in one round trip: the hook's insert is queued on
+	// the same batch as the audit row.
+	b := &pgx.Batch{}
+	if err := s.queueDeleteAudit(ctx, b, t); err != nil {
 		return DeleteResult{}, err
 	}
-	res := DeleteResult{Task: t, Deleted: true}
+	var queued *outbox.QueuedEvent
 	if s.writer != nil {
-		res.Event, res.EventRecorded, err = s.writer.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{
+		if queued, err = s.writer.QueueTaskDeleted(ctx, b, outbox.TaskDeletion{
 			ProjectID: projectID, TaskID: id, DeletedAt: deletedAt, PriorColumn: t.Column, Archived: t.Archived,
-		})
-		if err != nil {
+		}); err != nil {
+			return DeleteResult{}, err
+		}
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return DeleteResult{}, fmt.Errorf("delete task: %w", err)
+	}
+	res := DeleteResult{Task: t, Deleted: true}
+	if queued != nil {
+		if res.Event, res.EventRecorded, err = queued.Result(ctx, tx); err != nil {
 			return DeleteResult{}, err
 		}
 	}
@@ -226,20 +237,34 @@ func (s *Store) deleteTx(ctx context.Context, projectID, id string) (DeleteResul
 	return res, nil
 }
 
+const insertDeleteAuditSQL = `INSERT INTO run_audit (project_id, task_id, action, actor, metadata) VALUES ($1, $2, 'task:deleted', $3, $4)`
+
 // WriteDeleteAuditTx writes the delete's one task:deleted run-audit row. It is writer-owned:
 // an observed context is refused.
 func (s *Store) WriteDeleteAuditTx(ctx context.Context, tx pgx.Tx, t Task) error {
 	if err := outbox.RefuseObserved(ctx, "task:deleted audit row"); err != nil {
 		return err
 	}
-	meta, _ := json.Marshal(map[string]any{"column": t.Column, "archived": t.Archived})
-	// JSON goes as a string: in the exec and simple-protocol modes a pooler needs, pgx sends a
-	// []byte as bytea, which a json column refuses.
-	if _, err := tx.Exec(ctx, `INSERT INTO run_audit (project_id, task_id, action, actor, metadata) VALUES ($1, $2, 'task:deleted', $3, $4)`,
-		t.ProjectID, t.ID, s.actor, string(meta)); err != nil {
+	if _, err := tx.Exec(ctx, insertDeleteAuditSQL, s.deleteAuditArgs(t)...); err != nil {
 		return fmt.Errorf("write delete audit: %w", err)
 	}
 	return nil
+}
+
+// queueDeleteAudit is WriteDeleteAuditTx queued on the delete transaction's batch.
+func (s *Store) queueDeleteAudit(ctx context.Context, b *pgx.Batch, t Task) error {
+	if err := outbox.RefuseObserved(ctx, "task:deleted audit row"); err != nil {
+		return err
+	}
+	b.Queue(insertDeleteAuditSQL, s.deleteAuditArgs(t)...)
+	return nil
+}
+
+func (s *Store) deleteAuditArgs(t Task) []any {
+	meta, _ := json.Marshal(map[string]any{"column": t.Column, "archived": t.Archived})
+	// JSON goes as a string: in the exec and simple-protocol modes a pooler needs, pgx sends a
+	// []byte as bytea, which a json column refuses.
+	return []any{t.ProjectID, t.ID, s.actor, string(meta)}
 }
 
 // SendDeleteNotice writes the operator mailbox notice for a deleted task. It is writer-owned:
