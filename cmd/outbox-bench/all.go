@@ -33,7 +33,7 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, drains string) 
 		steps = append(steps, one(func(ctx context.Context, env *Env) (writeResult, error) { return runWrite(ctx, env, w) }))
 	}
 	steps = append(steps, one(func(ctx context.Context, env *Env) (sequenceResult, error) {
-		return runSequence(ctx, env, sequenceOpts{events: 200000, projects: 1})
+		return runSequence(ctx, env, sequenceOpts{events: 200000, projects: 1, backlog: defaultBacklog()})
 	}))
 	for _, d := range splitList(drains) {
 		n, err := strconv.Atoi(d)
@@ -41,7 +41,7 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, drains string) 
 			return fmt.Errorf("all: bad drain size %q", d)
 		}
 		steps = append(steps, one(func(ctx context.Context, env *Env) (drainResult, error) {
-			return runDrain(ctx, env, drainOpts{events: n, batch: 1000, poll: time.Second})
+			return runDrain(ctx, env, drainOpts{events: n, batch: 1000, poll: time.Second, backlog: defaultBacklog()})
 		}))
 	}
 	steps = append(steps,
@@ -49,7 +49,7 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, drains string) 
 			return runLatency(ctx, env, latencyOpts{rate: 1000, seconds: 10, writers: 8})
 		}),
 		one(func(ctx context.Context, env *Env) (fanoutResult, error) {
-			return runFanout(ctx, env, fanoutOpts{consumers: 4, events: 20000})
+			return runFanout(ctx, env, fanoutOpts{consumers: 4, events: 20000, backlog: defaultBacklog()})
 		}),
 		func(ctx context.Context, env *Env, emit func(any) error) error {
 			o := oooOpts{hold: 2 * time.Second, events: 200, writers: 4}

@@ -90,34 +90,70 @@ func TestWrite(t *testing.T) {
 	}
 }
 
+// requireBacklog checks how a line says its backlog was written.
+func requireBacklog(t *testing.T, m map[string]any, kind string, perTx int) {
+	t.Helper()
+	require.Equal(t, kind, m["backlog"])
+	require.EqualValues(t, perTx, num(t, m, "prewrite_per_tx"))
+	if kind == backlogUnsequenced {
+		require.Equal(t, prewriteHost, m["prewrite"])
+		require.Positive(t, num(t, m, "prewrite_writers"))
+	} else {
+		require.Equal(t, prewriteBulk, m["prewrite"])
+	}
+	require.Positive(t, num(t, m, "prewrite_seconds"))
+}
+
 func TestSequence(t *testing.T) {
 	t.Parallel()
-	r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 1001, projects: 2})
-	require.NoError(t, err)
-	require.EqualValues(t, 1001, num(t, line(t, r, "sequence"), "assigned"))
+	for _, perTx := range []int{1, 7} {
+		b := defaultBacklog()
+		b.perTx, b.writers = perTx, 3
+		r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 601, projects: 2, backlog: b})
+		require.NoError(t, err)
+		m := line(t, r, "sequence")
+		require.EqualValues(t, 601, num(t, m, "assigned"))
+		requireBacklog(t, m, backlogUnsequenced, perTx)
+	}
 }
 
 func TestDrain(t *testing.T) {
 	t.Parallel()
-	r, err := runDrain(ctxT(t), testEnv(t), drainOpts{events: 2500, batch: 1000, poll: time.Second})
-	require.NoError(t, err)
-	m := line(t, r, "drain")
-	require.EqualValues(t, 2500, num(t, m, "received"))
-	require.Zero(t, num(t, m, "duplicates"))
-	require.Zero(t, num(t, m, "missing"))
-	require.Nil(t, m["timed_out"])
-	require.Positive(t, num(t, m, "cursor_durable_seconds"))
-	require.Positive(t, num(t, m, "peak_rss_mb"))
+	for _, b := range []backlogOpts{
+		{kind: backlogUnsequenced, perTx: 1, writers: 4},
+		{kind: backlogUnsequenced, perTx: 50, writers: 2},
+		{kind: backlogSequenced, perTx: 1, writers: 1},
+	} {
+		r, err := runDrain(ctxT(t), testEnv(t), drainOpts{events: 1500, batch: 1000, poll: time.Second, backlog: b})
+		require.NoError(t, err)
+		m := line(t, r, "drain")
+		perTx := b.perTx
+		if b.kind == backlogSequenced {
+			perTx = 0
+		}
+		requireBacklog(t, m, b.kind, perTx)
+		require.EqualValues(t, 1500, num(t, m, "received"), b)
+		require.Zero(t, num(t, m, "duplicates"), b)
+		require.Zero(t, num(t, m, "missing"), b)
+		require.Nil(t, m["timed_out"], b)
+		require.Positive(t, num(t, m, "cursor_durable_seconds"), b)
+		require.Positive(t, num(t, m, "peak_rss_mb"), b)
+	}
 }
 
 func TestFanout(t *testing.T) {
 	t.Parallel()
-	r, err := runFanout(ctxT(t), testEnv(t), fanoutOpts{consumers: 3, events: 500})
-	require.NoError(t, err)
-	m := line(t, r, "fanout")
-	require.EqualValues(t, 1500, num(t, m, "received_total"))
-	require.Zero(t, num(t, m, "duplicates"))
-	require.Zero(t, num(t, m, "missing"))
+	for _, kind := range []string{backlogUnsequenced, backlogSequenced} {
+		b := defaultBacklog()
+		b.kind = kind
+		r, err := runFanout(ctxT(t), testEnv(t), fanoutOpts{consumers: 3, events: 500, backlog: b})
+		require.NoError(t, err)
+		m := line(t, r, "fanout")
+		require.Equal(t, kind, m["backlog"])
+		require.EqualValues(t, 1500, num(t, m, "received_total"), kind)
+		require.Zero(t, num(t, m, "duplicates"), kind)
+		require.Zero(t, num(t, m, "missing"), kind)
+	}
 }
 
 func TestLatency(t *testing.T) {
