@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"fusion/outbox/internal/pgcluster"
 	"fusion/outbox/internal/pgtest"
 )
 
@@ -154,6 +156,70 @@ func TestFanout(t *testing.T) {
 		require.Zero(t, num(t, m, "duplicates"), kind)
 		require.Zero(t, num(t, m, "missing"), kind)
 	}
+}
+
+// statsEnv runs cases on a throwaway cluster of their own started as the bench starts its
+// own (pg_stat_statements loaded, see clusterOptions), without the durable settings.
+func statsEnv(t *testing.T) *Env {
+	t.Helper()
+	ctx := ctxT(t)
+	c, err := pgcluster.Start(ctx, clusterOptions(false))
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("start a cluster with pg_stat_statements: %v", err)
+		}
+		t.Skipf("no throwaway cluster: %v", err)
+	}
+	t.Cleanup(c.Stop)
+	env, err := NewServerEnv(ctx, c.URL("postgres"), t.Logf)
+	require.NoError(t, err)
+	return env
+}
+
+// sustainedSmall is a short sustained run; the figures mean nothing, the counts must hold.
+var sustainedSmall = sustainedOpts{writers: 4, consumers: 2, projects: 3, seconds: 0.4, tasks: 20000, mailbox: mailboxIncluded}
+
+func requireSustained(t *testing.T, m map[string]any) {
+	t.Helper()
+	tx := num(t, m, "tx")
+	require.Positive(t, tx)
+	require.EqualValues(t, 2*tx, num(t, m, "received"), "every committed delete reached both consumers")
+	require.Zero(t, num(t, m, "missing"))
+	require.Zero(t, num(t, m, "duplicates"))
+	require.Zero(t, num(t, m, "errors"))
+	require.Nil(t, m["unexpected"])
+	require.Nil(t, m["timed_out"])
+	require.Nil(t, m["tasks_exhausted"])
+	for _, k := range []string{"baseline_tx", "baseline_tx_per_s", "tx_per_s", "ratio", "lag_p50_ms", "lag_p99_ms", "delete_p50_ms", "baseline_delete_p50_ms"} {
+		require.Positive(t, num(t, m, k), k)
+	}
+	require.GreaterOrEqual(t, num(t, m, "lag_p99_ms"), num(t, m, "lag_p50_ms"))
+	require.Contains(t, m, "load_1m")
+}
+
+func TestSustainedWithStatStatements(t *testing.T) {
+	t.Parallel()
+	r, err := runSustained(ctxT(t), statsEnv(t), sustainedSmall)
+	require.NoError(t, err)
+	m := line(t, r, "sustained")
+	requireSustained(t, m)
+	require.Equal(t, "pg_stat_statements total_exec_time / server CPU", m["sequencer_share_source"])
+	require.Positive(t, num(t, m, "sequencer_calls"))
+	require.Positive(t, num(t, m, "sequencer_exec_ms"))
+	require.Positive(t, num(t, m, "server_cpu_seconds"))
+	require.Positive(t, num(t, m, "sequencer_share"))
+}
+
+// TestSustainedWithoutStatStatements runs on the test harness's server, which does not load
+// the extension: the share is -1 and the line says why.
+func TestSustainedWithoutStatStatements(t *testing.T) {
+	t.Parallel()
+	r, err := runSustained(ctxT(t), testEnv(t), sustainedSmall)
+	require.NoError(t, err)
+	m := line(t, r, "sustained")
+	requireSustained(t, m)
+	require.EqualValues(t, -1, num(t, m, "sequencer_share"))
+	require.Contains(t, m["sequencer_share_source"], "unavailable")
 }
 
 func TestLatency(t *testing.T) {

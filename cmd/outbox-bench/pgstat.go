@@ -1,0 +1,72 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// What the server executed, read from pg_stat_statements (the throwaway cluster loads it with
+// track = all, see env.go) for one database. Only the case's own database is read or reset,
+// so that other databases on the same server (other cases, parallel tests) do not count.
+
+// statStatements reads pg_stat_statements in the database pool is on; ok is false when the
+// extension is not usable there (a -dsn server that does not preload it), and why says what
+// failed.
+type statStatements struct {
+	pool *pgxpool.Pool
+	ok   bool
+	why  string
+}
+
+// openStatStatements creates the extension in pool's database and checks that it can be
+// read and reset.
+func openStatStatements(ctx context.Context, pool *pgxpool.Pool) *statStatements {
+	s := &statStatements{pool: pool}
+	if _, err := pool.Exec(ctx, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"); err != nil {
+		s.why = "create extension: " + firstLine(err.Error())
+		return s
+	}
+	if err := s.reset(ctx); err != nil {
+		s.why = firstLine(err.Error())
+		return s
+	}
+	s.ok = true
+	return s
+}
+
+func firstLine(s string) string {
+	first, _, _ := strings.Cut(s, "\n")
+	return first
+}
+
+// thisDB selects the current database's oid, for pg_stat_statements' dbid.
+const thisDB = `(SELECT oid FROM pg_database WHERE datname = current_database())`
+
+// reset clears the statistics of this database's statements (all users).
+func (s *statStatements) reset(ctx context.Context) error {
+	if _, err := s.pool.Exec(ctx, "SELECT pg_stat_statements_reset(0, "+thisDB+", 0)"); err != nil {
+		return fmt.Errorf("reset pg_stat_statements: %w", err)
+	}
+	return nil
+}
+
+// sequencerSQL sums the top-level statements that call the sequencer function (the call
+// Sequence and the consumer make); the statements the function runs inside are tracked too
+// (track = all) but are part of the top-level call's time, so they are left out. exec_ms is
+// pg_stat_statements' total_exec_time: time in the executor, lock and I/O waits included.
+const sequencerSQL = `
+SELECT coalesce(sum(total_exec_time), 0), coalesce(sum(calls), 0)::bigint
+FROM pg_stat_statements
+WHERE dbid = ` + thisDB + ` AND toplevel AND query LIKE '%lifecycle_outbox_sequence(%'`
+
+// sequencer returns the sequencer calls' summed execution time (milliseconds) and how many
+// calls there were since the last reset.
+func (s *statStatements) sequencer(ctx context.Context) (execMS float64, calls int64, err error) {
+	if err := s.pool.QueryRow(ctx, sequencerSQL).Scan(&execMS, &calls); err != nil {
+		return 0, 0, fmt.Errorf("read pg_stat_statements: %w", err)
+	}
+	return execMS, calls, nil
+}
