@@ -222,6 +222,61 @@ func TestSustainedWithoutStatStatements(t *testing.T) {
 	require.Contains(t, m["sequencer_share_source"], "unavailable")
 }
 
+// scaleLines runs the scale case and returns its lines by curve.
+func scaleLines(t *testing.T, env *Env, o scaleOpts) map[string][]map[string]any {
+	t.Helper()
+	out := map[string][]map[string]any{}
+	require.NoError(t, runScale(ctxT(t), env, o, func(v any) error {
+		m := line(t, v, "scale")
+		out[m["curve"].(string)] = append(out[m["curve"].(string)], m)
+		return nil
+	}))
+	return out
+}
+
+func TestScale(t *testing.T) {
+	t.Parallel()
+	o := scaleOpts{curves: strings.Join(allCurves, ","), consumers: "1,2", projects: "1,3", backlogs: "400,500:10,100000",
+		maxBacklog: 1000, prewriteWriters: 2, window: 1500 * time.Millisecond}
+	lines := scaleLines(t, statsEnv(t), o)
+	for curve, xs := range map[string][]float64{curveIdleConsumers: {1, 2}, curveIdleProjects: {1, 3}} {
+		require.Len(t, lines[curve], 2, curve)
+		for i, m := range lines[curve] {
+			require.EqualValues(t, xs[i], num(t, m, "x"), curve)
+			require.Equal(t, "pg_stat_statements", m["source"], curve)
+			require.Equal(t, "statements_per_s", m["y_name"], curve)
+			require.Equal(t, num(t, m, "statements_per_s"), num(t, m, "y"), curve)
+			for _, k := range []string{"statements_per_s", "statements_with_nested_per_s", "client_statements_per_s", "window_seconds", "start_seconds"} {
+				require.Positive(t, num(t, m, k), "%s %s", curve, k)
+			}
+		}
+	}
+	drains := lines[curveDrainBacklog]
+	require.Len(t, drains, 2, "the 100000 backlog is over -max-backlog")
+	for i, want := range []struct{ events, perTx int }{{400, 1}, {500, 10}} {
+		m := drains[i]
+		require.EqualValues(t, want.events, num(t, m, "x"))
+		require.Equal(t, "events_per_s", m["y_name"])
+		require.Positive(t, num(t, m, "y"))
+		requireBacklog(t, m, backlogUnsequenced, want.perTx)
+		require.EqualValues(t, want.events, num(t, m, "received"))
+		require.Zero(t, num(t, m, "missing"))
+		require.Zero(t, num(t, m, "duplicates"))
+	}
+}
+
+// TestScaleWithoutStatStatements: the idle curves fall back to pg_stat_database and say so.
+func TestScaleWithoutStatStatements(t *testing.T) {
+	t.Parallel()
+	o := scaleOpts{curves: curveIdleConsumers, consumers: "2", prewriteWriters: 1, window: 1500 * time.Millisecond}
+	m := scaleLines(t, testEnv(t), o)[curveIdleConsumers][0]
+	require.Equal(t, "pg_stat_database", m["source"])
+	require.Equal(t, "xacts_per_s", m["y_name"])
+	require.EqualValues(t, -1, num(t, m, "statements_per_s"))
+	require.GreaterOrEqual(t, num(t, m, "y"), 0.0)
+	require.Positive(t, num(t, m, "client_statements_per_s"))
+}
+
 func TestLatency(t *testing.T) {
 	t.Parallel()
 	r, err := runLatency(ctxT(t), testEnv(t), latencyOpts{rate: 200, seconds: 0.5, writers: 2})

@@ -70,3 +70,32 @@ func (s *statStatements) sequencer(ctx context.Context) (execMS float64, calls i
 	}
 	return execMS, calls, nil
 }
+
+// callsSQL counts the statements executed in this database, top-level (what clients sent)
+// and all (with those that functions ran), leaving out the bench's own reads of the view.
+const callsSQL = `
+SELECT coalesce(sum(calls) FILTER (WHERE toplevel), 0)::bigint, coalesce(sum(calls), 0)::bigint
+FROM pg_stat_statements
+WHERE dbid = ` + thisDB + ` AND query NOT LIKE '%pg_stat_statements%'`
+
+// calls returns the statements executed in this database so far (since the last reset):
+// top-level ones and all.
+func (s *statStatements) calls(ctx context.Context) (toplevel, all int64, err error) {
+	if err := s.pool.QueryRow(ctx, callsSQL).Scan(&toplevel, &all); err != nil {
+		return 0, 0, fmt.Errorf("read pg_stat_statements: %w", err)
+	}
+	return toplevel, all, nil
+}
+
+// xacts is the fallback without the extension: transactions committed and rolled back in this
+// database so far, from pg_stat_database. Backends report them when they go idle, at most
+// once a second (and idle ones within about 10 s), so a short window is only approximate, and
+// the bench's own two reads are included.
+func xacts(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	var n int64
+	err := pool.QueryRow(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("read pg_stat_database: %w", err)
+	}
+	return n, nil
+}

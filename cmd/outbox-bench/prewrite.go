@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -238,4 +240,30 @@ func deleteBatchTx(ctx context.Context, pool *pgxpool.Pool, store *testhost.Stor
 	}
 	w.Committed(jobs[0].project)
 	return nil
+}
+
+// sizeSpec is one backlog size of a list such as "100000,1000000:50": the events, and the
+// deletes per prewrite transaction (1 unless given after a colon).
+type sizeSpec struct{ events, perTx int }
+
+func parseSizes(list string) ([]sizeSpec, error) {
+	var out []sizeSpec
+	for _, item := range splitList(list) {
+		n, per, hasPer := strings.Cut(item, ":")
+		s := sizeSpec{perTx: 1}
+		var err error
+		if s.events, err = strconv.Atoi(n); err != nil || s.events < 1 {
+			return nil, fmt.Errorf("bad backlog size %q", item)
+		}
+		if hasPer {
+			if s.perTx, err = strconv.Atoi(per); err != nil || s.perTx < 1 {
+				return nil, fmt.Errorf("bad deletes per transaction in %q", item)
+			}
+		}
+		out = append(out, s)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no backlog sizes")
+	}
+	return out, nil
 }
