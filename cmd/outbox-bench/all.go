@@ -10,7 +10,7 @@ import (
 func init() {
 	register(benchCase{name: "all", usage: "every case (about 25 minutes on 2 cores; -quick: a smoke run of a few minutes)",
 		flags: func(fs *flag.FlagSet) runner {
-			o := allOpts{drains: "100000,200000,1000000:50"}
+			o := allOpts{drains: "10000,100000,200000,1000000:50"}
 			fs.StringVar(&o.drains, "drain-events", o.drains, "backlog sizes of the drain runs, each N or N:deletes-per-prewrite-transaction")
 			fs.BoolVar(&o.quick, "quick", o.quick, "every case at small sizes, to check the run and its chart end to end (the figures mean little)")
 			return func(ctx context.Context, env *Env, emit func(any) error) error {
@@ -26,10 +26,12 @@ type allOpts struct {
 
 // runAll runs every case once (the write case in each configuration the issue names, plus one
 // run with the mailbox notice included, one drain per backlog size, sustained with 2 and 8
-// consumers, and every scale curve), emitting each line as soon as its case ends. The drains'
+// consumers, and the scale curves), emitting each line as soon as its case ends. The drains'
 // unsequenced backlogs are written one delete per transaction, as the host writes them, up to
 // 200k events, and 50 per transaction for 1M, where one per transaction would take minutes;
-// every line says which (prewrite_per_tx).
+// every line says which (prewrite_per_tx). Each drain is printed twice, as its drain line and
+// as the same measurement's point of the scale case's drain_vs_backlog curve, so that the
+// backlogs are not written twice; the scale case itself then runs its idle curves only.
 func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) error {
 	// size picks the full size, or the small one with -quick.
 	size := func(full, small int) int {
@@ -40,9 +42,10 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 	}
 	drains := o.drains
 	scale := defaultScaleOpts()
+	scale.curves = curveIdleConsumers + "," + curveIdleProjects
 	if o.quick {
 		drains = "10000,20000:10"
-		scale.consumers, scale.projects, scale.backlogs, scale.window, scale.settle = "1,4", "1,100", "10000", 3*time.Second, time.Second
+		scale.consumers, scale.projects, scale.window, scale.settle = "1,4", "1,100", 3*time.Second, time.Second
 	}
 	sizes, err := parseSizes(drains)
 	if err != nil {
@@ -63,9 +66,17 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 	for _, s := range sizes {
 		b := defaultBacklog()
 		b.perTx = s.perTx
-		steps = append(steps, one(func(ctx context.Context, env *Env) (drainResult, error) {
-			return runDrain(ctx, env, drainOpts{events: s.events, batch: 1000, poll: time.Second, backlog: b})
-		}))
+		steps = append(steps, func(ctx context.Context, env *Env, emit func(any) error) error {
+			h := env.Header("scale")
+			r, err := runDrain(ctx, env, drainOpts{events: s.events, batch: 1000, poll: time.Second, backlog: b})
+			if err != nil {
+				return err
+			}
+			if err := emit(r); err != nil {
+				return err
+			}
+			return emit(drainScaleLine(h, r))
+		})
 	}
 	steps = append(steps,
 		one(func(ctx context.Context, env *Env) (latencyResult, error) {

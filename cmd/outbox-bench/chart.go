@@ -119,9 +119,16 @@ type panel struct {
 	series                []*series
 }
 
+// add adds a point to the named series; a second point at the same x is dropped (the all case
+// prints each drain twice, as a drain line and as a scale point).
 func (p *panel) add(name string, x, y float64, label string) {
 	for _, s := range p.series {
 		if s.name == name {
+			for _, pt := range s.pts {
+				if pt.X == x {
+					return
+				}
+			}
 			s.pts = append(s.pts, plotter.XY{X: x, Y: y})
 			s.labels = append(s.labels, label)
 			return

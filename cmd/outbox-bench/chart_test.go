@@ -20,6 +20,7 @@ const chartLines = `
 {"bench":"scale","curve":"drain_vs_backlog","x":10000,"y":26000,"y_name":"events_per_s","backlog":"unsequenced","prewrite_per_tx":1}
 {"bench":"scale","curve":"drain_vs_backlog","x":1000000,"y":41000,"y_name":"events_per_s","backlog":"unsequenced","prewrite_per_tx":50}
 {"bench":"drain","events":200000,"events_per_s":400000,"backlog":"sequenced","prewrite_per_tx":0}
+{"bench":"drain","events":10000,"events_per_s":26000,"backlog":"unsequenced","prewrite_per_tx":1}
 {"bench":"sustained","consumers":2,"ratio":0.8,"lag_p99_ms":12}
 {"bench":"sustained","consumers":8,"ratio":0.6,"lag_p99_ms":40}
 {"bench":"write","baseline":{"tx":1}}
@@ -56,4 +57,16 @@ func TestChartRefusesNothingToDraw(t *testing.T) {
 	require.ErrorContains(t, renderChart(&buf, recs, chartOpts{width: 400, height: 300}), "no scale, drain or sustained lines")
 	_, err = readRecords(strings.NewReader("{\"bench\":\"scale\"}\nnot json\n"))
 	require.ErrorContains(t, err, "line 2")
+}
+
+func TestChartPanelDropsRepeatedX(t *testing.T) {
+	p := &panel{}
+	p.add("a", 10, 1, "")
+	p.add("a", 10, 2, "")
+	p.add("a", 20, 3, "x")
+	p.add("b", 10, 4, "")
+	require.Len(t, p.series, 2)
+	require.Len(t, p.series[0].pts, 2)
+	require.Equal(t, 1.0, p.series[0].pts[0].Y, "the first point at an x is kept")
+	require.Equal(t, []string{"", "x"}, p.series[0].labels)
 }

@@ -267,7 +267,13 @@ func drainPoint(ctx context.Context, env *Env, s sizeSpec, writers int) (scaleLi
 	if err != nil {
 		return scaleLine{}, err
 	}
+	return drainScaleLine(h, r), nil
+}
+
+// drainScaleLine is a drain's result as a point of the drain_vs_backlog curve.
+func drainScaleLine(h Header, r drainResult) scaleLine {
+	h.Bench = "scale"
 	d := &DrainPoint{Backlog: r.Backlog, Events: r.Events, Received: r.Received, Duplicates: r.Duplicates, Missing: r.Missing,
 		Seconds: r.Seconds, EventsPerS: r.EventsPerS, CursorDurableSeconds: r.CursorDurableSeconds, PeakRSSMB: r.PeakRSSMB, TimedOut: r.TimedOut}
-	return scaleLine{Header: h, Curve: curveDrainBacklog, X: s.events, Y: r.EventsPerS, YName: "events_per_s", DrainPoint: d}, nil
+	return scaleLine{Header: h, Curve: curveDrainBacklog, X: r.Events, Y: r.EventsPerS, YName: "events_per_s", DrainPoint: d}
 }
