@@ -208,6 +208,8 @@ func TestSustainedWithStatStatements(t *testing.T) {
 	require.Positive(t, num(t, m, "sequencer_exec_ms"))
 	require.Positive(t, num(t, m, "server_cpu_seconds"))
 	require.Positive(t, num(t, m, "sequencer_share"))
+	require.GreaterOrEqual(t, num(t, m, "sequencer_lock_wait_ms"), 0.0)
+	require.LessOrEqual(t, num(t, m, "sequencer_share_less_lock_wait"), num(t, m, "sequencer_share"))
 }
 
 // TestSustainedWithoutStatStatements runs on the test harness's server, which does not load
@@ -219,6 +221,7 @@ func TestSustainedWithoutStatStatements(t *testing.T) {
 	m := line(t, r, "sustained")
 	requireSustained(t, m)
 	require.EqualValues(t, -1, num(t, m, "sequencer_share"))
+	require.EqualValues(t, -1, num(t, m, "sequencer_share_less_lock_wait"))
 	require.Contains(t, m["sequencer_share_source"], "unavailable")
 }
 

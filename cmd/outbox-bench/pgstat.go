@@ -54,21 +54,31 @@ func (s *statStatements) reset(ctx context.Context) error {
 }
 
 // sequencerSQL sums the top-level statements that call the sequencer function (the call
-// Sequence and the consumer make); the statements the function runs inside are tracked too
-// (track = all) but are part of the top-level call's time, so they are left out. exec_ms is
-// pg_stat_statements' total_exec_time: time in the executor, lock and I/O waits included.
+// Sequence and the consumer make): exec_ms is pg_stat_statements' total_exec_time, time in
+// the executor with lock and I/O waits included. The statements the function runs inside are
+// tracked too (track = all) and are part of that time; lock_ms sums the one among them that
+// locks the project's heads row (SELECT ... FROM lifecycle_outbox_heads ... FOR UPDATE),
+// where concurrent sequencers of the same project wait for each other: nearly all of its time
+// is waiting. It is matched by its text, so it reads 0 if the function changes.
 const sequencerSQL = `
-SELECT coalesce(sum(total_exec_time), 0), coalesce(sum(calls), 0)::bigint
+SELECT coalesce(sum(total_exec_time) FILTER (WHERE toplevel AND query LIKE '%lifecycle_outbox_sequence(%'), 0),
+       coalesce(sum(calls) FILTER (WHERE toplevel AND query LIKE '%lifecycle_outbox_sequence(%'), 0)::bigint,
+       coalesce(sum(total_exec_time) FILTER (WHERE NOT toplevel AND query LIKE '%lifecycle_outbox_heads%' AND query ILIKE '%for update%'), 0)
 FROM pg_stat_statements
-WHERE dbid = ` + thisDB + ` AND toplevel AND query LIKE '%lifecycle_outbox_sequence(%'`
+WHERE dbid = ` + thisDB
 
-// sequencer returns the sequencer calls' summed execution time (milliseconds) and how many
-// calls there were since the last reset.
-func (s *statStatements) sequencer(ctx context.Context) (execMS float64, calls int64, err error) {
-	if err := s.pool.QueryRow(ctx, sequencerSQL).Scan(&execMS, &calls); err != nil {
-		return 0, 0, fmt.Errorf("read pg_stat_statements: %w", err)
+// sequencerStats is what the sequencer cost since the last reset.
+type sequencerStats struct {
+	execMS, lockMS float64
+	calls          int64
+}
+
+func (s *statStatements) sequencer(ctx context.Context) (sequencerStats, error) {
+	var st sequencerStats
+	if err := s.pool.QueryRow(ctx, sequencerSQL).Scan(&st.execMS, &st.calls, &st.lockMS); err != nil {
+		return st, fmt.Errorf("read pg_stat_statements: %w", err)
 	}
-	return execMS, calls, nil
+	return st, nil
 }
 
 // callsSQL counts the statements executed in this database, top-level (what clients sent)
