@@ -8,7 +8,7 @@ import (
 )
 
 func init() {
-	register(benchCase{name: "all", usage: "every case (about 25 minutes on 2 cores; -quick: a smoke run of a few minutes)",
+	register(benchCase{name: "all", usage: "every case (about 20 minutes on 2 cores; -quick: a smoke run of a few minutes)",
 		flags: func(fs *flag.FlagSet) runner {
 			o := allOpts{drains: "10000,100000,200000,1000000:50"}
 			fs.StringVar(&o.drains, "drain-events", o.drains, "backlog sizes of the drain runs, each N or N:deletes-per-prewrite-transaction")
