@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"image/png"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -69,4 +70,20 @@ func TestChartPanelDropsRepeatedX(t *testing.T) {
 	require.Len(t, p.series[0].pts, 2)
 	require.Equal(t, 1.0, p.series[0].pts[0].Y, "the first point at an x is kept")
 	require.Equal(t, []string{"", "x"}, p.series[0].labels)
+}
+
+// TestChartCommandLine runs chart as a user does: it starts no database and prints no line.
+func TestChartCommandLine(t *testing.T) {
+	dir := t.TempDir()
+	in, out := filepath.Join(dir, "results.jsonl"), filepath.Join(dir, "chart.png")
+	require.NoError(t, os.WriteFile(in, []byte(chartLines), 0o644))
+	var stdout bytes.Buffer
+	require.NoError(t, run([]string{"chart", "-in", in, "-out", out, "-width", "640", "-height", "480"}, &stdout, io.Discard))
+	require.Empty(t, stdout.String())
+	f, err := os.Open(out)
+	require.NoError(t, err)
+	defer f.Close()
+	cfg, err := png.DecodeConfig(f)
+	require.NoError(t, err)
+	require.Equal(t, [2]int{640, 480}, [2]int{cfg.Width, cfg.Height})
 }
