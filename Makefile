@@ -14,8 +14,14 @@ test: deps lint
 demo: postgres
 	$(GO) run ./cmd/outbox-demo $(DEMO_FLAGS)
 
+# The JSON lines go to BENCH_OUT (and the terminal), then the scale curves, drains and sustained
+# runs are drawn beside them as a PNG. BENCH_FLAGS go to the all case (e.g. -quick).
+BENCH_OUT ?= bench/results.jsonl
+BENCH_CHART ?= $(dir $(BENCH_OUT))scale.png
 bench: postgres
-	$(GO) run ./cmd/outbox-bench all
+	@mkdir -p $(dir $(BENCH_OUT))
+	set -o pipefail; $(GO) run ./cmd/outbox-bench all $(BENCH_FLAGS) | tee $(BENCH_OUT)
+	$(GO) run ./cmd/outbox-bench chart -in $(BENCH_OUT) -out $(BENCH_CHART)
 
 soak: postgres
 	OUTBOX_SOAK=10m $(GO) test -race -count=1 -timeout 30m -run TestFaultSuite -v ./internal/faultsuite

@@ -12,34 +12,41 @@ import (
 )
 
 func init() {
-	register(benchCase{name: "sequence", usage: "sequencer rate over an unsequenced backlog",
+	register(benchCase{name: "sequence", usage: "sequencer rate over a backlog the host's deletes wrote while no consumer ran",
 		flags: func(fs *flag.FlagSet) runner {
-			o := sequenceOpts{events: 200000, projects: 1}
+			o := sequenceOpts{events: 200000, projects: 1, backlog: defaultBacklog()}
 			fs.IntVar(&o.events, "events", o.events, "unsequenced events in the backlog")
 			fs.IntVar(&o.projects, "projects", o.projects, "projects the backlog spreads over")
+			o.backlog.register(fs, false)
 			return one(func(ctx context.Context, env *Env) (sequenceResult, error) { return runSequence(ctx, env, o) })
 		}})
-	register(benchCase{name: "drain", usage: "one fresh consumer drains a sequenced backlog",
+	register(benchCase{name: "drain", usage: "one fresh consumer drains a backlog (by default unsequenced, written by the host's deletes)",
 		flags: func(fs *flag.FlagSet) runner {
-			o := drainOpts{events: 200000, batch: 1000, poll: time.Second}
+			o := drainOpts{events: 200000, batch: 1000, poll: time.Second, backlog: defaultBacklog()}
 			fs.IntVar(&o.events, "events", o.events, "events in the backlog")
+			o.backlog.register(fs, true)
 			fs.IntVar(&o.batch, "batch", o.batch, "consumer BatchSize")
 			fs.DurationVar(&o.poll, "poll", o.poll, "consumer PollInterval")
 			return one(func(ctx context.Context, env *Env) (drainResult, error) { return runDrain(ctx, env, o) })
 		}})
 	register(benchCase{name: "fanout", usage: "K durable consumers each drain the same backlog",
 		flags: func(fs *flag.FlagSet) runner {
-			o := fanoutOpts{consumers: 4, events: 20000}
+			o := fanoutOpts{consumers: 4, events: 20000, backlog: defaultBacklog()}
 			fs.IntVar(&o.consumers, "consumers", o.consumers, "consumers (distinct identities)")
 			fs.IntVar(&o.events, "events", o.events, "events in the backlog")
+			o.backlog.register(fs, true)
 			return one(func(ctx context.Context, env *Env) (fanoutResult, error) { return runFanout(ctx, env, o) })
 		}})
 }
 
-type sequenceOpts struct{ events, projects int }
+type sequenceOpts struct {
+	events, projects int
+	backlog          backlogOpts // its kind is always unsequenced
+}
 
 type sequenceResult struct {
 	Header
+	Backlog
 	Events    int     `json:"events"`
 	Projects  int     `json:"projects"`
 	BatchSize int     `json:"batch_size"`
@@ -48,28 +55,33 @@ type sequenceResult struct {
 	RowsPerS  float64 `json:"rows_per_s"`
 }
 
-// runSequence times outbox.Sequence, as a consumer calls it, over an unsequenced backlog.
+// runSequence times outbox.Sequence, as a consumer calls it, over an unsequenced backlog that
+// the reference host's deletes wrote through the writer hook while no consumer ran.
 func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult, error) {
 	batch := outbox.Config{}.WithDefaults().SequenceBatchSize
 	res := sequenceResult{Header: env.Header("sequence"), Events: o.events, Projects: o.projects, BatchSize: batch}
+	o.backlog.kind = backlogUnsequenced
 	if o.events < 1 || o.projects < 1 {
 		return res, errors.New("sequence: need events >= 1 and projects >= 1")
 	}
-	_, pool, closeDB, err := env.NewDBPool(ctx, "sequence", 4)
+	if err := o.backlog.validate("sequence"); err != nil {
+		return res, err
+	}
+	db, pool, closeDB, err := env.NewDBPool(ctx, "sequence", 4)
 	if err != nil {
 		return res, err
 	}
 	defer closeDB()
-	projects := make([]string, o.projects)
+	projects, counts := make([]string, o.projects), make([]int, o.projects)
 	for p := range projects {
 		projects[p] = projectName(p)
-		n := o.events / o.projects
+		counts[p] = o.events / o.projects
 		if p < o.events%o.projects {
-			n++
+			counts[p]++
 		}
-		if err := insertBacklog(ctx, pool, projects[p], "s", n, false, 0); err != nil {
-			return res, err
-		}
+	}
+	if res.Backlog, err = writeBacklog(ctx, env, db, projects, counts, "s", o.backlog); err != nil {
+		return res, err
 	}
 	env.Logf("sequence: %d unsequenced events in %d project(s)", o.events, o.projects)
 	started := time.Now()
@@ -91,14 +103,15 @@ func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult,
 type drainOpts struct {
 	events, batch int
 	poll          time.Duration
+	backlog       backlogOpts
 }
 
 type drainResult struct {
 	Header
+	Backlog
 	Events               int     `json:"events"`
 	BatchSize            int     `json:"batch_size"`
 	PollIntervalMS       int64   `json:"poll_interval_ms"`
-	PrewriteSeconds      float64 `json:"prewrite_seconds"`
 	Received             int     `json:"received"`
 	Duplicates           int     `json:"duplicates"`
 	Missing              int     `json:"missing"`
@@ -118,13 +131,18 @@ func drainTimeout(events int) time.Duration {
 	return 30*time.Second + time.Duration(events)*50*time.Microsecond
 }
 
-// runDrain prewrites a sequenced backlog and times one fresh consumer (cursor "oldest",
-// durable acknowledgements) from Start until its listener has every event, and until its
-// cursor row says so.
+// runDrain prewrites a backlog (by default unsequenced: the host's deletes with the writer
+// hook while no consumer ran; -backlog sequenced bulk-loads it already numbered) and times one
+// fresh consumer (cursor "oldest", durable acknowledgements) from Start until its listener has
+// every event, and until its cursor row says so. An unsequenced backlog's time includes its
+// numbering, which the consumer does as it reads.
 func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
 	res := drainResult{Header: env.Header("drain"), Events: o.events, BatchSize: o.batch, PollIntervalMS: o.poll.Milliseconds()}
 	if o.events < 1 {
 		return res, errors.New("drain: need events >= 1")
+	}
+	if err := o.backlog.validate("drain"); err != nil {
+		return res, err
 	}
 	db, admin, closeDB, err := env.NewDBPool(ctx, "drain", 2)
 	if err != nil {
@@ -132,12 +150,10 @@ func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
 	}
 	defer closeDB()
 	const project, consumer = "drain", "bench-drain"
-	env.Logf("drain: prewriting %d events", o.events)
-	t0 := time.Now()
-	if err := insertBacklog(ctx, admin, project, "d", o.events, true, 0); err != nil {
+	env.Logf("drain: prewriting %d events (%s)", o.events, o.backlog.kind)
+	if res.Backlog, err = writeBacklog(ctx, env, db, []string{project}, []int{o.events}, "d", o.backlog); err != nil {
 		return res, err
 	}
-	res.PrewriteSeconds = seconds(time.Since(t0))
 
 	tr := newIndexTracker("d", o.events)
 	rss := startPeakRSS()
@@ -164,13 +180,16 @@ func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
 	return res, ctx.Err()
 }
 
-type fanoutOpts struct{ consumers, events int }
+type fanoutOpts struct {
+	consumers, events int
+	backlog           backlogOpts
+}
 
 type fanoutResult struct {
 	Header
+	Backlog
 	Consumers      int     `json:"consumers"`
 	Events         int     `json:"events"`
-	PrewriteSecs   float64 `json:"prewrite_seconds"`
 	ReceivedTotal  int     `json:"received_total"`
 	Duplicates     int     `json:"duplicates"`
 	Missing        int     `json:"missing"`
@@ -188,17 +207,18 @@ func runFanout(ctx context.Context, env *Env, o fanoutOpts) (fanoutResult, error
 	if o.consumers < 1 || o.events < 1 {
 		return res, errors.New("fanout: need consumers >= 1 and events >= 1")
 	}
-	db, admin, closeDB, err := env.NewDBPool(ctx, "fanout", 2)
+	if err := o.backlog.validate("fanout"); err != nil {
+		return res, err
+	}
+	db, err := env.NewDB(ctx, "fanout")
 	if err != nil {
 		return res, err
 	}
-	defer closeDB()
+	defer db.Drop()
 	const project = "fan"
-	t0 := time.Now()
-	if err := insertBacklog(ctx, admin, project, "f", o.events, true, 0); err != nil {
+	if res.Backlog, err = writeBacklog(ctx, env, db, []string{project}, []int{o.events}, "f", o.backlog); err != nil {
 		return res, err
 	}
-	res.PrewriteSecs = seconds(time.Since(t0))
 
 	trackers := make([]*indexTracker, o.consumers)
 	running := make([]*runningConsumer, o.consumers)

@@ -177,12 +177,27 @@ func newHeader(ctx context.Context, cfg *pgx.ConnConfig) (Header, error) {
 	return h, nil
 }
 
+// statStatementsSettings load pg_stat_statements and have it track the statements that
+// functions run too (the sequencer is one), so that the sustained and scale cases can read
+// what the server executed. The extension's own cost (a hash lookup and a counter update per
+// statement) is in every figure of a run on the throwaway cluster.
+var statStatementsSettings = map[string]string{
+	"shared_preload_libraries": "pg_stat_statements",
+	"pg_stat_statements.track": "all",
+}
+
+// clusterOptions are the throwaway cluster's options: durable for measurements; the tests
+// start one that is not.
+func clusterOptions(durable bool) pgcluster.Options {
+	return pgcluster.Options{Durable: durable, Settings: statStatementsSettings}
+}
+
 // NewServerEnv runs cases on dsn, or on a throwaway durable cluster when dsn is empty.
 func NewServerEnv(ctx context.Context, dsn string, logf func(string, ...any)) (*Env, error) {
 	env := &Env{logf: logf}
 	if dsn == "" {
-		logf("starting a throwaway PostgreSQL cluster (durable settings)")
-		c, err := pgcluster.Start(ctx, pgcluster.Options{Durable: true})
+		logf("starting a throwaway PostgreSQL cluster (durable settings, pg_stat_statements loaded)")
+		c, err := pgcluster.Start(ctx, clusterOptions(true))
 		if err != nil {
 			return nil, fmt.Errorf("start cluster: %w", err)
 		}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -216,6 +217,7 @@ type consumerSpec struct {
 	listeners []outbox.Listener
 	live      outbox.LiveTasks
 	cache     outbox.TaskCache
+	tracer    pgx.QueryTracer // on the consumer's pool; may be nil
 }
 
 // runningConsumer is a started consumer with its own pool, as a separate process would have.
@@ -233,7 +235,7 @@ func (r *runningConsumer) Close() {
 
 func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsumer, error) {
 	// Two pool connections at most, plus the hijacked LISTEN connection.
-	pool, err := db.Pool(ctx, 4, nil)
+	pool, err := db.Pool(ctx, 4, s.tracer)
 	if err != nil {
 		return nil, err
 	}
@@ -271,4 +273,65 @@ func waitCursor(ctx context.Context, pool *pgxpool.Pool, consumer, project strin
 		}
 		time.Sleep(500 * time.Microsecond)
 	}
+}
+
+// waitPositioned waits until each of the consumers ids has a positioned cursor in each of
+// its projects (want cursors in all), as the operator's status call reports them.
+func waitPositioned(ctx context.Context, admin *outbox.Admin, ids []string, want int, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		n := 0
+		for _, id := range ids {
+			st, err := admin.Status(ctx, outbox.StatusFilter{ConsumerID: id})
+			if err != nil {
+				return fmt.Errorf("consumer status: %w", err)
+			}
+			for _, s := range st {
+				if s.Cursor != nil {
+					n++
+				}
+			}
+		}
+		if n >= want {
+			return nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("only %d of %d cursors positioned after %s", n, want, timeout)
+		}
+		// The status call reads every cursor: poll a large fleet less often.
+		time.Sleep(100*time.Millisecond + time.Duration(want)*50*time.Microsecond)
+	}
+}
+
+// startConsumers starts one consumer per spec at once (as separate processes starting
+// together) and returns them all, or stops those that started when one fails.
+func startConsumers(ctx context.Context, db *DB, specs []consumerSpec) ([]*runningConsumer, error) {
+	running := make([]*runningConsumer, len(specs))
+	errs := make([]error, len(specs))
+	var wg sync.WaitGroup
+	for i := range specs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			running[i], errs[i] = startConsumer(ctx, db, specs[i])
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		closeConsumers(running)
+		return nil, err
+	}
+	return running, nil
+}
+
+// closeConsumers stops the consumers, all at once, as separate processes would stop.
+func closeConsumers(cs []*runningConsumer) {
+	var wg sync.WaitGroup
+	for _, c := range cs {
+		if c != nil {
+			wg.Add(1)
+			go func() { defer wg.Done(); c.Close() }()
+		}
+	}
+	wg.Wait()
 }

@@ -3,14 +3,16 @@
 //
 //	outbox-bench [-dsn DSN] [-cpuprofile FILE] <case> [case flags]
 //	outbox-bench all
+//	outbox-bench chart -in results.jsonl -out scale.png
 //
 // Without -dsn it starts its own throwaway cluster with durable settings (fsync,
 // synchronous_commit and full_page_writes on) and stops it on exit. Every case runs on fresh
 // databases created on that server and migrated with the module's and the reference host's
 // migrations; -dsn points at an existing server instead (its role needs CREATEDB).
 //
-// Cases: write, write-trace, sequence, drain, latency, fanout, ooo, reconcile, limits, retention, and all.
-// Run a case with -h for its flags.
+// Cases: write, write-trace, sequence, drain, latency, fanout, sustained, scale, ooo, reconcile,
+// limits, retention, and all. Run a case with -h for its flags. "chart" needs no database: it
+// renders the lines of a results file as a PNG.
 package main
 
 import (
@@ -38,6 +40,8 @@ type benchCase struct {
 	usage string
 	// flags registers the case's flags and returns the function that runs it.
 	flags func(fs *flag.FlagSet) runner
+	// offline cases need no database: they run with a nil Env and start no cluster.
+	offline bool
 }
 
 var cases = map[string]benchCase{}
@@ -100,6 +104,10 @@ func run(args []string, stdout, stderr io.Writer) error {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	emit := func(v any) error { return printLine(stdout, v) }
+	if c.offline {
+		return runCase(ctx, nil, emit)
+	}
 	logf := func(format string, a ...any) {
 		fmt.Fprintf(stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05.000")}, a...)...)
 	}
@@ -121,7 +129,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 		defer pprof.StopCPUProfile()
 	}
 	started := time.Now()
-	err = runCase(ctx, env, func(v any) error { return printLine(stdout, v) })
+	err = runCase(ctx, env, emit)
 	logf("%s done in %s", name, time.Since(started).Round(time.Millisecond))
 	return err
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"fusion/outbox/internal/pgcluster"
 	"fusion/outbox/internal/pgtest"
 )
 
@@ -90,34 +92,192 @@ func TestWrite(t *testing.T) {
 	}
 }
 
+// requireBacklog checks how a line says its backlog was written.
+func requireBacklog(t *testing.T, m map[string]any, kind string, perTx int) {
+	t.Helper()
+	require.Equal(t, kind, m["backlog"])
+	require.EqualValues(t, perTx, num(t, m, "prewrite_per_tx"))
+	if kind == backlogUnsequenced {
+		require.Equal(t, prewriteHost, m["prewrite"])
+		require.Positive(t, num(t, m, "prewrite_writers"))
+	} else {
+		require.Equal(t, prewriteBulk, m["prewrite"])
+	}
+	require.Positive(t, num(t, m, "prewrite_seconds"))
+}
+
 func TestSequence(t *testing.T) {
 	t.Parallel()
-	r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 1001, projects: 2})
-	require.NoError(t, err)
-	require.EqualValues(t, 1001, num(t, line(t, r, "sequence"), "assigned"))
+	for _, perTx := range []int{1, 7} {
+		b := defaultBacklog()
+		b.perTx, b.writers = perTx, 3
+		r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 601, projects: 2, backlog: b})
+		require.NoError(t, err)
+		m := line(t, r, "sequence")
+		require.EqualValues(t, 601, num(t, m, "assigned"))
+		requireBacklog(t, m, backlogUnsequenced, perTx)
+	}
 }
 
 func TestDrain(t *testing.T) {
 	t.Parallel()
-	r, err := runDrain(ctxT(t), testEnv(t), drainOpts{events: 2500, batch: 1000, poll: time.Second})
-	require.NoError(t, err)
-	m := line(t, r, "drain")
-	require.EqualValues(t, 2500, num(t, m, "received"))
-	require.Zero(t, num(t, m, "duplicates"))
-	require.Zero(t, num(t, m, "missing"))
-	require.Nil(t, m["timed_out"])
-	require.Positive(t, num(t, m, "cursor_durable_seconds"))
-	require.Positive(t, num(t, m, "peak_rss_mb"))
+	for _, b := range []backlogOpts{
+		{kind: backlogUnsequenced, perTx: 1, writers: 4},
+		{kind: backlogUnsequenced, perTx: 50, writers: 2},
+		{kind: backlogSequenced, perTx: 1, writers: 1},
+	} {
+		r, err := runDrain(ctxT(t), testEnv(t), drainOpts{events: 1500, batch: 1000, poll: time.Second, backlog: b})
+		require.NoError(t, err)
+		m := line(t, r, "drain")
+		perTx := b.perTx
+		if b.kind == backlogSequenced {
+			perTx = 0
+		}
+		requireBacklog(t, m, b.kind, perTx)
+		require.EqualValues(t, 1500, num(t, m, "received"), b)
+		require.Zero(t, num(t, m, "duplicates"), b)
+		require.Zero(t, num(t, m, "missing"), b)
+		require.Nil(t, m["timed_out"], b)
+		require.Positive(t, num(t, m, "cursor_durable_seconds"), b)
+		require.Positive(t, num(t, m, "peak_rss_mb"), b)
+	}
 }
 
 func TestFanout(t *testing.T) {
 	t.Parallel()
-	r, err := runFanout(ctxT(t), testEnv(t), fanoutOpts{consumers: 3, events: 500})
+	for _, kind := range []string{backlogUnsequenced, backlogSequenced} {
+		b := defaultBacklog()
+		b.kind = kind
+		r, err := runFanout(ctxT(t), testEnv(t), fanoutOpts{consumers: 3, events: 500, backlog: b})
+		require.NoError(t, err)
+		m := line(t, r, "fanout")
+		require.Equal(t, kind, m["backlog"])
+		require.EqualValues(t, 1500, num(t, m, "received_total"), kind)
+		require.Zero(t, num(t, m, "duplicates"), kind)
+		require.Zero(t, num(t, m, "missing"), kind)
+	}
+}
+
+// statsEnv runs cases on a throwaway cluster of their own started as the bench starts its
+// own (pg_stat_statements loaded, see clusterOptions), without the durable settings.
+func statsEnv(t *testing.T) *Env {
+	t.Helper()
+	ctx := ctxT(t)
+	c, err := pgcluster.Start(ctx, clusterOptions(false))
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("start a cluster with pg_stat_statements: %v", err)
+		}
+		t.Skipf("no throwaway cluster: %v", err)
+	}
+	t.Cleanup(c.Stop)
+	env, err := NewServerEnv(ctx, c.URL("postgres"), t.Logf)
 	require.NoError(t, err)
-	m := line(t, r, "fanout")
-	require.EqualValues(t, 1500, num(t, m, "received_total"))
-	require.Zero(t, num(t, m, "duplicates"))
+	return env
+}
+
+// sustainedSmall is a short sustained run; the figures mean nothing, the counts must hold.
+var sustainedSmall = sustainedOpts{writers: 4, consumers: 2, projects: 3, seconds: 0.4, tasks: 20000, mailbox: mailboxIncluded}
+
+func requireSustained(t *testing.T, m map[string]any) {
+	t.Helper()
+	tx := num(t, m, "tx")
+	require.Positive(t, tx)
+	require.EqualValues(t, 2*tx, num(t, m, "received"), "every committed delete reached both consumers")
 	require.Zero(t, num(t, m, "missing"))
+	require.Zero(t, num(t, m, "duplicates"))
+	require.Zero(t, num(t, m, "errors"))
+	require.Nil(t, m["unexpected"])
+	require.Nil(t, m["timed_out"])
+	require.Nil(t, m["tasks_exhausted"])
+	for _, k := range []string{"baseline_tx", "baseline_tx_per_s", "tx_per_s", "ratio", "lag_p50_ms", "lag_p99_ms", "delete_p50_ms", "baseline_delete_p50_ms"} {
+		require.Positive(t, num(t, m, k), k)
+	}
+	require.GreaterOrEqual(t, num(t, m, "lag_p99_ms"), num(t, m, "lag_p50_ms"))
+	require.Contains(t, m, "load_1m")
+}
+
+func TestSustainedWithStatStatements(t *testing.T) {
+	t.Parallel()
+	r, err := runSustained(ctxT(t), statsEnv(t), sustainedSmall)
+	require.NoError(t, err)
+	m := line(t, r, "sustained")
+	requireSustained(t, m)
+	require.Equal(t, "pg_stat_statements total_exec_time / server CPU", m["sequencer_share_source"])
+	require.Positive(t, num(t, m, "sequencer_calls"))
+	require.Positive(t, num(t, m, "sequencer_exec_ms"))
+	require.Positive(t, num(t, m, "server_cpu_seconds"))
+	require.Positive(t, num(t, m, "sequencer_share"))
+	require.GreaterOrEqual(t, num(t, m, "sequencer_lock_wait_ms"), 0.0)
+	require.LessOrEqual(t, num(t, m, "sequencer_share_less_lock_wait"), num(t, m, "sequencer_share"))
+}
+
+// TestSustainedWithoutStatStatements runs on the test harness's server, which does not load
+// the extension: the share is -1 and the line says why.
+func TestSustainedWithoutStatStatements(t *testing.T) {
+	t.Parallel()
+	r, err := runSustained(ctxT(t), testEnv(t), sustainedSmall)
+	require.NoError(t, err)
+	m := line(t, r, "sustained")
+	requireSustained(t, m)
+	require.EqualValues(t, -1, num(t, m, "sequencer_share"))
+	require.EqualValues(t, -1, num(t, m, "sequencer_share_less_lock_wait"))
+	require.Contains(t, m["sequencer_share_source"], "unavailable")
+}
+
+// scaleLines runs the scale case and returns its lines by curve.
+func scaleLines(t *testing.T, env *Env, o scaleOpts) map[string][]map[string]any {
+	t.Helper()
+	out := map[string][]map[string]any{}
+	require.NoError(t, runScale(ctxT(t), env, o, func(v any) error {
+		m := line(t, v, "scale")
+		out[m["curve"].(string)] = append(out[m["curve"].(string)], m)
+		return nil
+	}))
+	return out
+}
+
+func TestScale(t *testing.T) {
+	t.Parallel()
+	o := scaleOpts{curves: strings.Join(allCurves, ","), consumers: "1,2", projects: "1,3", backlogs: "400,500:10,100000",
+		maxBacklog: 1000, prewriteWriters: 2, window: 1500 * time.Millisecond}
+	lines := scaleLines(t, statsEnv(t), o)
+	for curve, xs := range map[string][]float64{curveIdleConsumers: {1, 2}, curveIdleProjects: {1, 3}} {
+		require.Len(t, lines[curve], 2, curve)
+		for i, m := range lines[curve] {
+			require.EqualValues(t, xs[i], num(t, m, "x"), curve)
+			require.Equal(t, "pg_stat_statements", m["source"], curve)
+			require.Equal(t, "statements_per_s", m["y_name"], curve)
+			require.Equal(t, num(t, m, "statements_per_s"), num(t, m, "y"), curve)
+			for _, k := range []string{"statements_per_s", "statements_with_nested_per_s", "client_statements_per_s", "window_seconds", "start_seconds"} {
+				require.Positive(t, num(t, m, k), "%s %s", curve, k)
+			}
+		}
+	}
+	drains := lines[curveDrainBacklog]
+	require.Len(t, drains, 2, "the 100000 backlog is over -max-backlog")
+	for i, want := range []struct{ events, perTx int }{{400, 1}, {500, 10}} {
+		m := drains[i]
+		require.EqualValues(t, want.events, num(t, m, "x"))
+		require.Equal(t, "events_per_s", m["y_name"])
+		require.Positive(t, num(t, m, "y"))
+		requireBacklog(t, m, backlogUnsequenced, want.perTx)
+		require.EqualValues(t, want.events, num(t, m, "received"))
+		require.Zero(t, num(t, m, "missing"))
+		require.Zero(t, num(t, m, "duplicates"))
+	}
+}
+
+// TestScaleWithoutStatStatements: the idle curves fall back to pg_stat_database and say so.
+func TestScaleWithoutStatStatements(t *testing.T) {
+	t.Parallel()
+	o := scaleOpts{curves: curveIdleConsumers, consumers: "2", prewriteWriters: 1, window: 1500 * time.Millisecond}
+	m := scaleLines(t, testEnv(t), o)[curveIdleConsumers][0]
+	require.Equal(t, "pg_stat_database", m["source"])
+	require.Equal(t, "xacts_per_s", m["y_name"])
+	require.EqualValues(t, -1, num(t, m, "statements_per_s"))
+	require.GreaterOrEqual(t, num(t, m, "y"), 0.0)
+	require.Positive(t, num(t, m, "client_statements_per_s"))
 }
 
 func TestLatency(t *testing.T) {

@@ -137,6 +137,7 @@ type indexTracker struct {
 
 	mu         sync.Mutex
 	seen       []uint64
+	at         []int64 // first arrival of each index (Unix ns), when timed
 	unique     int
 	received   int
 	duplicates int
@@ -145,6 +146,14 @@ type indexTracker struct {
 
 func newIndexTracker(prefix string, n int) *indexTracker {
 	return &indexTracker{prefix: prefix + "-", n: n, done: make(chan struct{}), seen: make([]uint64, (n+64)/64)}
+}
+
+// newTimedTracker is an indexTracker that also keeps when each event first arrived: 8 bytes
+// per expected event.
+func newTimedTracker(prefix string, n int) *indexTracker {
+	t := newIndexTracker(prefix, n)
+	t.at = make([]int64, n+1)
+	return t
 }
 
 func (t *indexTracker) listener() outbox.Listener {
@@ -168,6 +177,7 @@ func taskOfEventID(id string) (string, bool) {
 }
 
 func (t *indexTracker) add(eventID string) {
+	now := time.Now().UnixNano()
 	i := -1
 	if task, ok := taskOfEventID(eventID); ok {
 		if rest, ok := strings.CutPrefix(task, t.prefix); ok {
@@ -186,6 +196,9 @@ func (t *indexTracker) add(eventID string) {
 		t.duplicates++
 	default:
 		t.seen[i/64] |= 1 << (i % 64)
+		if t.at != nil {
+			t.at[i] = now
+		}
 		t.unique++
 		if t.unique == t.n {
 			close(t.done)
@@ -198,6 +211,27 @@ func (t *indexTracker) Counts() (received, duplicates, missing, unexpected int) 
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.received, t.duplicates, t.n - t.unique, t.unexpected
+}
+
+// arrivals copies, for a timed tracker, when each index first arrived (0: not yet).
+func (t *indexTracker) arrivals() []int64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return append([]int64(nil), t.at...)
+}
+
+// missingOf counts, for a timed tracker, the indexes i with want[i] != 0 that have not
+// arrived.
+func (t *indexTracker) missingOf(want []int64) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for i, w := range want {
+		if w != 0 && (i >= len(t.at) || t.at[i] == 0) {
+			n++
+		}
+	}
+	return n
 }
 
 // wait blocks until every expected event arrived, the timeout passed or ctx ended; it

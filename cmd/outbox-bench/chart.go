@@ -1,0 +1,346 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"sort"
+	"strconv"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
+	"gonum.org/v1/plot/vg/vgimg"
+)
+
+func init() {
+	register(benchCase{name: "chart", offline: true, usage: "render a results file's scale curves, drains and sustained runs as a PNG (no database)",
+		flags: func(fs *flag.FlagSet) runner {
+			o := chartOpts{in: "bench/results.jsonl", out: "bench/scale.png", width: 1400, height: 1000}
+			fs.StringVar(&o.in, "in", o.in, "JSON lines written by the bench")
+			fs.StringVar(&o.out, "out", o.out, "PNG to write")
+			fs.IntVar(&o.width, "width", o.width, "image width in pixels")
+			fs.IntVar(&o.height, "height", o.height, "image height in pixels")
+			fs.StringVar(&o.note, "note", o.note, "a line under the title, e.g. how the run was sized")
+			return func(context.Context, *Env, func(any) error) error { return renderChartFile(o) }
+		}})
+}
+
+type chartOpts struct {
+	in, out, note string
+	width, height int
+}
+
+// chartRecord is what the chart reads of a line; other fields are ignored.
+type chartRecord struct {
+	Bench      string  `json:"bench"`
+	LibVersion string  `json:"lib_version"`
+	PG         string  `json:"pg"`
+	Durable    bool    `json:"durable"`
+	Curve      string  `json:"curve"`
+	X          float64 `json:"x"`
+	Y          float64 `json:"y"`
+	YName      string  `json:"y_name"`
+	Backlog    string  `json:"backlog"`
+	PerTx      int     `json:"prewrite_per_tx"`
+	Events     float64 `json:"events"`
+	EventsPerS float64 `json:"events_per_s"`
+	Consumers  float64 `json:"consumers"`
+	Ratio      float64 `json:"ratio"`
+	LagP99MS   float64 `json:"lag_p99_ms"`
+	// ClientStatementsPerS is what the idle consumers' pools sent, by the driver's count.
+	ClientStatementsPerS float64 `json:"client_statements_per_s"`
+	ServerCPUMSPerS      float64 `json:"server_cpu_ms_per_s"`
+}
+
+func readRecords(r io.Reader) ([]chartRecord, error) {
+	var out []chartRecord
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
+	for n := 1; sc.Scan(); n++ {
+		b := bytes.TrimSpace(sc.Bytes())
+		if len(b) == 0 {
+			continue
+		}
+		var rec chartRecord
+		if err := json.Unmarshal(b, &rec); err != nil {
+			return nil, fmt.Errorf("line %d: %w", n, err)
+		}
+		out = append(out, rec)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("read results: %w", err)
+	}
+	return out, nil
+}
+
+func renderChartFile(o chartOpts) error {
+	f, err := os.Open(o.in)
+	if err != nil {
+		return fmt.Errorf("chart: %w", err)
+	}
+	recs, err := readRecords(f)
+	f.Close()
+	if err != nil {
+		return fmt.Errorf("chart: %s: %w", o.in, err)
+	}
+	out, err := os.Create(o.out)
+	if err != nil {
+		return fmt.Errorf("chart: %w", err)
+	}
+	if err := renderChart(out, recs, o); err != nil {
+		out.Close()
+		return fmt.Errorf("chart: %w", err)
+	}
+	if err := out.Close(); err != nil {
+		return fmt.Errorf("chart: %w", err)
+	}
+	return nil
+}
+
+// series is one named set of points of a panel, with optional per-point labels.
+type series struct {
+	name   string
+	pts    plotter.XYs
+	labels []string
+}
+
+type panel struct {
+	title, xLabel, yLabel string
+	series                []*series
+}
+
+// add adds a point to the named series; a second point at the same x is dropped (the all case
+// prints each drain twice, as a drain line and as a scale point).
+func (p *panel) add(name string, x, y float64, label string) {
+	for _, s := range p.series {
+		if s.name == name {
+			for _, pt := range s.pts {
+				if pt.X == x {
+					return
+				}
+			}
+			s.pts = append(s.pts, plotter.XY{X: x, Y: y})
+			s.labels = append(s.labels, label)
+			return
+		}
+	}
+	p.series = append(p.series, &series{name: name, pts: plotter.XYs{{X: x, Y: y}}, labels: []string{label}})
+}
+
+// renderChart draws four panels: the two idle curves, drain rate against backlog size (the
+// scale curve's points and the drain lines, one series per backlog kind) and the sustained
+// runs' throughput ratio against the consumer count, each point labelled with its p99 lag.
+func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
+	if o.width < 200 || o.height < 200 {
+		return errors.New("the image needs at least 200x200 pixels")
+	}
+	idleK := &panel{title: "Idle: K consumers of one project", xLabel: "consumers"}
+	idleP := &panel{title: "Idle: one consumer of P projects", xLabel: "projects"}
+	drain := &panel{title: "Drain: one fresh consumer", xLabel: "backlog (events)", yLabel: "events/s"}
+	sust := &panel{title: "Sustained: writers at full speed, outbox vs baseline", xLabel: "consumers", yLabel: "tx/s with outbox ÷ without"}
+	var first *chartRecord
+	n := 0
+	for i := range recs {
+		r := &recs[i]
+		switch {
+		case r.Bench == "scale" && (r.Curve == curveIdleConsumers || r.Curve == curveIdleProjects):
+			pn := idleK
+			if r.Curve == curveIdleProjects {
+				pn = idleP
+			}
+			pn.add(measureName(r.YName), r.X, r.Y, "")
+			pn.add("statements/s sent (driver count)", r.X, r.ClientStatementsPerS, "")
+			pn.add("server CPU ms/s", r.X, r.ServerCPUMSPerS, "")
+			pn.yLabel = "per second"
+		case r.Bench == "scale" && r.Curve == curveDrainBacklog:
+			drain.add(r.Backlog+" backlog", r.X, r.Y, perTxLabel(r.PerTx))
+		case r.Bench == "drain":
+			drain.add(r.Backlog+" backlog", r.Events, r.EventsPerS, perTxLabel(r.PerTx))
+		case r.Bench == "sustained":
+			sust.add("ratio", r.Consumers, r.Ratio, fmt.Sprintf("p99 lag %s ms", strconv.FormatFloat(r.LagP99MS, 'f', 0, 64)))
+		default:
+			continue
+		}
+		n++
+		if first == nil {
+			first = r
+		}
+	}
+	if n == 0 {
+		return errors.New("no scale, drain or sustained lines to draw")
+	}
+	panels := [][]*panel{{idleK, idleP}, {drain, sust}}
+	plots := make([][]*plot.Plot, len(panels))
+	for j, row := range panels {
+		for _, pn := range row {
+			p, err := pn.plot()
+			if err != nil {
+				return err
+			}
+			plots[j] = append(plots[j], p)
+		}
+	}
+
+	const dpi = 96
+	c := vgimg.NewWith(vgimg.UseWH(vg.Length(o.width)/dpi*vg.Inch, vg.Length(o.height)/dpi*vg.Inch), vgimg.UseDPI(dpi))
+	dc := draw.New(c)
+	title := plot.New().Title.TextStyle
+	title.Font.Size = vg.Points(14)
+	small := title
+	small.Font.Size = vg.Points(10)
+	top := dc.Max.Y - vg.Points(6)
+	head := fmt.Sprintf("outbox-bench %s, PostgreSQL %s, durable %t", first.LibVersion, first.PG, first.Durable)
+	dc.FillText(title, vg.Point{X: dc.Center().X, Y: top}, head)
+	reserved := title.Rectangle(head).Size().Y + vg.Points(12)
+	if o.note != "" {
+		dc.FillText(small, vg.Point{X: dc.Center().X, Y: top - reserved + vg.Points(4)}, o.note)
+		reserved += small.Rectangle(o.note).Size().Y + vg.Points(4)
+	}
+	body := draw.Crop(dc, 0, 0, 0, -reserved)
+	tiles := draw.Tiles{Rows: len(plots), Cols: len(plots[0]), PadX: vg.Points(24), PadY: vg.Points(24),
+		PadTop: vg.Points(6), PadBottom: vg.Points(6), PadLeft: vg.Points(6), PadRight: vg.Points(12)}
+	canvases := plot.Align(plots, tiles, body)
+	for j := range plots {
+		for i := range plots[j] {
+			plots[j][i].Draw(canvases[j][i])
+		}
+	}
+	if _, err := (vgimg.PngCanvas{Canvas: c}).WriteTo(w); err != nil {
+		return fmt.Errorf("write png: %w", err)
+	}
+	return nil
+}
+
+func measureName(yName string) string {
+	switch yName {
+	case "statements_per_s":
+		return "statements/s executed (pg_stat_statements)"
+	case "xacts_per_s":
+		return "transactions/s (pg_stat_database)"
+	}
+	return yName
+}
+
+func perTxLabel(perTx int) string {
+	if perTx <= 1 {
+		return ""
+	}
+	return fmt.Sprintf("%d/tx", perTx)
+}
+
+// plot builds the panel: a log x axis with ticks at the measured values, a linear y axis from
+// 0, one line with points per series, and the points' labels where they have any.
+func (pn *panel) plot() (*plot.Plot, error) {
+	p := plot.New()
+	p.Title.Text, p.X.Label.Text, p.Y.Label.Text = pn.title, pn.xLabel, pn.yLabel
+	if len(pn.series) == 0 {
+		p.Title.Text += " (no data)"
+		return p, nil
+	}
+	var xs []float64
+	minX, maxX, maxY := math.Inf(1), math.Inf(-1), 0.0
+	for i, s := range pn.series {
+		sort.Sort(byX{s})
+		for _, pt := range s.pts {
+			xs = append(xs, pt.X)
+			minX, maxX, maxY = math.Min(minX, pt.X), math.Max(maxX, pt.X), math.Max(maxY, pt.Y)
+		}
+		line, points, err := plotter.NewLinePoints(s.pts)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", pn.title, err)
+		}
+		line.Color, points.Color, points.Shape = plotutil.Color(i), plotutil.Color(i), plotutil.Shape(i)
+		p.Add(line, points)
+		p.Legend.Add(s.name, line, points)
+		if hasLabels(s.labels) {
+			l, err := plotter.NewLabels(plotter.XYLabels{XYs: s.pts, Labels: s.labels})
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", pn.title, err)
+			}
+			for k := range l.TextStyle {
+				l.TextStyle[k].Font.Size = vg.Points(8)
+			}
+			l.Offset = vg.Point{X: vg.Points(4), Y: vg.Points(4)}
+			p.Add(l)
+		}
+	}
+	p.Legend.Top = true
+	if minX > 0 {
+		p.X.Scale = plot.LogScale{}
+		p.X.Min, p.X.Max = minX/1.6, maxX*1.6
+	} else {
+		p.X.Min, p.X.Max = minX-1, maxX+1
+	}
+	p.X.Tick.Marker = valueTicks(xs)
+	p.Y.Min, p.Y.Max = 0, math.Max(maxY*1.25, 1)
+	p.Y.Tick.Marker = humanTicks{}
+	p.Add(plotter.NewGrid())
+	return p, nil
+}
+
+type byX struct{ s *series }
+
+func (b byX) Len() int           { return len(b.s.pts) }
+func (b byX) Less(i, j int) bool { return b.s.pts[i].X < b.s.pts[j].X }
+func (b byX) Swap(i, j int) {
+	b.s.pts[i], b.s.pts[j] = b.s.pts[j], b.s.pts[i]
+	b.s.labels[i], b.s.labels[j] = b.s.labels[j], b.s.labels[i]
+}
+
+func hasLabels(ls []string) bool {
+	for _, l := range ls {
+		if l != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// valueTicks marks the measured x values, labelled 1, 64, 10k, 1M.
+type valueTicks []float64
+
+func (v valueTicks) Ticks(lo, hi float64) []plot.Tick {
+	seen := map[float64]bool{}
+	var out []plot.Tick
+	for _, x := range v {
+		if x >= lo && x <= hi && !seen[x] {
+			seen[x] = true
+			out = append(out, plot.Tick{Value: x, Label: humanCount(x)})
+		}
+	}
+	return out
+}
+
+// humanTicks are the default ticks with labels such as 0, 0.5 and 250k.
+type humanTicks struct{}
+
+func (humanTicks) Ticks(lo, hi float64) []plot.Tick {
+	ticks := plot.DefaultTicks{}.Ticks(lo, hi)
+	for i := range ticks {
+		if ticks[i].Label != "" {
+			ticks[i].Label = humanCount(ticks[i].Value)
+		}
+	}
+	return ticks
+}
+
+func humanCount(x float64) string {
+	switch {
+	case x >= 1e6 && math.Mod(x, 1e5) == 0:
+		return strconv.FormatFloat(x/1e6, 'f', -1, 64) + "M"
+	case x >= 1e3 && math.Mod(x, 100) == 0:
+		return strconv.FormatFloat(x/1e3, 'f', -1, 64) + "k"
+	default:
+		return strconv.FormatFloat(x, 'f', -1, 64)
+	}
+}

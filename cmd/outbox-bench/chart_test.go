@@ -1,0 +1,89 @@
+package main
+
+import (
+	"bytes"
+	"image/png"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// chartLines are a few lines as the bench prints them (shortened to what the chart reads).
+const chartLines = `
+{"bench":"scale","lib_version":"(devel)+test","pg":"15","durable":true,"curve":"idle_statements_vs_consumers","x":1,"y":2,"y_name":"statements_per_s"}
+{"bench":"scale","lib_version":"(devel)+test","pg":"15","durable":true,"curve":"idle_statements_vs_consumers","x":4,"y":8,"y_name":"statements_per_s"}
+{"bench":"scale","curve":"idle_statements_vs_projects","x":1,"y":2,"y_name":"statements_per_s"}
+{"bench":"scale","curve":"idle_statements_vs_projects","x":10000,"y":3.5,"y_name":"statements_per_s"}
+{"bench":"scale","curve":"drain_vs_backlog","x":10000,"y":26000,"y_name":"events_per_s","backlog":"unsequenced","prewrite_per_tx":1}
+{"bench":"scale","curve":"drain_vs_backlog","x":1000000,"y":41000,"y_name":"events_per_s","backlog":"unsequenced","prewrite_per_tx":50}
+{"bench":"drain","events":200000,"events_per_s":400000,"backlog":"sequenced","prewrite_per_tx":0}
+{"bench":"drain","events":10000,"events_per_s":26000,"backlog":"unsequenced","prewrite_per_tx":1}
+{"bench":"sustained","consumers":2,"ratio":0.8,"lag_p99_ms":12}
+{"bench":"sustained","consumers":8,"ratio":0.6,"lag_p99_ms":40}
+{"bench":"write","baseline":{"tx":1}}
+`
+
+func TestChartRendersPNG(t *testing.T) {
+	dir := t.TempDir()
+	in, out := filepath.Join(dir, "results.jsonl"), filepath.Join(dir, "scale.png")
+	require.NoError(t, os.WriteFile(in, []byte(chartLines), 0o644))
+	require.NoError(t, renderChartFile(chartOpts{in: in, out: out, width: 900, height: 700, note: "test lines"}))
+
+	b, err := os.ReadFile(out)
+	require.NoError(t, err)
+	img, err := png.Decode(bytes.NewReader(b))
+	require.NoError(t, err)
+	require.Equal(t, 900, img.Bounds().Dx())
+	require.Equal(t, 700, img.Bounds().Dy())
+	// Something was drawn: not every pixel is the white background.
+	r0, g0, b0, _ := img.At(0, 0).RGBA()
+	drawn := false
+	for y := 0; y < 700 && !drawn; y += 3 {
+		for x := 0; x < 900 && !drawn; x += 3 {
+			r, g, b, _ := img.At(x, y).RGBA()
+			drawn = r != r0 || g != g0 || b != b0
+		}
+	}
+	require.True(t, drawn, "the chart is blank")
+}
+
+func TestChartRefusesNothingToDraw(t *testing.T) {
+	var buf bytes.Buffer
+	recs, err := readRecords(strings.NewReader(`{"bench":"write"}` + "\n"))
+	require.NoError(t, err)
+	require.ErrorContains(t, renderChart(&buf, recs, chartOpts{width: 400, height: 300}), "no scale, drain or sustained lines")
+	_, err = readRecords(strings.NewReader("{\"bench\":\"scale\"}\nnot json\n"))
+	require.ErrorContains(t, err, "line 2")
+}
+
+func TestChartPanelDropsRepeatedX(t *testing.T) {
+	p := &panel{}
+	p.add("a", 10, 1, "")
+	p.add("a", 10, 2, "")
+	p.add("a", 20, 3, "x")
+	p.add("b", 10, 4, "")
+	require.Len(t, p.series, 2)
+	require.Len(t, p.series[0].pts, 2)
+	require.Equal(t, 1.0, p.series[0].pts[0].Y, "the first point at an x is kept")
+	require.Equal(t, []string{"", "x"}, p.series[0].labels)
+}
+
+// TestChartCommandLine runs chart as a user does: it starts no database and prints no line.
+func TestChartCommandLine(t *testing.T) {
+	dir := t.TempDir()
+	in, out := filepath.Join(dir, "results.jsonl"), filepath.Join(dir, "chart.png")
+	require.NoError(t, os.WriteFile(in, []byte(chartLines), 0o644))
+	var stdout bytes.Buffer
+	require.NoError(t, run([]string{"chart", "-in", in, "-out", out, "-width", "640", "-height", "480"}, &stdout, io.Discard))
+	require.Empty(t, stdout.String())
+	f, err := os.Open(out)
+	require.NoError(t, err)
+	defer f.Close()
+	cfg, err := png.DecodeConfig(f)
+	require.NoError(t, err)
+	require.Equal(t, [2]int{640, 480}, [2]int{cfg.Width, cfg.Height})
+}

@@ -1,0 +1,111 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// What the server executed, read from pg_stat_statements (the throwaway cluster loads it with
+// track = all, see env.go) for one database. Only the case's own database is read or reset,
+// so that other databases on the same server (other cases, parallel tests) do not count.
+
+// statStatements reads pg_stat_statements in the database pool is on; ok is false when the
+// extension is not usable there (a -dsn server that does not preload it), and why says what
+// failed.
+type statStatements struct {
+	pool *pgxpool.Pool
+	ok   bool
+	why  string
+}
+
+// openStatStatements creates the extension in pool's database and checks that it can be
+// read and reset.
+func openStatStatements(ctx context.Context, pool *pgxpool.Pool) *statStatements {
+	s := &statStatements{pool: pool}
+	if _, err := pool.Exec(ctx, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"); err != nil {
+		s.why = "create extension: " + firstLine(err.Error())
+		return s
+	}
+	if err := s.reset(ctx); err != nil {
+		s.why = firstLine(err.Error())
+		return s
+	}
+	s.ok = true
+	return s
+}
+
+func firstLine(s string) string {
+	first, _, _ := strings.Cut(s, "\n")
+	return first
+}
+
+// thisDB selects the current database's oid, for pg_stat_statements' dbid.
+const thisDB = `(SELECT oid FROM pg_database WHERE datname = current_database())`
+
+// reset clears the statistics of this database's statements (all users).
+func (s *statStatements) reset(ctx context.Context) error {
+	if _, err := s.pool.Exec(ctx, "SELECT pg_stat_statements_reset(0, "+thisDB+", 0)"); err != nil {
+		return fmt.Errorf("reset pg_stat_statements: %w", err)
+	}
+	return nil
+}
+
+// sequencerSQL sums the top-level statements that call the sequencer function (the call
+// Sequence and the consumer make): exec_ms is pg_stat_statements' total_exec_time, time in
+// the executor with lock and I/O waits included. The statements the function runs inside are
+// tracked too (track = all) and are part of that time; lock_ms sums the one among them that
+// locks the project's heads row (SELECT ... FROM lifecycle_outbox_heads ... FOR UPDATE),
+// where concurrent sequencers of the same project wait for each other: nearly all of its time
+// is waiting. It is matched by its text, so it reads 0 if the function changes.
+const sequencerSQL = `
+SELECT coalesce(sum(total_exec_time) FILTER (WHERE toplevel AND query LIKE '%lifecycle_outbox_sequence(%'), 0),
+       coalesce(sum(calls) FILTER (WHERE toplevel AND query LIKE '%lifecycle_outbox_sequence(%'), 0)::bigint,
+       coalesce(sum(total_exec_time) FILTER (WHERE NOT toplevel AND query LIKE '%lifecycle_outbox_heads%' AND query ILIKE '%for update%'), 0)
+FROM pg_stat_statements
+WHERE dbid = ` + thisDB
+
+// sequencerStats is what the sequencer cost since the last reset.
+type sequencerStats struct {
+	execMS, lockMS float64
+	calls          int64
+}
+
+func (s *statStatements) sequencer(ctx context.Context) (sequencerStats, error) {
+	var st sequencerStats
+	if err := s.pool.QueryRow(ctx, sequencerSQL).Scan(&st.execMS, &st.calls, &st.lockMS); err != nil {
+		return st, fmt.Errorf("read pg_stat_statements: %w", err)
+	}
+	return st, nil
+}
+
+// callsSQL counts the statements executed in this database, top-level (what clients sent)
+// and all (with those that functions ran), leaving out the bench's own reads of the view.
+const callsSQL = `
+SELECT coalesce(sum(calls) FILTER (WHERE toplevel), 0)::bigint, coalesce(sum(calls), 0)::bigint
+FROM pg_stat_statements
+WHERE dbid = ` + thisDB + ` AND query NOT LIKE '%pg_stat_statements%'`
+
+// calls returns the statements executed in this database so far (since the last reset):
+// top-level ones and all.
+func (s *statStatements) calls(ctx context.Context) (toplevel, all int64, err error) {
+	if err := s.pool.QueryRow(ctx, callsSQL).Scan(&toplevel, &all); err != nil {
+		return 0, 0, fmt.Errorf("read pg_stat_statements: %w", err)
+	}
+	return toplevel, all, nil
+}
+
+// xacts is the fallback without the extension: transactions committed and rolled back in this
+// database so far, from pg_stat_database. Backends report them when they go idle, at most
+// once a second (and idle ones within about 10 s), so a short window is only approximate, and
+// the bench's own two reads are included.
+func xacts(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	var n int64
+	err := pool.QueryRow(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("read pg_stat_database: %w", err)
+	}
+	return n, nil
+}
