@@ -62,7 +62,12 @@ type streamState struct {
 	// progressed: the last scan numbered events or moved the stream forward. A project waiting
 	// on a retry makes no progress, so it gets no follow-up scans.
 	progressed bool
+	busyScans  int // consecutive scans that found another sequencer numbering the project
 }
+
+// maxBusyFollowUps bounds the follow-up scans a project gets for finding another sequencer at
+// work, one after the other: about 50ms at the default FollowUpInterval.
+const maxBusyFollowUps = 25
 
 // run scans on a notification (the notified projects), on the poll interval (every project),
 // when a blocked retry falls due (on the injected clock), and soon after a step failed. It
@@ -312,10 +317,20 @@ func (l *scanLoop) unblock(project string) {
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery) error {
 	st.blocked = false
 	start := st.position
-	defer func() { st.progressed = head.Assigned > 0 || st.position > start }()
+	// A project another consumer's sequencer was numbering counts as progress, so that it is
+	// scanned again soon for what that sequencer commits; but only for a while, in case the
+	// other holds its lock for good.
+	if head.Busy {
+		st.busyScans++
+	} else {
+		st.busyScans = 0
+	}
+	defer func() {
+		st.progressed = head.Assigned > 0 || st.position > start || (head.Busy && st.busyScans <= maxBusyFollowUps)
+	}()
 	// Whether this scan had anything to do: the wake limiter holds back notifications only for
 	// projects whose last notified scan found nothing.
-	st.found = head.Assigned > 0 || head.LastSequence > st.position || len(open) > 0
+	st.found = head.Assigned > 0 || head.Busy || head.LastSequence > st.position || len(open) > 0
 	for _, d := range open {
 		if d.state == DeliveryReplayRequested {
 			if err := l.replay(ctx, s, st, d); err != nil {

@@ -179,3 +179,48 @@ func TestPendingRefusesMalformedRows(t *testing.T) {
 	require.NoError(t, err, "the well-formed row is accepted")
 	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending`))
 }
+
+// TestSequencerSkipsAProjectAnotherHolds: the consumer's call (a negative limit) does not wait
+// for a project whose heads row another sequencer holds: it returns the project as busy at
+// once, with the head that sequencer last committed, and numbers the other projects. Sequence
+// (a positive limit) waits, at most the function's lock timeout.
+func TestSequencerSkipsAProjectAnotherHolds(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	for _, p := range []string{"a", "b"} {
+		_, err := pool.Exec(ctx, insertPendingRow, p, "t1")
+		require.NoError(t, err)
+	}
+	_, err := outbox.Sequence(ctx, pool, nil, 10)
+	require.NoError(t, err)
+	for _, p := range []string{"a", "b"} {
+		_, err := pool.Exec(ctx, insertPendingRow, p, "t2")
+		require.NoError(t, err)
+	}
+
+	holder, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT 1 FROM lifecycle_outbox_heads WHERE project_id = 'a' FOR UPDATE`)
+	require.NoError(t, err)
+
+	rows, err := pool.Query(ctx, `SELECT project_id, last_sequence, assigned FROM lifecycle_outbox_sequence(ARRAY['a', 'b'], -10) ORDER BY 1`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, pgx.RowToMap)
+	require.NoError(t, err)
+	require.Len(t, got, 2)
+	require.EqualValues(t, -1, got[0]["assigned"], "a is busy: skipped, not waited for")
+	require.EqualValues(t, 1, got[0]["last_sequence"])
+	require.EqualValues(t, 1, got[1]["assigned"], "b is numbered")
+	require.EqualValues(t, 2, got[1]["last_sequence"])
+
+	_, err = outbox.Sequence(ctx, pool, []string{"a"}, 10)
+	requireSQLState(t, err, "55P03") // Sequence waits for the lock, at most the function's lock timeout
+
+	require.NoError(t, holder.Rollback(ctx))
+	heads, err := outbox.Sequence(ctx, pool, []string{"a"}, 10)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, heads["a"].LastSequence)
+	require.False(t, heads["a"].Busy)
+}

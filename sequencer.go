@@ -17,6 +17,10 @@ type Head struct {
 	LastSequence  int64 // the last sequence assigned
 	PrunedThrough int64 // rows at or below this may have been pruned
 	Assigned      int   // sequences assigned by this call
+	// Busy says another sequencer was numbering the project when this call reached it, so this
+	// call left it alone: LastSequence is what that sequencer had committed. Sequence waits
+	// for that sequencer instead; only the consumer's scan, which calls again soon, sees it.
+	Busy bool
 }
 
 // The casts make the call an exact match for the module's function, so that no overload
@@ -75,15 +79,21 @@ func (e *ProjectErrors) Projects() []string {
 // milliseconds of one call. Only sequencers take it, so writers never wait; sequencers of one
 // project wait for each other, sequencers of different projects do not.
 func Sequence(ctx context.Context, db DBTX, projects []string, limit int) (map[string]Head, error) {
+	return sequence(ctx, db, projects, limit, true)
+}
+
+// sequence is Sequence; without wait, a project another sequencer is numbering comes back
+// at once with Busy set instead of waiting for that sequencer's lock.
+func sequence(ctx context.Context, db DBTX, projects []string, limit int, wait bool) (map[string]Head, error) {
 	heads := make(map[string]Head, len(projects))
 	for {
-		got, err := sequenceOnce(ctx, db, projects, limit)
+		got, err := sequenceOnce(ctx, db, projects, limit, wait)
 		if err != nil {
 			_, inTx := db.(pgx.Tx) // the caller's transaction is aborted: nothing more can run in it
 			if inTx || !perProject(err) || (projects != nil && len(projects) < 2) {
 				return nil, fmt.Errorf("sequence: %w", err)
 			}
-			return sequenceEach(ctx, db, projects, limit, heads)
+			return sequenceEach(ctx, db, projects, limit, heads, wait)
 		}
 		var more []string
 		for _, h := range got {
@@ -100,17 +110,27 @@ func Sequence(ctx context.Context, db DBTX, projects []string, limit int) (map[s
 	}
 }
 
-func sequenceOnce(ctx context.Context, db DBTX, projects []string, limit int) ([]Head, error) {
+func sequenceOnce(ctx context.Context, db DBTX, projects []string, limit int, wait bool) ([]Head, error) {
+	if !wait {
+		limit = -limit // the function's sign for "skip a project another sequencer holds"
+	}
 	rows, err := db.Query(ctx, sequenceSQL, projects, limit)
 	if err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, pgx.RowToStructByPos[Head])
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (Head, error) {
+		var h Head
+		err := row.Scan(&h.ProjectID, &h.LastSequence, &h.PrunedThrough, &h.Assigned)
+		if h.Assigned < 0 { // the function's mark of a project another sequencer held
+			h.Assigned, h.Busy = 0, true
+		}
+		return h, err
+	})
 }
 
 // sequenceEach sequences projects one at a time after a call covering them all failed,
 // adding to heads what earlier rounds assigned.
-func sequenceEach(ctx context.Context, db DBTX, projects []string, limit int, heads map[string]Head) (map[string]Head, error) {
+func sequenceEach(ctx context.Context, db DBTX, projects []string, limit int, heads map[string]Head, wait bool) (map[string]Head, error) {
 	if projects == nil {
 		rows, err := db.Query(ctx, sequencedProjectsSQL)
 		if err != nil {
@@ -122,7 +142,7 @@ func sequenceEach(ctx context.Context, db DBTX, projects []string, limit int, he
 	}
 	failed := map[string]error{}
 	for _, p := range projects {
-		h, err := Sequence(ctx, db, []string{p}, limit)
+		h, err := sequence(ctx, db, []string{p}, limit, wait)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil, fmt.Errorf("sequence: %w", ctx.Err())
@@ -193,7 +213,7 @@ func (s *isolatingSequencer) sequence(ctx context.Context, db DBTX, projects []s
 	heads := map[string]Head{}
 	failed := map[string]error{}
 	if len(healthy) > 0 {
-		h, err := Sequence(ctx, db, healthy, limit)
+		h, err := sequence(ctx, db, healthy, limit, false)
 		var pe *ProjectErrors
 		switch {
 		case errors.As(err, &pe):
@@ -210,7 +230,7 @@ func (s *isolatingSequencer) sequence(ctx context.Context, db DBTX, projects []s
 		}
 	}
 	for _, p := range suspects {
-		h, err := Sequence(ctx, db, []string{p}, limit)
+		h, err := sequence(ctx, db, []string{p}, limit, false)
 		if err != nil {
 			if !perProject(err) {
 				return nil, err

@@ -89,11 +89,14 @@ $$;
 -- projects granted in lifecycle_project_access to the session's login role or a role it is a
 -- member of. The caller still needs EXECUTE (consumer roles only).
 --
--- Each project in sorted order (two sequencers cannot deadlock): take its heads row lock, which
--- serialises the sequencers of the project and which writers never take; number its legacy
+-- Each project in sorted order: take its heads row lock, which serialises the sequencers of the
+-- project and which writers never take (or skip the project while another holds it); number its legacy
 -- unnumbered rows in the stream; then move up to the rest of p_limit pending rows. READ
 -- COMMITTED gives every statement a fresh snapshot, so a move sees every row and every earlier
 -- move that committed before the lock was granted; a row that commits later is moved later.
+-- A positive p_limit waits for a project's heads row lock (at most lock_timeout); a negative one
+-- numbers at most -p_limit rows per project and skips a project whose lock another sequencer
+-- holds, returning it with assigned -1 (the consumer's scan, which calls again soon).
 -- A batch is taken in key order (a task's deletions in their order) and numbered by
 -- occurred_at within the batch. A pending row whose identity the stream already holds is
 -- dropped, so an identity is delivered once however often it was written.
@@ -103,6 +106,9 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET lock_timeout = '1s'
+-- Its statements are planned once per session, not on every call: a call numbers a few rows
+-- per project under load, and planning the move would cost more than running it.
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -115,14 +121,17 @@ DECLARE
     v_moved    integer;
     v_max      bigint;
     v_assigned jsonb := '{}';
+    v_skip     boolean;
 BEGIN
     IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
         RAISE EXCEPTION 'lifecycle_outbox_sequence must run at READ COMMITTED, not %',
             pg_catalog.current_setting('transaction_isolation') USING ERRCODE = '25000';
     END IF;
-    IF p_limit IS NULL OR p_limit OPERATOR(pg_catalog.<) 1 THEN
-        RAISE EXCEPTION 'p_limit must be at least 1' USING ERRCODE = '22023';
+    IF p_limit IS NULL OR p_limit OPERATOR(pg_catalog.=) 0 THEN
+        RAISE EXCEPTION 'p_limit must not be 0' USING ERRCODE = '22023';
     END IF;
+    v_skip := p_limit OPERATOR(pg_catalog.<) 0;
+    p_limit := pg_catalog.abs(p_limit);
 
     SELECT coalesce(pg_catalog.bool_or(a.project_id OPERATOR(pg_catalog.=) '*'), false), pg_catalog.array_agg(a.project_id)
     INTO v_every, v_allowed
@@ -155,13 +164,27 @@ BEGIN
 
     FOREACH v_project IN ARRAY coalesce(v_projects, '{}')
     LOOP
-        INSERT INTO lifecycle_outbox_heads AS h (project_id) VALUES (v_project)
-        ON CONFLICT (project_id) DO NOTHING;
-
-        SELECT h.last_sequence INTO v_last
-        FROM lifecycle_outbox_heads h
-        WHERE h.project_id OPERATOR(pg_catalog.=) v_project
-        FOR UPDATE;
+        IF v_skip THEN
+            -- A project another sequencer is numbering right now is skipped (assigned -1):
+            -- waiting would only find its rows numbered. The caller reads what that sequencer
+            -- commits and calls again soon for what committed after it began.
+            SELECT h.last_sequence INTO v_last
+            FROM lifecycle_outbox_heads h
+            WHERE h.project_id OPERATOR(pg_catalog.=) v_project
+            FOR UPDATE SKIP LOCKED;
+            IF NOT FOUND AND EXISTS (SELECT 1 FROM lifecycle_outbox_heads h WHERE h.project_id OPERATOR(pg_catalog.=) v_project) THEN
+                v_assigned := v_assigned OPERATOR(pg_catalog.||) pg_catalog.jsonb_build_object(v_project, -1);
+                CONTINUE;
+            END IF;
+        END IF;
+        IF NOT v_skip OR v_last IS NULL THEN
+            INSERT INTO lifecycle_outbox_heads AS h (project_id) VALUES (v_project)
+            ON CONFLICT (project_id) DO NOTHING;
+            SELECT h.last_sequence INTO v_last
+            FROM lifecycle_outbox_heads h
+            WHERE h.project_id OPERATOR(pg_catalog.=) v_project
+            FOR UPDATE;
+        END IF;
 
         v_count := 0;
         v_max := v_last;
