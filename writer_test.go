@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap/zaptest"
@@ -449,13 +450,7 @@ func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
 	require.NoError(t, w.Close(ctx)) // every wake-up in flight has been sent
 
 	got := 0
-	for {
-		wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
-		n, err := listener.WaitForNotification(wctx)
-		cancel()
-		if err != nil {
-			break
-		}
+	for _, n := range receivedNotifications(ctx, listener) {
 		require.Equal(t, "proj-n", n.Payload, "the payload names the project only")
 		got++
 	}
@@ -477,4 +472,19 @@ func TestDisabledWriterRecordsNothing(t *testing.T) {
 	require.False(t, res.EventRecorded)
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`))
 	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`), "the host's own delete path is unchanged")
+}
+
+// receivedNotifications returns the notifications listener has received, waiting for more
+// until none comes for 200ms.
+func receivedNotifications(ctx context.Context, listener *pgx.Conn) []*pgconn.Notification {
+	var out []*pgconn.Notification
+	for {
+		wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		n, err := listener.WaitForNotification(wctx)
+		cancel()
+		if err != nil {
+			return out
+		}
+		out = append(out, n)
+	}
 }
