@@ -257,6 +257,20 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	return failed
 }
 
+// headOfLineRetry is the retrying delivery among open that the stream positioned at position
+// has still to get past, or nil.
+func headOfLineRetry(open []delivery, position int64) *delivery {
+	for i := range open {
+		if open[i].state == DeliveryRetrying {
+			if open[i].sequence <= position {
+				return nil // superseded, for example by a reconciliation
+			}
+			return &open[i]
+		}
+	}
+	return nil
+}
+
 // sequence is the consumer's sequencer call, in a span when tracing is on.
 func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
 	if l.trace.tracer == nil {
@@ -346,16 +360,7 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 			return err
 		}
 	}
-	var retrying *delivery
-	for i := range open {
-		if open[i].state == DeliveryRetrying {
-			retrying = &open[i]
-			break
-		}
-	}
-	if retrying != nil && retrying.sequence <= st.position {
-		retrying = nil // superseded, for example by a reconciliation
-	}
+	retrying := headOfLineRetry(open, st.position)
 	for st.position < head.LastSequence {
 		if ctx.Err() != nil || !l.leases.valid(st.project, st.epoch) {
 			return nil
@@ -443,22 +448,30 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 
 // checkPosition positions a never-read cursor and reconciles one whose history is gone.
 func (l *scanLoop) checkPosition(ctx context.Context, st *streamState, head Head) error {
-	switch {
-	case st.acked < 0 && l.cfg.NewCursor == NewCursorOldest && head.PrunedThrough == 0:
+	if reason, ok := l.reconcileReason(st, head); ok {
+		return l.reconcile(ctx, st, reason)
+	}
+	if st.acked < 0 && st.position == 0 {
 		// Start before the first event; the position is written with the next acknowledgement
 		// batch, so many new cursors cost one statement.
-		if st.position == 0 {
-			l.log.Debug("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
-		}
-		return nil
-	case st.acked < 0:
-		return l.reconcile(ctx, st, ReasonMissingCursor)
-	case st.acked > head.LastSequence:
-		return l.reconcile(ctx, st, ReasonCursorAheadOfHead)
-	case st.acked < head.PrunedThrough:
-		return l.reconcile(ctx, st, ReasonCursorBelowPrunedFloor)
+		l.log.Debug("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
 	}
 	return nil
+}
+
+// reconcileReason says why the stream must be reconciled before it is read, if it must.
+func (l *scanLoop) reconcileReason(st *streamState, head Head) (ReconcileReason, bool) {
+	switch {
+	case st.acked < 0 && l.cfg.NewCursor == NewCursorOldest && head.PrunedThrough == 0:
+		return "", false // a new cursor starts before the first event
+	case st.acked < 0:
+		return ReasonMissingCursor, true
+	case st.acked > head.LastSequence:
+		return ReasonCursorAheadOfHead, true
+	case st.acked < head.PrunedThrough:
+		return ReasonCursorBelowPrunedFloor, true
+	}
+	return "", false
 }
 
 const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`
