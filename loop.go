@@ -242,12 +242,19 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	open, err := l.store.open(ctx, l.pool, held)
 	held, stepFailed := l.skipFailed("read open deliveries", held, err)
 	failed = failed || stepFailed
+	first, err := l.readFirst(ctx, held, heads, open)
+	held, stepFailed = l.skipFailed("read events", held, err)
+	failed = failed || stepFailed
 	for _, p := range held {
 		if ctx.Err() != nil {
 			break
 		}
 		st := l.state[p]
-		if err := l.scanProject(ctx, s, st, heads[p], open[p]); err != nil {
+		var fb *firstBatch
+		if b, ok := first[p]; ok {
+			fb = &b
+		}
+		if err := l.scanProject(ctx, s, st, heads[p], open[p], fb); err != nil {
 			failed = failed || !errors.Is(err, ErrLeaseLost)
 			l.handleStreamError(st, err)
 		}
@@ -255,6 +262,49 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	l.acks.await()
 	l.acks.flush(ctx, l.pendingAcks())
 	return failed
+}
+
+// readFirst reads, in one statement, the first batch of every project of held that has events
+// to read: one read per scan rather than one per project. It leaves out the projects at their
+// head, those whose lease is gone, those about to be reconciled (by default, every project of a
+// new consumer) and those whose next event waits for a retry not yet due; with one project
+// left, that project reads in scanProject, in a statement as cheap. When the statement fails in
+// a way that may be one project's doing (see readIsolatable), no batch is returned and each
+// project reads alone, so one project's trouble stays its own; any other failure would fail
+// every project's read alike, and is returned.
+func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[string]Head, open map[string][]delivery) (map[string]firstBatch, error) {
+	var projects []string
+	var after []int64
+	capacity := 0
+	for _, p := range held {
+		st, head := l.state[p], heads[p]
+		if st.position >= head.LastSequence || !l.leases.valid(p, st.epoch) {
+			continue
+		}
+		if _, ok := l.reconcileReason(st, head); ok {
+			continue // the stream restarts at the head: nothing below it is read
+		}
+		if r := headOfLineRetry(open[p], st.position); r != nil && r.sequence == st.position+1 && !r.due {
+			continue
+		}
+		projects, after = append(projects, p), append(after, st.position)
+		capacity += int(min(head.LastSequence-st.position, int64(l.cfg.BatchSize)))
+	}
+	if len(projects) < 2 {
+		return nil, nil
+	}
+	first, err := readFirstEvents(ctx, l.pool, projects, after, l.cfg.BatchSize, capacity)
+	if err == nil {
+		return first, nil
+	}
+	if ctx.Err() != nil || !readIsolatable(err) {
+		return nil, err
+	}
+	if n, ok := l.skipLog.due("read events", time.Now()); ok {
+		l.log.Warn("the read of several projects' events failed; each project is read alone",
+			zap.Int("projects", len(projects)), zap.Int("times_since_last_logged", n), zap.Error(err))
+	}
+	return nil, nil
 }
 
 // headOfLineRetry is the retrying delivery among open that the stream positioned at position
@@ -327,8 +377,10 @@ func (l *scanLoop) unblock(project string) {
 	}
 }
 
-// scanProject brings one project's stream up to its head, or to its first blocked event.
-func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery) error {
+// scanProject brings one project's stream up to its head, or to its first blocked event. first,
+// when not nil, is the project's first batch, read with the other projects' (readFirst): it
+// stands for the first read if it starts where the stream is by then.
+func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery, first *firstBatch) error {
 	st.blocked = false
 	start := st.position
 	// A project another consumer's sequencer was numbering counts as progress, so that it is
@@ -369,10 +421,17 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 			st.blocked, st.retryAt = true, shiftedNow(l.cfg.Clock).Add(retrying.wait)
 			return nil
 		}
-		batch, err := readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize)
-		if err != nil {
-			return err
+		var batch []storedEvent
+		if first != nil && first.after == st.position && (len(first.events) == 0 || first.events[0].Sequence == st.position+1) {
+			batch = first.events
+		} else {
+			// Later batches, and a first one read before a reconciliation moved the stream.
+			var err error
+			if batch, err = readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize); err != nil {
+				return err
+			}
 		}
+		first = nil
 		if len(batch) == 0 {
 			return nil
 		}
