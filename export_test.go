@@ -49,6 +49,7 @@ var Statements = map[string]string{
 	"pruneDeadLettersSQL":     pruneDeadLettersSQL,
 	"readEventSQL":            readEventSQL,
 	"readEventsSQL":           readEventsSQL,
+	"readFirstEventsSQL":      readFirstEventsSQL,
 	"reconcileCursorSQL":      reconcileCursorSQL,
 	"recordFloorSQL":          recordFloorSQL,
 	"reinstateSQL":            reinstateSQL,

@@ -242,12 +242,19 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	open, err := l.store.open(ctx, l.pool, held)
 	held, stepFailed := l.skipFailed("read open deliveries", held, err)
 	failed = failed || stepFailed
+	first, err := l.readFirst(ctx, held, heads, open)
+	held, stepFailed = l.skipFailed("read events", held, err)
+	failed = failed || stepFailed
 	for _, p := range held {
 		if ctx.Err() != nil {
 			break
 		}
 		st := l.state[p]
-		if err := l.scanProject(ctx, s, st, heads[p], open[p]); err != nil {
+		var fb *firstBatch
+		if b, ok := first[p]; ok {
+			fb = &b
+		}
+		if err := l.scanProject(ctx, s, st, heads[p], open[p], fb); err != nil {
 			failed = failed || !errors.Is(err, ErrLeaseLost)
 			l.handleStreamError(st, err)
 		}
@@ -255,6 +262,63 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	l.acks.await()
 	l.acks.flush(ctx, l.pendingAcks())
 	return failed
+}
+
+// readFirst reads, in one statement, the first batch of every project of held that has events
+// to read: one read per scan rather than one per project. It leaves out the projects at their
+// head, those whose lease is gone, those about to be reconciled (by default, every project of a
+// new consumer) and those whose next event waits for a retry not yet due; with one project
+// left, that project reads in scanProject, in a statement as cheap. When the statement fails in
+// a way that may be one project's doing (see readIsolatable), no batch is returned and each
+// project reads alone, so one project's trouble stays its own; any other failure would fail
+// every project's read alike, and is returned.
+func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[string]Head, open map[string][]delivery) (map[string]firstBatch, error) {
+	var projects []string
+	var after []int64
+	capacity := 0
+	for _, p := range held {
+		st, head := l.state[p], heads[p]
+		if st.position >= head.LastSequence || !l.leases.valid(p, st.epoch) {
+			continue
+		}
+		if _, ok := l.reconcileReason(st, head); ok {
+			continue // the stream restarts at the head: nothing below it is read
+		}
+		if r := headOfLineRetry(open[p], st.position); r != nil && r.sequence == st.position+1 && !r.due {
+			continue
+		}
+		projects, after = append(projects, p), append(after, st.position)
+		capacity += int(min(head.LastSequence-st.position, int64(l.cfg.BatchSize)))
+	}
+	if len(projects) < 2 {
+		return nil, nil
+	}
+	first, err := readFirstEvents(ctx, l.pool, projects, after, l.cfg.BatchSize, capacity)
+	if err == nil {
+		return first, nil
+	}
+	if ctx.Err() != nil || !readIsolatable(err) {
+		return nil, err
+	}
+	if n, ok := l.skipLog.due("read events", time.Now()); ok {
+		l.log.Warn("the read of several projects' events failed; each project is read alone",
+			zap.Int("projects", len(projects)), zap.Int("times_since_last_logged", n), zap.Error(err))
+	}
+	return nil, nil
+}
+
+// headOfLineRetry is the retrying delivery among open that the stream positioned at position
+// has still to get past, or nil.
+func headOfLineRetry(open []delivery, position int64) *delivery {
+	for i := range open {
+		if open[i].state == DeliveryRetrying {
+			if open[i].sequence <= position {
+				return nil // superseded, for example by a reconciliation
+			}
+			return &open[i]
+		}
+	}
+	return nil
 }
 
 // sequence is the consumer's sequencer call, in a span when tracing is on.
@@ -313,8 +377,10 @@ func (l *scanLoop) unblock(project string) {
 	}
 }
 
-// scanProject brings one project's stream up to its head, or to its first blocked event.
-func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery) error {
+// scanProject brings one project's stream up to its head, or to its first blocked event. first,
+// when not nil, is the project's first batch, read with the other projects' (readFirst): it
+// stands for the first read if it starts where the stream is by then.
+func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery, first *firstBatch) error {
 	st.blocked = false
 	start := st.position
 	// A project another consumer's sequencer was numbering counts as progress, so that it is
@@ -346,16 +412,7 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 			return err
 		}
 	}
-	var retrying *delivery
-	for i := range open {
-		if open[i].state == DeliveryRetrying {
-			retrying = &open[i]
-			break
-		}
-	}
-	if retrying != nil && retrying.sequence <= st.position {
-		retrying = nil // superseded, for example by a reconciliation
-	}
+	retrying := headOfLineRetry(open, st.position)
 	for st.position < head.LastSequence {
 		if ctx.Err() != nil || !l.leases.valid(st.project, st.epoch) {
 			return nil
@@ -364,10 +421,17 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 			st.blocked, st.retryAt = true, shiftedNow(l.cfg.Clock).Add(retrying.wait)
 			return nil
 		}
-		batch, err := readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize)
-		if err != nil {
-			return err
+		var batch []storedEvent
+		if first != nil && first.after == st.position && (len(first.events) == 0 || first.events[0].Sequence == st.position+1) {
+			batch = first.events
+		} else {
+			// Later batches, and a first one read before a reconciliation moved the stream.
+			var err error
+			if batch, err = readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize); err != nil {
+				return err
+			}
 		}
+		first = nil
 		if len(batch) == 0 {
 			return nil
 		}
@@ -443,22 +507,30 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 
 // checkPosition positions a never-read cursor and reconciles one whose history is gone.
 func (l *scanLoop) checkPosition(ctx context.Context, st *streamState, head Head) error {
-	switch {
-	case st.acked < 0 && l.cfg.NewCursor == NewCursorOldest && head.PrunedThrough == 0:
+	if reason, ok := l.reconcileReason(st, head); ok {
+		return l.reconcile(ctx, st, reason)
+	}
+	if st.acked < 0 && st.position == 0 {
 		// Start before the first event; the position is written with the next acknowledgement
 		// batch, so many new cursors cost one statement.
-		if st.position == 0 {
-			l.log.Debug("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
-		}
-		return nil
-	case st.acked < 0:
-		return l.reconcile(ctx, st, ReasonMissingCursor)
-	case st.acked > head.LastSequence:
-		return l.reconcile(ctx, st, ReasonCursorAheadOfHead)
-	case st.acked < head.PrunedThrough:
-		return l.reconcile(ctx, st, ReasonCursorBelowPrunedFloor)
+		l.log.Debug("new cursor starts at the oldest retained event", zap.String("project_id", st.project))
 	}
 	return nil
+}
+
+// reconcileReason says why the stream must be reconciled before it is read, if it must.
+func (l *scanLoop) reconcileReason(st *streamState, head Head) (ReconcileReason, bool) {
+	switch {
+	case st.acked < 0 && l.cfg.NewCursor == NewCursorOldest && head.PrunedThrough == 0:
+		return "", false // a new cursor starts before the first event
+	case st.acked < 0:
+		return ReasonMissingCursor, true
+	case st.acked > head.LastSequence:
+		return ReasonCursorAheadOfHead, true
+	case st.acked < head.PrunedThrough:
+		return ReasonCursorBelowPrunedFloor, true
+	}
+	return "", false
 }
 
 const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`

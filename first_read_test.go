@@ -1,0 +1,473 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap/zaptest"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/outboxtest"
+)
+
+// The tests of the scan's first read: one statement reads the first batch of every project
+// with events to read, instead of one statement per project.
+
+// scanReads counts the reads of events in one scan of a consumer.
+type scanReads struct {
+	combined int // reads of several projects' first batches in one statement
+	rows     int // the rows those returned
+	single   int // reads of one project's batch
+	all      int // every statement the pool sent meanwhile, from any of the consumer's goroutines
+}
+
+// scanTracer sorts the statements a consumer's pool sends into its scans. A scan reads its
+// projects' open deliveries in one statement (while nothing fails), after the sequencer call
+// and before any read of events, so that statement starts each scan.
+type scanTracer struct {
+	mu    sync.Mutex
+	scans []scanReads // scans[0]: before the first scan
+}
+
+func (s *scanTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.scans) == 0 || d.SQL == outbox.Statements["openDeliveriesSQL"] {
+		s.scans = append(s.scans, scanReads{})
+	}
+	cur := &s.scans[len(s.scans)-1]
+	cur.all++
+	switch d.SQL {
+	case outbox.Statements["readFirstEventsSQL"]:
+		cur.combined++
+		return context.WithValue(ctx, combinedRead{}, len(s.scans)-1)
+	case outbox.Statements["readEventsSQL"]:
+		cur.single++
+	}
+	return ctx
+}
+
+// combinedRead keys the scan a combined read belongs to in its context.
+type combinedRead struct{}
+
+func (s *scanTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryEndData) {
+	if i, ok := ctx.Value(combinedRead{}).(int); ok {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		s.scans[i].rows += int(d.CommandTag.RowsAffected())
+	}
+}
+
+// scan is the number of the scan under way (0 before the first).
+func (s *scanTracer) scan() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return max(len(s.scans)-1, 0)
+}
+
+func (s *scanTracer) snapshot() []scanReads {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.scans)
+}
+
+// totals sums the reads of every scan, and reports how many scans read events at all.
+func (s *scanTracer) totals() (combined, single, reading int) {
+	for _, sc := range s.snapshot() {
+		combined, single = combined+sc.combined, single+sc.single
+		if sc.combined+sc.single > 0 {
+			reading++
+		}
+	}
+	return combined, single, reading
+}
+
+// readsFrom sums the reads of events of scan from on (see scan), and the rows the combined
+// ones returned.
+func (s *scanTracer) readsFrom(from int) (combined, single, rows int) {
+	scans := s.snapshot()
+	for _, sc := range scans[min(from, len(scans)):] {
+		combined, single, rows = combined+sc.combined, single+sc.single, rows+sc.rows
+	}
+	return combined, single, rows
+}
+
+// tracedPool opens a pool on url whose statements tr sorts into scans.
+func tracedPool(t *testing.T, url string, tr *scanTracer) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	require.NoError(t, err)
+	cfg.ConnConfig.Tracer = tr
+	return pgtest.PoolConfig(t, cfg)
+}
+
+// sequencesByProject lists the sequences delivered in each project, in delivery order.
+func sequencesByProject(evs []outbox.ObservedEvent) map[string][]int64 {
+	out := map[string][]int64{}
+	for _, ev := range evs {
+		out[ev.ProjectID] = append(out[ev.ProjectID], ev.Sequence)
+	}
+	return out
+}
+
+func upTo(n int64) []int64 {
+	out := make([]int64, 0, n)
+	for s := int64(1); s <= n; s++ {
+		out = append(out, s)
+	}
+	return out
+}
+
+// TestScanReadsEveryProjectInOneStatement: a consumer of 8 projects with events in all of them
+// delivers every event once and in order, and reads the first batch of them all in one
+// statement per scan. Only a project with more events than a batch reads again, alone.
+func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
+	t.Parallel()
+	for _, batch := range []int{1000, 4} {
+		t.Run(fmt.Sprintf("batch size %d", batch), func(t *testing.T) {
+			t.Parallel()
+			ctx := ctxT(t)
+			db := pgtest.NewDB(t)
+			seeder := pgtest.Pool(t, db.URL)
+			want := map[string][]int64{}
+			var projects []string
+			total, laterBatches, firstRows := 0, 0, 0
+			for i := range 8 {
+				p := fmt.Sprintf("proj-%d", i)
+				n := i + 3
+				seedEvents(t, seeder, p, n)
+				projects = append(projects, p)
+				want[p] = upTo(int64(n))
+				total += n
+				laterBatches += (n+batch-1)/batch - 1
+				firstRows += min(n, batch)
+			}
+			tr := &scanTracer{}
+			cfg := fastConfig()
+			cfg.BatchSize = batch
+			_, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil)
+
+			waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+			defer cancel()
+			evs := rec.waitCount(t, waitCtx, total)
+			for i, sc := range tr.snapshot() {
+				if sc.combined+sc.single > 0 {
+					t.Logf("scan %d: %d statements, of which %d combined and %d single-project reads of events", i, sc.all, sc.combined, sc.single)
+				}
+			}
+			require.Equal(t, want, sequencesByProject(evs), "every event once, in order")
+			combined, single, reading := tr.totals()
+			require.Equal(t, 1, reading, "every project's events were read in the first scan")
+			require.Equal(t, 1, combined, "the first batches of all 8 projects in one statement")
+			require.Equal(t, laterBatches, single, "only the later batches of a project are read alone")
+			_, _, rows := tr.readsFrom(0)
+			require.Equal(t, firstRows, rows, "the combined read returned each project's first batch")
+			for _, p := range projects {
+				waitCursor(t, waitCtx, seeder, p, "c1", want[p][len(want[p])-1])
+			}
+		})
+	}
+}
+
+// TestUndecodableRowInACombinedRead: a row that cannot be delivered (deleted_at 'infinity', a
+// numbered row the writer checks never saw), read with the other projects' rows in one
+// statement, is parked as its own project's dead letter; its project goes on past it, and every
+// other project is delivered in the same scan.
+func TestUndecodableRowInACombinedRead(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	seeder := pgtest.Pool(t, db.URL)
+	var projects []string
+	want := map[string][]int64{}
+	for i := range 8 {
+		p := fmt.Sprintf("proj-%d", i)
+		seedEvents(t, seeder, p, 3)
+		projects = append(projects, p)
+		want[p] = upTo(3)
+	}
+	// proj-3: sequence 4 cannot be decoded; 5 and 6 follow it.
+	_, err := seeder.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+VALUES ('proj-3', 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`)
+	require.NoError(t, err)
+	_, err = seeder.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 4 WHERE project_id = 'proj-3'`)
+	require.NoError(t, err)
+	_, err = seeder.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT 'proj-3', 'late-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, 2) g`)
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, seeder, []string{"proj-3"}, 10000)
+	require.NoError(t, err)
+	want["proj-3"] = []int64{1, 2, 3, 5, 6}
+
+	tr := &scanTracer{}
+	var mu sync.Mutex
+	scanOf := map[string]int{} // project/sequence: the scan that delivered it
+	rec := newRecorder()
+	rec.setFail(func(ev outbox.ObservedEvent) error {
+		mu.Lock()
+		defer mu.Unlock()
+		scanOf[fmt.Sprintf("%s/%d", ev.ProjectID, ev.Sequence)] = tr.scan()
+		return nil
+	})
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: fastConfig(),
+		Projects: outbox.StaticProjects(projects), Dispatcher: d, Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	t.Cleanup(func() { stopConsumer(t, c) })
+	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	evs := rec.waitCount(t, waitCtx, 8*3+2)
+	require.Equal(t, want, sequencesByProject(evs), "every event but the undecodable one, once and in order")
+	waitCursor(t, waitCtx, seeder, "proj-3", "c1", 6)
+	require.Equal(t, deliveryRow{State: "dead", Attempts: 1, Class: "undecodable_event"}, deliveryOf(t, seeder, "c1", 4))
+	require.Equal(t, int64(1), c.Stats().Parked)
+
+	mu.Lock()
+	scans := map[int]bool{}
+	for _, s := range scanOf {
+		scans[s] = true
+	}
+	mu.Unlock()
+	require.Len(t, scans, 1, "every project delivered in the scan that parked the row")
+	combined, single, _ := tr.totals()
+	require.Equal(t, 1, combined, "the undecodable row came with the other projects' rows")
+	require.Zero(t, single, "its project's batch did not fail: no project was read again alone")
+	_, _, rows := tr.readsFrom(0)
+	require.Equal(t, 7*3+6, rows)
+}
+
+// TestCombinedReadFailureIsolatesProjects: when the statement reading every project's first
+// batch fails for one project's rows (here a policy that raises for its rows, standing in for
+// whatever one project's data may do to the server), each project is read alone: the others
+// are delivered, and the failing project only is held back.
+func TestCombinedReadFailureIsolatesProjects(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilege(t)
+	projects := []string{"proj-a", "proj-b", "proj-c"}
+	writer, _ := lp.component(t, "writer", writerGrant(projects...))
+	for _, p := range projects {
+		deleteTasksAs(t, lp, writer, p, 3)
+	}
+	_, role := lp.component(t, "consumer", consumerGrant("c1", projects...))
+	for _, stmt := range []string{
+		`CREATE FUNCTION refuse_read(p text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF p = 'proj-b' THEN
+        RAISE EXCEPTION 'the rows of proj-b cannot be read';
+    END IF;
+    RETURN true;
+END $$`,
+		`CREATE POLICY refuse_read ON lifecycle_outbox AS RESTRICTIVE FOR SELECT TO ` + pgx.Identifier{role}.Sanitize() + ` USING (refuse_read(project_id))`,
+	} {
+		_, err := lp.owner.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+
+	tr := &scanTracer{}
+	_, rec := startConsumer(t, tracedPool(t, lp.url(role), tr), "c1", projects, fastConfig(), nil)
+	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	rec.waitFor(t, waitCtx, "projects A and C in full", func(evs []outbox.ObservedEvent) bool {
+		return inProject("proj-a")(evs) == 3 && inProject("proj-c")(evs) == 3
+	})
+	waitCursor(t, waitCtx, lp.owner, "proj-a", "c1", 3)
+	waitCursor(t, waitCtx, lp.owner, "proj-c", "c1", 3)
+	require.Zero(t, inProject("proj-b")(rec.snapshot()), "B's rows cannot be read")
+	combined, single, _ := tr.totals()
+	require.GreaterOrEqual(t, combined, 1, "the projects were read together first")
+	require.GreaterOrEqual(t, single, 3, "then each alone")
+}
+
+// TestRetryHoldsOnlyItsProjectInACombinedRead: projects whose next event waits on a retry are
+// left out of the combined read while the others are read together and delivered; nothing past
+// a failing event is handed over; once the retries fall due, both waiting projects are read
+// together again, from the failing event, and go on in order.
+func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	seeder := pgtest.Pool(t, db.URL)
+	projects := []string{"p1", "p2", "p3", "p4"}
+	for _, p := range projects {
+		seedEvents(t, seeder, p, 3)
+	}
+	clock := outboxtest.NewFakeClock()
+	cfg := retryConfig(clock)
+	// Full scans often, on the real clock; the retries fall due only when the injected clock
+	// moves an hour on, so these scans find them waiting.
+	cfg.PollInterval, cfg.RetrySchedule = 50*time.Millisecond, []time.Duration{time.Hour}
+	tr := &scanTracer{}
+	rec := newRecorder()
+	rec.setFail(func(ev outbox.ObservedEvent) error {
+		if (ev.ProjectID == "p2" || ev.ProjectID == "p3") && ev.Sequence == 2 && ev.Attempt == 1 {
+			return errListener
+		}
+		return nil
+	})
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: cfg,
+		Projects: outbox.StaticProjects(projects), Dispatcher: d, Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	t.Cleanup(func() { stopConsumer(t, c) })
+	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	delivered := func(want map[string][]int64) func([]outbox.ObservedEvent) bool {
+		return func(evs []outbox.ObservedEvent) bool {
+			got := sequencesByProject(evs)
+			for p, seqs := range want {
+				if !slices.Equal(got[p], seqs) {
+					return false
+				}
+			}
+			return true
+		}
+	}
+
+	// The first scan: p2 and p3 stop at their event 2.
+	wait, err := waitForRetry(waitCtx, clock, time.Hour)
+	require.NoError(t, err)
+	rec.waitFor(t, waitCtx, "p1 and p4 in full", delivered(map[string][]int64{"p1": upTo(3), "p4": upTo(3)}))
+	require.Equal(t, map[string][]int64{"p1": upTo(3), "p2": {1}, "p3": {1}, "p4": upTo(3)}, sequencesByProject(rec.snapshot()))
+
+	// Two more events in every project, committed together and numbered by the consumer.
+	from := tr.scan() + 1
+	_, err = seeder.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT p, 'more-' || g, timestamptz '2032-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects)
+	require.NoError(t, err)
+	rec.waitFor(t, waitCtx, "the new events of p1 and p4", delivered(map[string][]int64{"p1": upTo(5), "p4": upTo(5)}))
+	// p2 and p3 come between p1 and p4 in a scan: they were scanned and held back.
+	require.Equal(t, map[string][]int64{"p1": upTo(5), "p2": {1}, "p3": {1}, "p4": upTo(5)}, sequencesByProject(rec.snapshot()),
+		"nothing past a waiting event is handed over")
+	combined, single, rows := tr.readsFrom(from)
+	require.Equal(t, 1, combined, "p1 and p4 read together")
+	require.Zero(t, single, "the waiting projects are not read")
+	require.Equal(t, 2+2, rows, "the waiting projects are left out of the combined read")
+
+	// The retries fall due: p2 and p3 are read together from their event 2.
+	from = tr.scan() + 1
+	clock.Advance(wait)
+	evs := rec.waitFor(t, waitCtx, "p2 and p3 in full", delivered(map[string][]int64{"p2": upTo(5), "p3": upTo(5)}))
+	for _, ev := range evs {
+		if (ev.ProjectID == "p2" || ev.ProjectID == "p3") && ev.Sequence == 2 {
+			require.Equal(t, 2, ev.Attempt, "%s: the retried event comes first, as its second attempt", ev.ProjectID)
+		}
+	}
+	combined, single, rows = tr.readsFrom(from)
+	require.Equal(t, 1, combined, "p2 and p3 read together")
+	require.Zero(t, single)
+	require.Equal(t, 4+4, rows, "events 2 to 5 of p2 and p3")
+	for _, p := range projects {
+		waitCursor(t, waitCtx, seeder, p, "c1", 5)
+	}
+	for _, p := range []string{"p2", "p3"} {
+		require.Equal(t, "resolved", deliveryOfProject(t, seeder, p, "c1", 2), "%s: the retry is closed", p)
+	}
+}
+
+// deliveryOfProject is the state of consumer's delivery row of project's event seq, or "" when
+// there is none.
+func deliveryOfProject(t *testing.T, pool *pgxpool.Pool, project, consumer string, seq int64) string {
+	t.Helper()
+	var state string
+	err := pool.QueryRow(context.Background(), `SELECT coalesce((SELECT state FROM lifecycle_consumer_deliveries
+		WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3), '')`, project, consumer, seq).Scan(&state)
+	require.NoError(t, err)
+	return state
+}
+
+// TestReconcilingProjectsAreNotReadAhead: a new consumer reconciles the projects it has never
+// read (the default), so their history is not read at all, together or alone; what is committed
+// afterwards is read in one statement for all of them.
+func TestReconcilingProjectsAreNotReadAhead(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	seeder := pgtest.Pool(t, db.URL)
+	projects := []string{"p1", "p2", "p3"}
+	for _, p := range projects {
+		seedEvents(t, seeder, p, 3)
+	}
+	cfg := fastConfig()
+	cfg.NewCursor = outbox.NewCursorReconcile
+	tr := &scanTracer{}
+	c, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil)
+	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	for _, p := range projects {
+		waitCursor(t, waitCtx, seeder, p, "c1", 3)
+	}
+	require.Equal(t, int64(3), c.Stats().Reconciliations)
+	combined, single, _ := tr.readsFrom(0)
+	require.Zero(t, combined, "history that reconciliation skips is not read ahead")
+	require.Zero(t, single)
+
+	_, err := seeder.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT p, 'more-' || g, timestamptz '2032-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects)
+	require.NoError(t, err)
+	evs := rec.waitCount(t, waitCtx, 6)
+	require.Equal(t, map[string][]int64{"p1": {4, 5}, "p2": {4, 5}, "p3": {4, 5}}, sequencesByProject(evs))
+	combined, single, rows := tr.readsFrom(0)
+	require.Equal(t, 1, combined)
+	require.Zero(t, single)
+	require.Equal(t, 6, rows)
+}
+
+// TestStopHandsOverNothingReadAhead: the batches the scan read for the other projects are not
+// handed over once Stop is called while the first project's listener is in flight.
+func TestStopHandsOverNothingReadAhead(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	seeder := pgtest.Pool(t, db.URL)
+	projects := []string{"p1", "p2", "p3", "p4"}
+	for _, p := range projects {
+		seedEvents(t, seeder, p, 5)
+	}
+	var calls atomic.Int64
+	entered := make(chan struct{})
+	l := outbox.ListenerFunc("finishes-after-stop", func(ctx context.Context, ev outbox.ObservedEvent) error {
+		if calls.Add(1) == 1 {
+			close(entered)
+			<-ctx.Done()
+		}
+		return nil
+	})
+	tr := &scanTracer{}
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{l}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: fastConfig(),
+		Projects: outbox.StaticProjects(projects), Dispatcher: d, Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	select {
+	case <-entered:
+	case <-ctx.Done():
+		t.Fatal(ctx.Err())
+	}
+	require.NoError(t, c.Stop(ctx))
+	require.Equal(t, int64(1), calls.Load(), "no event was handed to the listener after Stop")
+	_, _, rows := tr.readsFrom(0)
+	require.Equal(t, 4*5, rows, "every project's batch had been read")
+	require.Equal(t, int64(1), cursorOf(t, seeder, "p1", "c1"), "the event in flight finished and was acknowledged")
+	for _, p := range projects[1:] {
+		require.LessOrEqual(t, cursorOf(t, seeder, p, "c1"), int64(0), p)
+	}
+}
