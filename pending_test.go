@@ -224,3 +224,34 @@ func TestSequencerSkipsAProjectAnotherHolds(t *testing.T) {
 	require.EqualValues(t, 2, heads["a"].LastSequence)
 	require.False(t, heads["a"].Busy)
 }
+
+// TestSequencerReachesRowsByIndexAsTheStreamGrows: the plan cache keeps a function's plans for
+// the session, so a plan chosen while the tables were small (a seq scan and sort of the pending
+// table for each batch) would be kept as they grow and make moving a backlog quadratic: 2,000
+// rows/s over a 200k backlog, measured with the plans forced generic. The function reads every
+// table by index instead.
+func TestSequencerReachesRowsByIndexAsTheStreamGrows(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	conn, err := pgx.Connect(ctx, db.URL) // one session: one plan cache
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	const batch = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		SELECT 'p', $1 || '-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, $2) g`
+	for round := range 8 { // past the five calls after which the plan cache may keep a generic plan
+		_, err := conn.Exec(ctx, batch, "r"+string(rune('a'+round)), 1+round*round*100)
+		require.NoError(t, err)
+		_, err = outbox.Sequence(ctx, conn, []string{"p"}, 1000)
+		require.NoError(t, err)
+	}
+	_, err = conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
+	require.NoError(t, err)
+	for _, table := range []string{"lifecycle_outbox", "lifecycle_outbox_pending"} {
+		var seqScans, idxScans int64
+		require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0) FROM pg_catalog.pg_stat_user_tables WHERE relname = $1`, table).
+			Scan(&seqScans, &idxScans))
+		require.Zero(t, seqScans, "the sequencer scanned the whole of %s", table)
+		require.Positive(t, idxScans, table)
+	}
+}

@@ -106,9 +106,10 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET enable_hashjoin = off
 SET enable_mergejoin = off
 SET lock_timeout = '1s'
--- Its statements are planned once per session, not on every call: a call numbers a few rows
--- per project under load, and planning the move would cost more than running it.
-SET plan_cache_mode = force_generic_plan
+-- Every statement reaches rows by index. A plan chosen while a table was small (a seq scan and
+-- sort of the pending table for each batch, say) could otherwise be kept by the plan cache as
+-- the table grows, and turn the move of a backlog quadratic.
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
