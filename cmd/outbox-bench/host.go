@@ -30,13 +30,30 @@ func withStamps(ctx context.Context) (context.Context, *txStamps) {
 // stampTracer timestamps BEGIN and COMMIT of transactions whose context carries txStamps:
 // pgx sends both as plain statements on the transaction's context, so the commit instant is
 // taken right after the server acknowledged it, before the host's post-commit work. It also
-// counts the statements its pool sent, and among them the wake-ups (pg_notify).
+// counts the statements its pool sent (those of a batch one by one), the round trips (a batch is
+// one), and among the statements the wake-ups (pg_notify).
 type stampTracer struct {
-	statements, notifies atomic.Int64
+	statements, roundTrips, notifies atomic.Int64
 }
+
+// TraceBatchStart counts a batch as one round trip; its statements are counted one by one.
+func (t *stampTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	t.roundTrips.Add(1)
+	return ctx
+}
+
+func (t *stampTracer) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	t.statements.Add(1)
+	if strings.Contains(d.SQL, "pg_notify") {
+		t.notifies.Add(1)
+	}
+}
+
+func (*stampTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
 func (t *stampTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	t.statements.Add(1)
+	t.roundTrips.Add(1)
 	if strings.Contains(d.SQL, "pg_notify") {
 		t.notifies.Add(1)
 	}

@@ -19,7 +19,7 @@ type side struct {
 	close  []func()
 	run    deleteRun
 	// Statements the pool sent while the deletes ran, and the wake-ups among them.
-	statements, notifies int64
+	statements, roundTrips, notifies int64
 	// CPU the bench process and the server used while the deletes ran.
 	clientCPU, serverCPU time.Duration
 	server               *serverCPU
@@ -99,13 +99,14 @@ func runABBA(ctx context.Context, env *Env, writers int, sides ...*side) error {
 			return fmt.Errorf("checkpoint: %w", err)
 		}
 		env.Logf("%s: half %d, %d deletes on %d writers", step.s.name, step.half+1, len(jobs), writers)
-		statements, notifies := step.s.tracer.statements.Load(), step.s.tracer.notifies.Load()
+		statements, roundTrips, notifies := step.s.tracer.statements.Load(), step.s.tracer.roundTrips.Load(), step.s.tracer.notifies.Load()
 		cpu := startCPU(step.s.server)
 		r := runDeletes(ctx, step.s.del, writers, jobs, false)
 		client, server := cpu.Stop()
 		step.s.clientCPU += client
 		step.s.serverCPU += server
 		step.s.statements += step.s.tracer.statements.Load() - statements
+		step.s.roundTrips += step.s.tracer.roundTrips.Load() - roundTrips
 		step.s.notifies += step.s.tracer.notifies.Load() - notifies
 		if r.firstEr != nil {
 			env.Logf("%s: first error: %v", step.s.name, r.firstEr)
@@ -125,6 +126,7 @@ func (s *side) summary() WriteSide {
 		P50: l.P50, P99: l.P99, Max: l.Max, TxOnlyP50: t.P50, TxOnlyP99: t.P99, Notifies: s.notifies}
 	if s.run.tx > 0 {
 		w.StatementsPerTx = round3(float64(s.statements) / float64(s.run.tx))
+		w.RoundTripsPerTx = round3(float64(s.roundTrips) / float64(s.run.tx))
 		w.ClientCPUPerTx = round1(float64(s.clientCPU/time.Microsecond) / float64(s.run.tx))
 		w.ServerCPUPerTx = round1(float64(s.serverCPU/time.Microsecond) / float64(s.run.tx))
 	}

@@ -48,6 +48,8 @@ type WriteSide struct {
 	// StatementsPerTx counts every statement the side's pool sent per delete (BEGIN and COMMIT
 	// included); Notifies are the writer hook's wake-ups among them.
 	StatementsPerTx float64 `json:"statements_per_tx"`
+	// RoundTripsPerTx counts a batch of statements as one.
+	RoundTripsPerTx float64 `json:"round_trips_per_tx"`
 	Notifies        int64   `json:"notifies"`
 	// CPU per delete: the bench process (writers, driver, hook) and the server's processes
 	// (0 when the server does not run on this machine).
