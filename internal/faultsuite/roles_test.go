@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -135,8 +136,7 @@ func startApp(ctx context.Context, newApp func() *fx.App) (*fx.App, error) {
 		if ctx.Err() != nil {
 			return nil, errStoppedStarting
 		}
-		var connErr *pgconn.ConnectError
-		if !errors.As(err, &connErr) || time.Now().After(deadline) {
+		if !startRetryable(err) || time.Now().After(deadline) {
 			return nil, err
 		}
 		select {
@@ -145,6 +145,28 @@ func startApp(ctx context.Context, newApp func() *fx.App) (*fx.App, error) {
 		case <-time.After(500 * time.Millisecond):
 		}
 	}
+}
+
+// startRetryable reports whether a start that failed with err may succeed if tried again: the
+// server could not be reached, or it (or PgBouncer in front of it) refused or dropped the
+// session while the schedule restarts or terminates backends. PgBouncer refuses logins for a
+// while after a failed server login (server_login_retry: SQLSTATE 08P01), an error that can
+// reach the app's start through a pool without being a *pgconn.ConnectError.
+func startRetryable(err error) bool {
+	var connErr *pgconn.ConnectError
+	if errors.As(err, &connErr) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch {
+		case strings.HasPrefix(pgErr.Code, "08"): // connection exception
+			return true
+		case pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03": // admin shutdown, crash shutdown, cannot connect now
+			return true
+		}
+	}
+	return false
 }
 
 func stopApp(app *fx.App) error {

@@ -2,6 +2,7 @@ package faultsuite
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 )
 
@@ -67,5 +69,25 @@ func TestRoleStopsCleanlyOnSIGTERMDuringStartUp(t *testing.T) {
 				t.Fatalf("the %s did not stop after SIGTERM", role)
 			}
 		})
+	}
+}
+
+// TestStartRetriesWhatTheScheduleCauses: a child's start is tried again after the errors a
+// PostgreSQL restart or a terminated backend causes, including PgBouncer's refusal while its
+// server_login_retry runs ("obs-a1 exited before it was ready" in a CI run: "FATAL: server
+// login has been failing, try again later (server_login_retry) (SQLSTATE 08P01)"), and not
+// after any other error.
+func TestStartRetriesWhatTheScheduleCauses(t *testing.T) {
+	for _, c := range []struct {
+		err   error
+		retry bool
+	}{
+		{fmt.Errorf("renew leases: %w", &pgconn.PgError{Severity: "FATAL", Code: "08P01", Message: "server login has been failing, try again later (server_login_retry)"}), true},
+		{&pgconn.PgError{Severity: "FATAL", Code: "57P01", Message: "terminating connection due to administrator command"}, true},
+		{&pgconn.PgError{Severity: "FATAL", Code: "57P03", Message: "the database system is starting up"}, true},
+		{&pgconn.PgError{Severity: "ERROR", Code: "42501", Message: "permission denied"}, false},
+		{errors.New("outbox: invalid config"), false},
+	} {
+		require.Equal(t, c.retry, startRetryable(c.err), "%v", c.err)
 	}
 }
