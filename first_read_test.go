@@ -195,20 +195,7 @@ func TestUndecodableRowInACombinedRead(t *testing.T) {
 		projects = append(projects, p)
 		want[p] = upTo(3)
 	}
-	// proj-3: sequence 4 cannot be decoded; 5 and 6 follow it.
-	_, err := seeder.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-VALUES ('proj-3', 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`)
-	require.NoError(t, err)
-	_, err = seeder.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 4 WHERE project_id = 'proj-3'`)
-	require.NoError(t, err)
-	_, err = seeder.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT 'proj-3', 'late-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM generate_series(1, 2) g`)
-	require.NoError(t, err)
-	_, err = outbox.Sequence(ctx, seeder, []string{"proj-3"}, 10000)
-	require.NoError(t, err)
+	seedUndecodableAt4(t, seeder, "proj-3") // sequence 4 cannot be decoded; 5 and 6 follow it
 	want["proj-3"] = []int64{1, 2, 3, 5, 6}
 
 	tr := &scanTracer{}

@@ -31,6 +31,27 @@ FROM generate_series(1, $2) g`, project, n)
 	require.NoError(t, err)
 }
 
+// seedUndecodableAt4 stores, after a project's three seeded events, a numbered row the reader
+// cannot deliver at sequence 4 (deleted_at = 'infinity': a numbered row, which the writer's
+// checks do not cover), and then numbers two well-formed events as 5 and 6.
+func seedUndecodableAt4(t *testing.T, pool *pgxpool.Pool, project string) {
+	t.Helper()
+	ctx := ctxT(t)
+	_, err := pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+VALUES ($1, 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`, project)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 4 WHERE project_id = $1`, project)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT $1, 'late-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, 2) g`, project)
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, pool, []string{project}, 10000) // sequences 5 and 6
+	require.NoError(t, err)
+}
+
 // newSSE builds a stream handler over pool serving projects.
 func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*outbox.SSEOptions)) *outbox.SSEHandler {
 	t.Helper()

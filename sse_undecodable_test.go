@@ -9,7 +9,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 )
 
@@ -22,20 +21,7 @@ func TestSSEMovesPastAnUndecodableRow(t *testing.T) {
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
 	seedEvents(t, pool, "p", 3)
-	// Sequence 4 as a pre-check row: a numbered row, which the writer checks do not cover.
-	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-VALUES ('p', 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 4 WHERE project_id = 'p'`)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT 'p', 'late-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM generate_series(1, 2) g`)
-	require.NoError(t, err)
-	_, err = outbox.Sequence(ctx, pool, []string{"p"}, 10000) // sequences 5 and 6
-	require.NoError(t, err)
+	seedUndecodableAt4(t, pool, "p")
 
 	sse := newSSE(t, pool, []string{"p"}, nil)
 	srv := httptest.NewServer(sse)
