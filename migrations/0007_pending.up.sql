@@ -119,7 +119,6 @@ DECLARE
     v_project  text;
     v_last     bigint;
     v_count    integer;
-    v_moved    integer;
     v_max      bigint;
     v_assigned jsonb := '{}';
     v_skip     boolean;
