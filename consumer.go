@@ -113,6 +113,10 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 		recon: &reconciler{id: opts.ID, pool: opts.Pool, cfg: cfg, cache: opts.Cache, live: opts.LiveTasks},
 	}
 	loop.acks = &acknowledger{id: opts.ID, owner: owner, pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
+	loop.holder = holder{owner: owner, hold: sequencerHold, gap: cfg.NotifyGap}
+	if !cfg.NotifyDisabled {
+		loop.holder.channel = cfg.NotifyChannel
+	}
 	return &Consumer{
 		id: opts.ID, owner: owner, cfg: cfg, log: log, metrics: opts.Metrics, stats: st,
 		status: &statusSource{db: opts.Pool, projects: leases.observedProjects, clock: cfg.Clock, log: log},
@@ -223,12 +227,14 @@ func (c *Consumer) Stop(ctx context.Context) error {
 // Done is closed when the consumer has stopped.
 func (c *Consumer) Done() <-chan struct{} { return c.lifecycle.Done() }
 
-// shutdown runs after every goroutine returned: flush acknowledgements, release leases.
+// shutdown runs after every goroutine returned: flush acknowledgements, release leases and
+// sequencer holds.
 func (c *Consumer) shutdown() {
 	ctx := c.lifecycle.StopContext()
 	c.loop.acks.await()
 	c.loop.acks.flush(ctx, c.loop.pendingAcks())
 	c.leases.release(ctx)
+	c.loop.releaseHolds(ctx)
 	c.metrics.unwatch(c.status)
 	c.log.Info("consumer stopped", zap.Int64("delivered", c.stats.delivered.Load()))
 }
@@ -254,12 +260,13 @@ type Stats struct {
 	Replayed        int64 // dead letters replayed successfully
 	Reconciliations int64
 	LeaseLosses     int64
-	Scans           int64 // scans of at least one project, each starting with a sequencer call
+	Scans           int64 // scans of at least one project, each starting with a sequencer call or a read of heads
+	Numbered        int64 // events this instance's sequencer calls numbered (see migration 0008: one instance numbers a project at a time)
 }
 
 // stats are the counters every part of a consumer adds to.
 type stats struct {
-	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans atomic.Int64
+	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, numbered atomic.Int64
 }
 
 // Stats returns the consumer's counters.
@@ -268,7 +275,7 @@ func (c *Consumer) Stats() Stats {
 	return Stats{
 		Delivered: s.delivered.Load(), Own: s.own.Load(), Suppressed: s.suppressed.Load(), Failures: s.failures.Load(),
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
-		Scans: s.scans.Load(),
+		Scans: s.scans.Load(), Numbered: s.numbered.Load(),
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -37,6 +38,8 @@ type scanLoop struct {
 
 	state   map[string]*streamState // owned by the loop goroutine
 	seq     isolatingSequencer      // owned by the loop goroutine
+	holder  holder                  // this instance as its projects' sequencer
+	holding atomic.Bool             // a sequencer call of this instance took a hold
 	skipLog logEvery                // owned by the loop goroutine
 }
 
@@ -62,7 +65,10 @@ type streamState struct {
 	// progressed: the last scan numbered events or moved the stream forward. A project waiting
 	// on a retry makes no progress, so it gets no follow-up scans.
 	progressed bool
-	busyScans  int // consecutive scans that found another sequencer numbering the project
+	busyScans  int // consecutive scans without progress that found another sequencer numbering the project
+	// heldElsewhere is when another instance's hold on the project as its sequencer runs out:
+	// until then the scan reads the project's head instead of calling the sequencer.
+	heldElsewhere time.Time
 }
 
 // maxBusyFollowUps bounds the follow-up scans a project gets for finding another sequencer at
@@ -321,19 +327,77 @@ func headOfLineRetry(open []delivery, position int64) *delivery {
 	return nil
 }
 
-// sequence is the consumer's sequencer call, in a span when tracing is on.
+// sequence returns the heads of projects, numbering those no other instance holds as its
+// sequencer. The projects another instance holds cost one read of their heads: that instance
+// numbers them and announces what it numbered, so K consumers of a project number it once, not
+// K times over.
 func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
+	now := time.Now()
+	mine := projects[:0:0]
+	var elsewhere []string
+	for _, p := range projects {
+		if st := l.state[p]; st != nil && now.Before(st.heldElsewhere) {
+			elsewhere = append(elsewhere, p)
+		} else {
+			mine = append(mine, p)
+		}
+	}
+	heads := map[string]Head{}
+	var err error
+	if len(mine) > 0 {
+		if heads, err = l.sequenceMine(ctx, mine); err != nil && !errors.As(err, new(*ProjectErrors)) {
+			return nil, err
+		}
+	}
+	if len(elsewhere) > 0 {
+		read, rerr := readHeads(ctx, l.pool, elsewhere)
+		if rerr != nil {
+			return nil, rerr
+		}
+		for p, h := range read {
+			h.heldFor = l.state[p].heldElsewhere.Sub(now)
+			heads[p] = h
+		}
+	}
+	for p, h := range heads {
+		st := l.state[p]
+		if st == nil {
+			continue
+		}
+		if h.heldFor > 0 {
+			st.heldElsewhere = now.Add(h.heldFor)
+		} else if h.Assigned > 0 {
+			l.holding.Store(true)
+			l.stats.numbered.Add(int64(h.Assigned))
+		}
+	}
+	return heads, err
+}
+
+// sequenceMine is the sequencer call, in a span when tracing is on.
+func (l *scanLoop) sequenceMine(ctx context.Context, projects []string) (map[string]Head, error) {
 	if l.trace.tracer == nil {
-		return l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
+		return l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize, &l.holder)
 	}
 	ctx, span := l.trace.start(ctx, spanSequence, semconv.MessagingConsumerGroupName(string(l.id)), attrProjects.Int(len(projects)))
-	heads, err := l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize)
+	heads, err := l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize, &l.holder)
 	assigned := 0
 	for _, h := range heads {
 		assigned += h.Assigned
 	}
 	endSpan(span, err, attrAssigned.Int(assigned))
 	return heads, err
+}
+
+// releaseHolds gives up this instance's holds as a sequencer, so that another instance numbers
+// its projects at once instead of when the holds run out.
+func (l *scanLoop) releaseHolds(ctx context.Context) {
+	if !l.holding.Load() {
+		return
+	}
+	if _, err := l.pool.Exec(ctx, releaseHoldsSQL, l.holder.owner); err != nil {
+		l.log.Warn("sequencer holds not released; they will run out", zap.Duration("hold", l.holder.hold), zap.Error(err))
+	}
 }
 
 // skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
@@ -383,20 +447,23 @@ func (l *scanLoop) unblock(project string) {
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery, first *firstBatch) error {
 	st.blocked = false
 	start := st.position
-	// A project another consumer's sequencer was numbering counts as progress, so that it is
-	// scanned again soon for what that sequencer commits; but only for a while, in case the
-	// other holds its lock for good.
-	if head.Busy {
-		st.busyScans++
-	} else {
-		st.busyScans = 0
-	}
+	// A project another sequencer numbers (one holding its lock, or another instance holding
+	// it as its sequencer) counts as progress, so that it is scanned again soon for what that
+	// sequencer commits; but only for a while without progress, in case the other stalls.
+	elsewhere := head.Busy || head.heldFor > 0
 	defer func() {
-		st.progressed = head.Assigned > 0 || st.position > start || (head.Busy && st.busyScans <= maxBusyFollowUps)
+		moved := head.Assigned > 0 || st.position > start
+		if moved || !elsewhere {
+			st.busyScans = 0
+		} else {
+			st.busyScans++
+		}
+		st.progressed = moved || (elsewhere && st.busyScans <= maxBusyFollowUps)
 	}()
 	// Whether this scan had anything to do: the wake limiter holds back notifications only for
-	// projects whose last notified scan found nothing.
-	st.found = head.Assigned > 0 || head.Busy || head.LastSequence > st.position || len(open) > 0
+	// projects whose last notified scan found nothing, and a project another sequencer numbers
+	// has its announcement coming.
+	st.found = head.Assigned > 0 || elsewhere || head.LastSequence > st.position || len(open) > 0
 	for _, d := range open {
 		if d.state == DeliveryReplayRequested {
 			if err := l.replay(ctx, s, st, d); err != nil {

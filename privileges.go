@@ -48,7 +48,12 @@ var consumerGrants = []grant{
 	{"SELECT", "TABLE lifecycle_project_access"},
 	{"SELECT", "TABLE " + schemaTable},
 	{"EXECUTE", "FUNCTION lifecycle_outbox_sequence(text[], integer)"},
+	{"EXECUTE", "FUNCTION " + sequenceHeldSignature},
+	{"EXECUTE", "FUNCTION lifecycle_outbox_release_sequencer(text)"},
 }
+
+// sequenceHeldSignature is the consumer's form of the sequencer (migration 0008).
+const sequenceHeldSignature = "lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)"
 
 // operatorGrants: outboxctl and the retention sweep read status, request replays, retire and
 // reinstate consumers, prune acknowledged events and resolved dead letters, and audit it all.
@@ -69,6 +74,7 @@ var moduleObjects = []string{
 	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_pending", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_consumer_cursors",
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE " + schemaTable, "FUNCTION lifecycle_outbox_sequence(text[], integer)",
+	"FUNCTION " + sequenceHeldSignature, "FUNCTION lifecycle_outbox_release_sequencer(text)",
 }
 
 // GrantWriterRole gives role what the writer hook needs (see writerGrants) in the given

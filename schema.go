@@ -14,7 +14,7 @@ import (
 
 // SchemaVersion is the migration version this build needs. VerifySchema fails unless the
 // database is at exactly this version with unchanged migration checksums.
-const SchemaVersion = 7
+const SchemaVersion = 8
 
 // schemaTable records the module's applied migrations.
 const schemaTable = "lifecycle_outbox_schema"
@@ -124,7 +124,11 @@ WITH tables(name, forced) AS (VALUES
     ('lifecycle_project_access', 'lifecycle_project_access_own'),
     ('lifecycle_consumer_access', 'lifecycle_consumer_access_own')
 ), functions(signature) AS (VALUES
-    ('lifecycle_outbox_sequence(text[], integer)'), ('lifecycle_event_id(text, timestamp with time zone)')
+    ('lifecycle_outbox_sequence(text[], integer)'), ('lifecycle_event_id(text, timestamp with time zone)'),
+    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)')
+), definers(signature) AS (VALUES
+    ('lifecycle_outbox_sequence(text[], integer)'),
+    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)')
 ), problems(ord, problem) AS (
     SELECT 1, 'table ' || t.name || ' is missing' FROM tables t WHERE pg_catalog.to_regclass(t.name) IS NULL
     UNION ALL
@@ -146,15 +150,15 @@ WITH tables(name, forced) AS (VALUES
     JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
     WHERE NOT coalesce('search_path=pg_catalog, ' || pg_catalog.quote_ident(n.nspname) || ', pg_temp' = ANY (p.proconfig), false)
     UNION ALL
-    SELECT 7, 'PUBLIC may execute lifecycle_outbox_sequence(text[], integer)'
-    FROM pg_catalog.pg_proc p
-    WHERE p.oid = pg_catalog.to_regprocedure('lifecycle_outbox_sequence(text[], integer)') AND EXISTS (
+    SELECT 7, 'PUBLIC may execute ' || d.signature
+    FROM definers d JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(d.signature)
+    WHERE EXISTS (
         SELECT 1 FROM pg_catalog.aclexplode(coalesce(p.proacl, pg_catalog.acldefault('f', p.proowner))) a
         WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
     UNION ALL
-    SELECT 8, 'lifecycle_outbox_sequence(text[], integer) does not run as its owner (SECURITY DEFINER)'
-    FROM pg_catalog.pg_proc p
-    WHERE p.oid = pg_catalog.to_regprocedure('lifecycle_outbox_sequence(text[], integer)') AND NOT p.prosecdef
+    SELECT 8, d.signature || ' does not run as its owner (SECURITY DEFINER)'
+    FROM definers d JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(d.signature)
+    WHERE NOT p.prosecdef
 )
 SELECT problem FROM problems ORDER BY ord, problem`
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -21,11 +22,40 @@ type Head struct {
 	// call left it alone: LastSequence is what that sequencer had committed. Sequence waits
 	// for that sequencer instead; only the consumer's scan, which calls again soon, sees it.
 	Busy bool
+	// heldFor is how long another consumer instance still holds the project as its sequencer
+	// (the consumer's call only): that instance numbers it and announces what it numbered.
+	heldFor time.Duration
 }
 
 // The casts make the call an exact match for the module's function, so that no overload
 // elsewhere on the search path with other argument types can be chosen instead.
 const sequenceSQL = `SELECT project_id, last_sequence, pruned_through, assigned FROM lifecycle_outbox_sequence($1::text[], $2::integer)`
+
+// sequenceHeldSQL is the consumer's call: as a holder, announcing what it numbers.
+const sequenceHeldSQL = `
+SELECT project_id, last_sequence, pruned_through, assigned, held_ms
+FROM lifecycle_outbox_sequence($1::text[], $2::integer, $3::text, $4::interval, $5::text, $6::interval)`
+
+// headsSQL reads the heads of projects another instance sequences.
+const headsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_heads WHERE project_id = ANY ($1::text[])`
+
+// releaseHoldsSQL gives up the instance's sequencer holds.
+const releaseHoldsSQL = `SELECT lifecycle_outbox_release_sequencer($1::text)`
+
+// holder is a consumer instance sequencing as its projects' sequencer: it holds a project it
+// numbers for hold, and announces on channel (when not empty) what it numbered, at most once
+// per gap per project. The other instances leave a held project to it (see migration 0008).
+type holder struct {
+	owner   string
+	hold    time.Duration
+	channel string
+	gap     time.Duration
+}
+
+// sequencerHold is how long a consumer instance holds a project it numbered. It renews the hold
+// while it keeps numbering; when it stops, it gives the hold up, and when it dies, the hold runs
+// out and another instance numbers the project: a delay of at most this, once.
+const sequencerHold = time.Second
 
 // sequencedProjectsSQL lists the projects a call for every project covers, for calling them one
 // by one after that call failed.
@@ -79,21 +109,22 @@ func (e *ProjectErrors) Projects() []string {
 // milliseconds of one call. Only sequencers take it, so writers never wait; sequencers of one
 // project wait for each other, sequencers of different projects do not.
 func Sequence(ctx context.Context, db DBTX, projects []string, limit int) (map[string]Head, error) {
-	return sequence(ctx, db, projects, limit, true)
+	return sequence(ctx, db, projects, limit, true, nil)
 }
 
 // sequence is Sequence; without wait, a project another sequencer is numbering comes back
-// at once with Busy set instead of waiting for that sequencer's lock.
-func sequence(ctx context.Context, db DBTX, projects []string, limit int, wait bool) (map[string]Head, error) {
+// at once with Busy set instead of waiting for that sequencer's lock. With a holder, a project
+// another instance holds comes back with heldFor set, and nothing numbered.
+func sequence(ctx context.Context, db DBTX, projects []string, limit int, wait bool, h *holder) (map[string]Head, error) {
 	heads := make(map[string]Head, len(projects))
 	for {
-		got, err := sequenceOnce(ctx, db, projects, limit, wait)
+		got, err := sequenceOnce(ctx, db, projects, limit, wait, h)
 		if err != nil {
 			_, inTx := db.(pgx.Tx) // the caller's transaction is aborted: nothing more can run in it
 			if inTx || !perProject(err) || (projects != nil && len(projects) < 2) {
 				return nil, fmt.Errorf("sequence: %w", err)
 			}
-			return sequenceEach(ctx, db, projects, limit, heads, wait)
+			return sequenceEach(ctx, db, projects, limit, heads, wait, h)
 		}
 		var more []string
 		for _, h := range got {
@@ -110,27 +141,66 @@ func sequence(ctx context.Context, db DBTX, projects []string, limit int, wait b
 	}
 }
 
-func sequenceOnce(ctx context.Context, db DBTX, projects []string, limit int, wait bool) ([]Head, error) {
+func sequenceOnce(ctx context.Context, db DBTX, projects []string, limit int, wait bool, hd *holder) ([]Head, error) {
 	if !wait {
 		limit = -limit // the function's sign for "skip a project another sequencer holds"
 	}
-	rows, err := db.Query(ctx, sequenceSQL, projects, limit)
+	var rows pgx.Rows
+	var err error
+	if hd == nil {
+		rows, err = db.Query(ctx, sequenceSQL, projects, limit)
+	} else {
+		var channel *string
+		if hd.channel != "" {
+			channel = &hd.channel
+		}
+		rows, err = db.Query(ctx, sequenceHeldSQL, projects, limit, hd.owner, hd.hold, channel, hd.gap)
+	}
 	if err != nil {
 		return nil, err
 	}
 	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (Head, error) {
 		var h Head
-		err := row.Scan(&h.ProjectID, &h.LastSequence, &h.PrunedThrough, &h.Assigned)
-		if h.Assigned < 0 { // the function's mark of a project another sequencer held
-			h.Assigned, h.Busy = 0, true
+		var heldMS int32
+		dest := []any{&h.ProjectID, &h.LastSequence, &h.PrunedThrough, &h.Assigned}
+		if hd != nil {
+			dest = append(dest, &heldMS)
 		}
+		err := row.Scan(dest...)
+		switch h.Assigned {
+		case -1: // the function's mark of a project another sequencer held locked
+			h.Assigned, h.Busy = 0, true
+		case -2: // held by another instance, which numbers it
+			h.Assigned = 0
+		}
+		h.heldFor = time.Duration(heldMS) * time.Millisecond
 		return h, err
 	})
 }
 
+// readHeads reads the heads of projects without sequencing them.
+func readHeads(ctx context.Context, db DBTX, projects []string) (map[string]Head, error) {
+	rows, err := db.Query(ctx, headsSQL, projects)
+	if err != nil {
+		return nil, fmt.Errorf("read heads: %w", err)
+	}
+	got, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Head, error) {
+		var h Head
+		return h, row.Scan(&h.ProjectID, &h.LastSequence, &h.PrunedThrough)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read heads: %w", err)
+	}
+	heads := make(map[string]Head, len(got))
+	for _, h := range got {
+		heads[h.ProjectID] = h
+	}
+	return heads, nil
+}
+
 // sequenceEach sequences projects one at a time after a call covering them all failed,
 // adding to heads what earlier rounds assigned.
-func sequenceEach(ctx context.Context, db DBTX, projects []string, limit int, heads map[string]Head, wait bool) (map[string]Head, error) {
+func sequenceEach(ctx context.Context, db DBTX, projects []string, limit int, heads map[string]Head, wait bool, hd *holder) (map[string]Head, error) {
 	if projects == nil {
 		rows, err := db.Query(ctx, sequencedProjectsSQL)
 		if err != nil {
@@ -142,7 +212,7 @@ func sequenceEach(ctx context.Context, db DBTX, projects []string, limit int, he
 	}
 	failed := map[string]error{}
 	for _, p := range projects {
-		h, err := sequence(ctx, db, []string{p}, limit, wait)
+		h, err := sequence(ctx, db, []string{p}, limit, wait, hd)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil, fmt.Errorf("sequence: %w", ctx.Err())
@@ -197,7 +267,7 @@ type isolatingSequencer struct {
 
 // sequence is Sequence over projects with the suspects called alone. The error, when some
 // projects failed, is a *ProjectErrors and the heads of the others are returned.
-func (s *isolatingSequencer) sequence(ctx context.Context, db DBTX, projects []string, limit int) (map[string]Head, error) {
+func (s *isolatingSequencer) sequence(ctx context.Context, db DBTX, projects []string, limit int, hd *holder) (map[string]Head, error) {
 	if s.suspects == nil {
 		s.suspects = map[string]bool{}
 	}
@@ -213,7 +283,7 @@ func (s *isolatingSequencer) sequence(ctx context.Context, db DBTX, projects []s
 	heads := map[string]Head{}
 	failed := map[string]error{}
 	if len(healthy) > 0 {
-		h, err := sequence(ctx, db, healthy, limit, false)
+		h, err := sequence(ctx, db, healthy, limit, false, hd)
 		var pe *ProjectErrors
 		switch {
 		case errors.As(err, &pe):
@@ -230,7 +300,7 @@ func (s *isolatingSequencer) sequence(ctx context.Context, db DBTX, projects []s
 		}
 	}
 	for _, p := range suspects {
-		h, err := sequence(ctx, db, []string{p}, limit, false)
+		h, err := sequence(ctx, db, []string{p}, limit, false, hd)
 		if err != nil {
 			if !perProject(err) {
 				return nil, err
