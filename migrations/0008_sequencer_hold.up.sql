@@ -42,6 +42,13 @@ SET lock_timeout = '1s'
 -- sort of the pending table for each batch, say) could otherwise be kept by the plan cache as
 -- the table grows, and turn the move of a backlog quadratic.
 SET enable_seqscan = off
+-- One plan per statement, kept for the session: the consumer calls this several times a second,
+-- and planning its statements afresh cost about 1ms a call. Every statement above reads by index,
+-- so the kept plan does too (TestSequencerReachesRowsByIndexAsTheStreamGrows).
+SET plan_cache_mode = force_generic_plan
+-- With seq scans disabled, a plan that keeps one anyway costs 1e10 and would be compiled by JIT
+-- on every execution (about a second each, measured on the heads read).
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -63,6 +70,7 @@ DECLARE
     v_moved_counts   integer[];
     v_moved_max      bigint[];
     v_announce text[];
+    v_return   text[];
 BEGIN
     IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
         RAISE EXCEPTION 'lifecycle_outbox_sequence must run at READ COMMITTED, not %',
@@ -125,151 +133,161 @@ BEGIN
         FROM pg_catalog.unnest(v_projects) AS x(p) WHERE NOT v_assigned OPERATOR(pg_catalog.?) x.p;
     END IF;
 
-    -- The heads rows of projects numbered for the first time. Only those: an insert that
-    -- meets an existing row another sequencer is updating would wait for it.
-    INSERT INTO lifecycle_outbox_heads AS h (project_id)
-    SELECT x.p FROM pg_catalog.unnest(v_projects) AS x(p)
-    WHERE NOT EXISTS (SELECT 1 FROM lifecycle_outbox_heads h WHERE h.project_id OPERATOR(pg_catalog.=) x.p)
-    ON CONFLICT (project_id) DO NOTHING;
+    -- Nothing to number (the common case of a consumer caught up): only the heads are read.
+    IF pg_catalog.cardinality(v_projects) OPERATOR(pg_catalog.>) 0 THEN
+        -- The heads rows of projects numbered for the first time. Only those: an insert that
+        -- meets an existing row another sequencer is updating would wait for it.
+        INSERT INTO lifecycle_outbox_heads AS h (project_id)
+        SELECT x.p FROM pg_catalog.unnest(v_projects) AS x(p)
+        WHERE NOT EXISTS (SELECT 1 FROM lifecycle_outbox_heads h WHERE h.project_id OPERATOR(pg_catalog.=) x.p)
+        ON CONFLICT (project_id) DO NOTHING;
 
-    -- Lock the heads rows in project order, so that two sequencers cannot deadlock; with v_skip
-    -- the rows another sequencer holds are left out and those projects reported busy. A hold
-    -- another instance took since the check above is seen here, on the locked row's latest
-    -- version, and its project is left out too.
-    IF v_skip THEN
-        SELECT pg_catalog.array_agg(l.project_id ORDER BY l.project_id), pg_catalog.array_agg(l.last_sequence ORDER BY l.project_id)
-        INTO v_locked, v_base
-        FROM (SELECT h.project_id, h.last_sequence FROM lifecycle_outbox_heads h
-              WHERE h.project_id OPERATOR(pg_catalog.=) ANY (v_projects)
-                AND (p_sequencer IS NULL OR h.sequencer_owner IS NULL OR h.sequencer_owner OPERATOR(pg_catalog.=) p_sequencer
-                     OR h.sequencer_until IS NULL OR h.sequencer_until OPERATOR(pg_catalog.<=) pg_catalog.now())
-              ORDER BY h.project_id FOR UPDATE SKIP LOCKED) AS l;
-    ELSE
-        SELECT pg_catalog.array_agg(l.project_id ORDER BY l.project_id), pg_catalog.array_agg(l.last_sequence ORDER BY l.project_id)
-        INTO v_locked, v_base
-        FROM (SELECT h.project_id, h.last_sequence FROM lifecycle_outbox_heads h
-              WHERE h.project_id OPERATOR(pg_catalog.=) ANY (v_projects)
-                AND (p_sequencer IS NULL OR h.sequencer_owner IS NULL OR h.sequencer_owner OPERATOR(pg_catalog.=) p_sequencer
-                     OR h.sequencer_until IS NULL OR h.sequencer_until OPERATOR(pg_catalog.<=) pg_catalog.now())
-              ORDER BY h.project_id FOR UPDATE) AS l;
-    END IF;
-    v_locked := coalesce(v_locked, '{}');
-    v_base := coalesce(v_base, '{}');
-    SELECT v_assigned OPERATOR(pg_catalog.||) coalesce(pg_catalog.jsonb_object_agg(x.p, -1), '{}') INTO v_assigned
-    FROM pg_catalog.unnest(v_projects) AS x(p) WHERE x.p OPERATOR(pg_catalog.<>) ALL (v_locked);
-    v_room := pg_catalog.array_fill(p_limit, ARRAY[pg_catalog.cardinality(v_locked)]);
+        -- Lock the heads rows in project order, so that two sequencers cannot deadlock; with v_skip
+        -- the rows another sequencer holds are left out and those projects reported busy. A hold
+        -- another instance took since the check above is seen here, on the locked row's latest
+        -- version, and its project is left out too.
+        IF v_skip THEN
+            SELECT pg_catalog.array_agg(l.project_id ORDER BY l.project_id), pg_catalog.array_agg(l.last_sequence ORDER BY l.project_id)
+            INTO v_locked, v_base
+            FROM (SELECT h.project_id, h.last_sequence FROM lifecycle_outbox_heads h
+                  WHERE h.project_id OPERATOR(pg_catalog.=) ANY (v_projects)
+                    AND (p_sequencer IS NULL OR h.sequencer_owner IS NULL OR h.sequencer_owner OPERATOR(pg_catalog.=) p_sequencer
+                         OR h.sequencer_until IS NULL OR h.sequencer_until OPERATOR(pg_catalog.<=) pg_catalog.now())
+                  ORDER BY h.project_id FOR UPDATE SKIP LOCKED) AS l;
+        ELSE
+            SELECT pg_catalog.array_agg(l.project_id ORDER BY l.project_id), pg_catalog.array_agg(l.last_sequence ORDER BY l.project_id)
+            INTO v_locked, v_base
+            FROM (SELECT h.project_id, h.last_sequence FROM lifecycle_outbox_heads h
+                  WHERE h.project_id OPERATOR(pg_catalog.=) ANY (v_projects)
+                    AND (p_sequencer IS NULL OR h.sequencer_owner IS NULL OR h.sequencer_owner OPERATOR(pg_catalog.=) p_sequencer
+                         OR h.sequencer_until IS NULL OR h.sequencer_until OPERATOR(pg_catalog.<=) pg_catalog.now())
+                  ORDER BY h.project_id FOR UPDATE) AS l;
+        END IF;
+        v_locked := coalesce(v_locked, '{}');
+        v_base := coalesce(v_base, '{}');
+        SELECT v_assigned OPERATOR(pg_catalog.||) coalesce(pg_catalog.jsonb_object_agg(x.p, -1), '{}') INTO v_assigned
+        FROM pg_catalog.unnest(v_projects) AS x(p) WHERE x.p OPERATOR(pg_catalog.<>) ALL (v_locked);
+        v_room := pg_catalog.array_fill(p_limit, ARRAY[pg_catalog.cardinality(v_locked)]);
 
-    -- Legacy rows first (rare: a writer of schema 6 during a rolling deploy), one project at a
-    -- time, moving that project's base and room.
-    FOR v_i IN 1 .. pg_catalog.cardinality(v_locked) LOOP
-        CONTINUE WHEN NOT EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.project_id OPERATOR(pg_catalog.=) v_locked[v_i] AND o.sequence IS NULL);
-        v_last := v_base[v_i];
-        WITH legacy AS (
-            SELECT o.ctid AS row_id, pg_catalog.row_number() OVER (ORDER BY o.occurred_at) AS rn
-            FROM lifecycle_outbox o
-            WHERE o.project_id OPERATOR(pg_catalog.=) v_locked[v_i] AND o.sequence IS NULL
-            ORDER BY o.occurred_at
-            LIMIT p_limit
+        -- Legacy rows first (rare: a writer of schema 6 during a rolling deploy), one project at a
+        -- time, moving that project's base and room.
+        FOR v_i IN 1 .. pg_catalog.cardinality(v_locked) LOOP
+            CONTINUE WHEN NOT EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.project_id OPERATOR(pg_catalog.=) v_locked[v_i] AND o.sequence IS NULL);
+            v_last := v_base[v_i];
+            WITH legacy AS (
+                SELECT o.ctid AS row_id, pg_catalog.row_number() OVER (ORDER BY o.occurred_at) AS rn
+                FROM lifecycle_outbox o
+                WHERE o.project_id OPERATOR(pg_catalog.=) v_locked[v_i] AND o.sequence IS NULL
+                ORDER BY o.occurred_at
+                LIMIT p_limit
+            ), numbered AS (
+                UPDATE lifecycle_outbox o
+                SET sequence = v_last OPERATOR(pg_catalog.+) legacy.rn
+                FROM legacy
+                WHERE o.ctid OPERATOR(pg_catalog.=) legacy.row_id AND o.sequence IS NULL
+                RETURNING o.sequence
+            )
+            SELECT pg_catalog.count(*), coalesce(pg_catalog.max(numbered.sequence), v_last) INTO v_count, v_max FROM numbered;
+            IF v_max OPERATOR(pg_catalog.-) v_last OPERATOR(pg_catalog.<>) v_count THEN
+                RAISE EXCEPTION 'sequencer for project % would leave a gap (last %, max %, count %)',
+                    v_locked[v_i], v_last, v_max, v_count USING ERRCODE = 'XX000';
+            END IF;
+            v_base[v_i] := v_max;
+            v_room[v_i] := p_limit OPERATOR(pg_catalog.-) v_count;
+            v_legacy := v_legacy OPERATOR(pg_catalog.||) pg_catalog.jsonb_build_object(v_locked[v_i], v_count);
+        END LOOP;
+
+        -- Every locked project's pending batch in one statement: taken in key order (a task's
+        -- deletions in their order), numbered from the project's base by occurred_at within the
+        -- batch, moved into the stream. A pending row whose identity the stream holds is dropped.
+        WITH locked AS (
+            SELECT l.project_id, l.base, l.room
+            FROM ROWS FROM (pg_catalog.unnest(v_locked), pg_catalog.unnest(v_base), pg_catalog.unnest(v_room)) AS l(project_id, base, room)
+            WHERE l.room OPERATOR(pg_catalog.>) 0
+        ), batch AS (
+            SELECT b.row_id
+            FROM locked l
+            CROSS JOIN LATERAL (
+                SELECT q.ctid AS row_id
+                FROM lifecycle_outbox_pending q
+                WHERE q.project_id::text OPERATOR(pg_catalog.=) l.project_id
+                ORDER BY q.project_id, q.task_id, q.deleted_at
+                LIMIT l.room) AS b
+        ), moved AS (
+            DELETE FROM lifecycle_outbox_pending q
+            USING batch
+            WHERE q.ctid OPERATOR(pg_catalog.=) batch.row_id
+            RETURNING q.*
+        ), fresh AS (
+            SELECT m.*, pg_catalog.row_number() OVER (PARTITION BY m.project_id ORDER BY m.occurred_at, m.task_id, m.deleted_at) AS rn
+            FROM moved m
+            WHERE NOT EXISTS (
+                SELECT 1 FROM lifecycle_outbox o
+                WHERE o.project_id OPERATOR(pg_catalog.=) m.project_id::text AND o.task_id OPERATOR(pg_catalog.=) m.task_id::text
+                  AND o.deleted_at OPERATOR(pg_catalog.=) m.deleted_at::timestamptz)
         ), numbered AS (
-            UPDATE lifecycle_outbox o
-            SET sequence = v_last OPERATOR(pg_catalog.+) legacy.rn
-            FROM legacy
-            WHERE o.ctid OPERATOR(pg_catalog.=) legacy.row_id AND o.sequence IS NULL
-            RETURNING o.sequence
+            INSERT INTO lifecycle_outbox
+                (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
+                 writer_process_id, prior_column, trace_context)
+            SELECT f.project_id, f.task_id, f.deleted_at, l.base OPERATOR(pg_catalog.+) f.rn, f.event_type, f.archived,
+                   f.payload_version, f.occurred_at, f.writer_process_id, f.prior_column, f.trace_context
+            FROM fresh f JOIN locked l ON l.project_id OPERATOR(pg_catalog.=) f.project_id::text
+            RETURNING lifecycle_outbox.project_id, lifecycle_outbox.sequence
         )
-        SELECT pg_catalog.count(*), coalesce(pg_catalog.max(numbered.sequence), v_last) INTO v_count, v_max FROM numbered;
-        IF v_max OPERATOR(pg_catalog.-) v_last OPERATOR(pg_catalog.<>) v_count THEN
-            RAISE EXCEPTION 'sequencer for project % would leave a gap (last %, max %, count %)',
-                v_locked[v_i], v_last, v_max, v_count USING ERRCODE = 'XX000';
+        SELECT pg_catalog.array_agg(r.project_id), pg_catalog.array_agg(r.n), pg_catalog.array_agg(r.top)
+        INTO v_moved_projects, v_moved_counts, v_moved_max
+        FROM (SELECT numbered.project_id, pg_catalog.count(*)::integer AS n, pg_catalog.max(numbered.sequence) AS top
+              FROM numbered GROUP BY numbered.project_id) AS r;
+
+        -- Only a sequencer holding the heads lock numbers rows, so nothing can be skipped here;
+        -- if it ever were, a gap would follow, and a gap must never commit.
+        FOR v_i IN 1 .. coalesce(pg_catalog.cardinality(v_moved_projects), 0) LOOP
+            v_project := v_moved_projects[v_i];
+            v_last := v_base[pg_catalog.array_position(v_locked, v_project)];
+            IF v_moved_max[v_i] OPERATOR(pg_catalog.-) v_last OPERATOR(pg_catalog.<>) v_moved_counts[v_i] THEN
+                RAISE EXCEPTION 'sequencer for project % would leave a gap (last %, max %, count %)',
+                    v_project, v_last, v_moved_max[v_i], v_moved_counts[v_i] USING ERRCODE = 'XX000';
+            END IF;
+            v_base[pg_catalog.array_position(v_locked, v_project)] := v_moved_max[v_i];
+        END LOOP;
+
+        -- What each locked project was assigned.
+        SELECT v_assigned OPERATOR(pg_catalog.||) coalesce(pg_catalog.jsonb_object_agg(l.p,
+                   coalesce((v_legacy OPERATOR(pg_catalog.->>) l.p)::integer, 0)
+                   OPERATOR(pg_catalog.+) coalesce(m.n, 0)), '{}')
+        INTO v_assigned
+        FROM pg_catalog.unnest(v_locked) AS l(p)
+        LEFT JOIN ROWS FROM (pg_catalog.unnest(v_moved_projects), pg_catalog.unnest(v_moved_counts)) AS m(p, n) ON m.p OPERATOR(pg_catalog.=) l.p;
+
+        -- The projects to announce: numbered now, and not announced within p_gap.
+        IF p_channel IS NOT NULL THEN
+            SELECT pg_catalog.array_agg(h.project_id ORDER BY h.project_id) INTO v_announce
+            FROM lifecycle_outbox_heads h
+            WHERE h.project_id OPERATOR(pg_catalog.=) ANY (v_locked)
+              AND coalesce((v_assigned OPERATOR(pg_catalog.->>) h.project_id)::integer, 0) OPERATOR(pg_catalog.>) 0
+              AND (h.notified_at IS NULL OR h.notified_at OPERATOR(pg_catalog.<=) (pg_catalog.now() OPERATOR(pg_catalog.-) p_gap));
         END IF;
-        v_base[v_i] := v_max;
-        v_room[v_i] := p_limit OPERATOR(pg_catalog.-) v_count;
-        v_legacy := v_legacy OPERATOR(pg_catalog.||) pg_catalog.jsonb_build_object(v_locked[v_i], v_count);
-    END LOOP;
 
-    -- Every locked project's pending batch in one statement: taken in key order (a task's
-    -- deletions in their order), numbered from the project's base by occurred_at within the
-    -- batch, moved into the stream. A pending row whose identity the stream holds is dropped.
-    WITH locked AS (
-        SELECT l.project_id, l.base, l.room
-        FROM ROWS FROM (pg_catalog.unnest(v_locked), pg_catalog.unnest(v_base), pg_catalog.unnest(v_room)) AS l(project_id, base, room)
-        WHERE l.room OPERATOR(pg_catalog.>) 0
-    ), batch AS (
-        SELECT b.row_id
-        FROM locked l
-        CROSS JOIN LATERAL (
-            SELECT q.ctid AS row_id
-            FROM lifecycle_outbox_pending q
-            WHERE q.project_id::text OPERATOR(pg_catalog.=) l.project_id
-            ORDER BY q.project_id, q.task_id, q.deleted_at
-            LIMIT l.room) AS b
-    ), moved AS (
-        DELETE FROM lifecycle_outbox_pending q
-        USING batch
-        WHERE q.ctid OPERATOR(pg_catalog.=) batch.row_id
-        RETURNING q.*
-    ), fresh AS (
-        SELECT m.*, pg_catalog.row_number() OVER (PARTITION BY m.project_id ORDER BY m.occurred_at, m.task_id, m.deleted_at) AS rn
-        FROM moved m
-        WHERE NOT EXISTS (
-            SELECT 1 FROM lifecycle_outbox o
-            WHERE o.project_id OPERATOR(pg_catalog.=) m.project_id::text AND o.task_id OPERATOR(pg_catalog.=) m.task_id::text
-              AND o.deleted_at OPERATOR(pg_catalog.=) m.deleted_at::timestamptz)
-    ), numbered AS (
-        INSERT INTO lifecycle_outbox
-            (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
-             writer_process_id, prior_column, trace_context)
-        SELECT f.project_id, f.task_id, f.deleted_at, l.base OPERATOR(pg_catalog.+) f.rn, f.event_type, f.archived,
-               f.payload_version, f.occurred_at, f.writer_process_id, f.prior_column, f.trace_context
-        FROM fresh f JOIN locked l ON l.project_id OPERATOR(pg_catalog.=) f.project_id::text
-        RETURNING lifecycle_outbox.project_id, lifecycle_outbox.sequence
-    )
-    SELECT pg_catalog.array_agg(r.project_id), pg_catalog.array_agg(r.n), pg_catalog.array_agg(r.top)
-    INTO v_moved_projects, v_moved_counts, v_moved_max
-    FROM (SELECT numbered.project_id, pg_catalog.count(*)::integer AS n, pg_catalog.max(numbered.sequence) AS top
-          FROM numbered GROUP BY numbered.project_id) AS r;
-
-    -- Only a sequencer holding the heads lock numbers rows, so nothing can be skipped here;
-    -- if it ever were, a gap would follow, and a gap must never commit.
-    FOR v_i IN 1 .. coalesce(pg_catalog.cardinality(v_moved_projects), 0) LOOP
-        v_project := v_moved_projects[v_i];
-        v_last := v_base[pg_catalog.array_position(v_locked, v_project)];
-        IF v_moved_max[v_i] OPERATOR(pg_catalog.-) v_last OPERATOR(pg_catalog.<>) v_moved_counts[v_i] THEN
-            RAISE EXCEPTION 'sequencer for project % would leave a gap (last %, max %, count %)',
-                v_project, v_last, v_moved_max[v_i], v_moved_counts[v_i] USING ERRCODE = 'XX000';
-        END IF;
-        v_base[pg_catalog.array_position(v_locked, v_project)] := v_moved_max[v_i];
-    END LOOP;
-
-    -- What each locked project was assigned.
-    SELECT v_assigned OPERATOR(pg_catalog.||) coalesce(pg_catalog.jsonb_object_agg(l.p,
-               coalesce((v_legacy OPERATOR(pg_catalog.->>) l.p)::integer, 0)
-               OPERATOR(pg_catalog.+) coalesce(m.n, 0)), '{}')
-    INTO v_assigned
-    FROM pg_catalog.unnest(v_locked) AS l(p)
-    LEFT JOIN ROWS FROM (pg_catalog.unnest(v_moved_projects), pg_catalog.unnest(v_moved_counts)) AS m(p, n) ON m.p OPERATOR(pg_catalog.=) l.p;
-
-    -- The projects to announce: numbered now, and not announced within p_gap.
-    IF p_channel IS NOT NULL THEN
-        SELECT pg_catalog.array_agg(h.project_id ORDER BY h.project_id) INTO v_announce
-        FROM lifecycle_outbox_heads h
-        WHERE h.project_id OPERATOR(pg_catalog.=) ANY (v_locked)
-          AND coalesce((v_assigned OPERATOR(pg_catalog.->>) h.project_id)::integer, 0) OPERATOR(pg_catalog.>) 0
-          AND (h.notified_at IS NULL OR h.notified_at OPERATOR(pg_catalog.<=) (pg_catalog.now() OPERATOR(pg_catalog.-) p_gap));
+        -- Move the heads of the projects that got numbers; the caller takes or renews its hold on
+        -- each (only by numbering: a call that found nothing left to move takes no hold), and notes
+        -- the announcements.
+        UPDATE lifecycle_outbox_heads h
+        SET last_sequence = l.base, sequenced_at = pg_catalog.now(),
+            sequencer_owner = coalesce(p_sequencer, h.sequencer_owner),
+            sequencer_until = CASE WHEN p_sequencer IS NULL THEN h.sequencer_until ELSE pg_catalog.now() OPERATOR(pg_catalog.+) p_hold END,
+            notified_at = CASE WHEN h.project_id OPERATOR(pg_catalog.=) ANY (v_announce) THEN pg_catalog.now() ELSE h.notified_at END
+        FROM ROWS FROM (pg_catalog.unnest(v_locked), pg_catalog.unnest(v_base)) AS l(project_id, base)
+        WHERE h.project_id OPERATOR(pg_catalog.=) l.project_id AND h.last_sequence OPERATOR(pg_catalog.<>) l.base;
+        PERFORM pg_catalog.pg_notify(p_channel, x.p) FROM pg_catalog.unnest(v_announce) AS x(p);
     END IF;
 
-    -- Move the heads of the projects that got numbers; the caller takes or renews its hold on
-    -- each (only by numbering: a call that found nothing left to move takes no hold), and notes
-    -- the announcements.
-    UPDATE lifecycle_outbox_heads h
-    SET last_sequence = l.base, sequenced_at = pg_catalog.now(),
-        sequencer_owner = coalesce(p_sequencer, h.sequencer_owner),
-        sequencer_until = CASE WHEN p_sequencer IS NULL THEN h.sequencer_until ELSE pg_catalog.now() OPERATOR(pg_catalog.+) p_hold END,
-        notified_at = CASE WHEN h.project_id OPERATOR(pg_catalog.=) ANY (v_announce) THEN pg_catalog.now() ELSE h.notified_at END
-    FROM ROWS FROM (pg_catalog.unnest(v_locked), pg_catalog.unnest(v_base)) AS l(project_id, base)
-    WHERE h.project_id OPERATOR(pg_catalog.=) l.project_id AND h.last_sequence OPERATOR(pg_catalog.<>) l.base;
-    PERFORM pg_catalog.pg_notify(p_channel, x.p) FROM pg_catalog.unnest(v_announce) AS x(p);
-
+    -- The heads to return: the requested projects', every project's for NULL. An array rather
+    -- than "p_projects IS NULL OR ...", so that the one plan kept for every call reads by index.
+    IF p_projects IS NULL THEN
+        SELECT pg_catalog.array_agg(h.project_id) INTO v_return FROM lifecycle_outbox_heads h;
+    ELSE
+        v_return := p_projects;
+    END IF;
     RETURN QUERY
         SELECT h.project_id, h.last_sequence, h.pruned_through,
                coalesce((v_assigned OPERATOR(pg_catalog.->>) h.project_id)::integer, 0),
@@ -279,7 +297,7 @@ BEGIN
                                                                    OPERATOR(pg_catalog.*) 1000))::integer
                     ELSE 0 END
         FROM lifecycle_outbox_heads h
-        WHERE (p_projects IS NULL OR h.project_id OPERATOR(pg_catalog.=) ANY (p_projects))
+        WHERE h.project_id OPERATOR(pg_catalog.=) ANY (v_return)
           AND (v_every OR h.project_id OPERATOR(pg_catalog.=) ANY (v_allowed));
 END;
 $$;
