@@ -25,6 +25,7 @@ import (
 // scanReads counts the reads of events in one scan of a consumer.
 type scanReads struct {
 	combined int // reads of several projects' first batches in one statement
+	failed   int // those that failed
 	rows     int // the rows those returned
 	single   int // reads of one project's batch
 	all      int // every statement the pool sent meanwhile, from any of the consumer's goroutines
@@ -64,6 +65,9 @@ func (s *scanTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.Trace
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		s.scans[i].rows += int(d.CommandTag.RowsAffected())
+		if d.Err != nil {
+			s.scans[i].failed++
+		}
 	}
 }
 
@@ -277,6 +281,22 @@ END $$`,
 	combined, single, _ := tr.totals()
 	require.GreaterOrEqual(t, combined, 1, "the projects were read together first")
 	require.GreaterOrEqual(t, single, 3, "then each alone")
+
+	// B is remembered: later scans read A and C together without it, and the combined read
+	// no longer fails on B's rows every scan.
+	from := tr.scan() + 1
+	for _, p := range []string{"proj-a", "proj-c"} {
+		deletePrefixedTasksAs(t, lp, writer, p, "u", 2)
+	}
+	rec.waitFor(t, waitCtx, "the later events of A and C", func(evs []outbox.ObservedEvent) bool {
+		return inProject("proj-a")(evs) == 5 && inProject("proj-c")(evs) == 5
+	})
+	failedSince := 0
+	for _, sc := range tr.snapshot()[min(from, len(tr.snapshot())):] {
+		failedSince += sc.failed
+	}
+	require.Zero(t, failedSince, "a combined read failed on B's rows again")
+	require.Zero(t, inProject("proj-b")(rec.snapshot()))
 }
 
 // TestRetryHoldsOnlyItsProjectInACombinedRead: projects whose next event waits on a retry are

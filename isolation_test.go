@@ -45,15 +45,21 @@ func operatorGrant(projects ...string) func(context.Context, outbox.DBTX, string
 // through a writer on pool, the writer role's.
 func deleteTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool, project string, n int) {
 	t.Helper()
+	deletePrefixedTasksAs(t, lp, pool, project, "t", n)
+}
+
+// deletePrefixedTasksAs is deleteTasksAs for the tasks prefix-1 .. prefix-n.
+func deletePrefixedTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool, project, prefix string, n int) {
+	t.Helper()
 	ctx := ctxT(t)
-	_, err := testhost.New(lp.owner, testhost.Options{}).CreateMany(ctx, project, "t", n)
+	_, err := testhost.New(lp.owner, testhost.Options{}).CreateMany(ctx, project, prefix, n)
 	require.NoError(t, err)
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer func() { _ = w.Close(ctx) }()
 	store := testhost.New(pool, testhost.Options{Writer: w})
 	for i := range n {
-		_, err := store.Delete(ctx, project, fmt.Sprintf("t-%d", i+1))
+		_, err := store.Delete(ctx, project, fmt.Sprintf("%s-%d", prefix, i+1))
 		require.NoError(t, err)
 	}
 }

@@ -36,11 +36,15 @@ type scanLoop struct {
 	scans    *scanRequests
 	stats    *stats
 
-	state   map[string]*streamState // owned by the loop goroutine
-	seq     isolatingSequencer      // owned by the loop goroutine
-	holder  holder                  // this instance as its projects' sequencer
-	holding atomic.Bool             // a sequencer call of this instance took a hold
-	skipLog logEvery                // owned by the loop goroutine
+	state map[string]*streamState // owned by the loop goroutine
+	seq   isolatingSequencer      // owned by the loop goroutine
+	// readSuspects are the projects that failed when read alone after a combined read failed:
+	// they read alone, so that the others' combined read succeeds, until they read alone
+	// without failing. Owned by the loop goroutine.
+	readSuspects map[string]bool
+	holder       holder      // this instance as its projects' sequencer
+	holding      atomic.Bool // a sequencer call of this instance took a hold
+	skipLog      logEvery    // owned by the loop goroutine
 }
 
 // streamState is the loop's view of one project stream.
@@ -248,7 +252,7 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	open, err := l.store.open(ctx, l.pool, held)
 	held, stepFailed := l.skipFailed("read open deliveries", held, err)
 	failed = failed || stepFailed
-	first, err := l.readFirst(ctx, held, heads, open)
+	first, alone, err := l.readFirst(ctx, held, heads, open)
 	held, stepFailed = l.skipFailed("read events", held, err)
 	failed = failed || stepFailed
 	for _, p := range held {
@@ -260,7 +264,11 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 		if b, ok := first[p]; ok {
 			fb = &b
 		}
-		if err := l.scanProject(ctx, s, st, heads[p], open[p], fb); err != nil {
+		err := l.scanProject(ctx, s, st, heads[p], open[p], fb)
+		if alone || l.readSuspects[p] {
+			l.suspectRead(p, err)
+		}
+		if err != nil {
 			failed = failed || !errors.Is(err, ErrLeaseLost)
 			l.handleStreamError(st, err)
 		}
@@ -273,18 +281,19 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 // readFirst reads, in one statement, the first batch of every project of held that has events
 // to read: one read per scan rather than one per project. It leaves out the projects at their
 // head, those whose lease is gone, those about to be reconciled (by default, every project of a
-// new consumer) and those whose next event waits for a retry not yet due; with one project
-// left, that project reads in scanProject, in a statement as cheap. When the statement fails in
-// a way that may be one project's doing (see readIsolatable), no batch is returned and each
-// project reads alone, so one project's trouble stays its own; any other failure would fail
-// every project's read alike, and is returned.
-func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[string]Head, open map[string][]delivery) (map[string]firstBatch, error) {
+// new consumer), those whose next event waits for a retry not yet due and the read suspects;
+// with one project left, that project reads in scanProject, in a statement as cheap. When the
+// statement fails in a way that may be one project's doing (see readIsolatable), no batch is
+// returned and alone is set: each project reads alone, so one project's trouble stays its own,
+// and those that fail become read suspects. Any other failure would fail every project's read
+// alike, and is returned.
+func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[string]Head, open map[string][]delivery) (first map[string]firstBatch, alone bool, err error) {
 	var projects []string
 	var after []int64
 	capacity := 0
 	for _, p := range held {
 		st, head := l.state[p], heads[p]
-		if st.position >= head.LastSequence || !l.leases.valid(p, st.epoch) {
+		if st.position >= head.LastSequence || !l.leases.valid(p, st.epoch) || l.readSuspects[p] {
 			continue
 		}
 		if _, ok := l.reconcileReason(st, head); ok {
@@ -297,20 +306,35 @@ func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[strin
 		capacity += int(min(head.LastSequence-st.position, int64(l.cfg.BatchSize)))
 	}
 	if len(projects) < 2 {
-		return nil, nil
+		return nil, false, nil
 	}
-	first, err := readFirstEvents(ctx, l.pool, projects, after, l.cfg.BatchSize, capacity)
+	first, err = readFirstEvents(ctx, l.pool, projects, after, l.cfg.BatchSize, capacity)
 	if err == nil {
-		return first, nil
+		return first, false, nil
 	}
 	if ctx.Err() != nil || !readIsolatable(err) {
-		return nil, err
+		return nil, false, err
 	}
 	if n, ok := l.skipLog.due("read events", time.Now()); ok {
 		l.log.Warn("the read of several projects' events failed; each project is read alone",
 			zap.Int("projects", len(projects)), zap.Int("times_since_last_logged", n), zap.Error(err))
 	}
-	return nil, nil
+	return nil, true, nil
+}
+
+// suspectRead notes how a project that read alone fared (see readSuspects): a failure other
+// than a lost lease or a stop keeps it out of the combined read, a success lets it back in.
+func (l *scanLoop) suspectRead(project string, err error) {
+	switch {
+	case err == nil:
+		delete(l.readSuspects, project)
+	case errors.Is(err, ErrLeaseLost), errors.Is(err, context.Canceled):
+	default:
+		if l.readSuspects == nil {
+			l.readSuspects = map[string]bool{}
+		}
+		l.readSuspects[project] = true
+	}
 }
 
 // headOfLineRetry is the retrying delivery among open that the stream positioned at position
