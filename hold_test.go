@@ -3,10 +3,12 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
@@ -249,4 +251,60 @@ func TestConsumersOfAProjectLeaveItToOneSequencer(t *testing.T) {
 	}
 	otherRec.waitCount(t, ctx, n+1)
 	require.EqualValues(t, 1, other.Stats().Numbered)
+}
+
+// sequencerCalls counts the consumer's sequencer calls a pool sends, and closes third when
+// the third starts.
+type sequencerCalls struct {
+	n     atomic.Int64
+	third chan struct{}
+}
+
+func (s *sequencerCalls) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if d.SQL == outbox.Statements["sequenceHeldSQL"] && s.n.Add(1) == 3 {
+		close(s.third)
+	}
+	return ctx
+}
+
+func (s *sequencerCalls) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestDrainNumbersTheNextBatchWhileDispatching: draining a backlog, the consumer numbers the
+// next batch while its listeners handle this one. The listener holds the first event of the
+// second batch until a third sequencer call has started: a loop that numbered only between
+// batches would never start it, since it is busy dispatching that event.
+func TestDrainNumbersTheNextBatchWhileDispatching(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	seeder := pgtest.Pool(t, db.URL)
+	const n, batch = 20, 5
+	for i := range n {
+		_, err := seeder.Exec(ctx, insertPendingRow, "p", fmt.Sprintf("t%02d", i))
+		require.NoError(t, err)
+	}
+	calls := &sequencerCalls{third: make(chan struct{})}
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.Tracer = calls
+	pool := pgtest.PoolConfig(t, cfg)
+
+	c := fastConfig()
+	c.SequenceBatchSize, c.BatchSize = batch, batch
+	_, rec := startConsumer(t, pool, "c1", []string{"p"}, c, nil)
+	var waited atomic.Bool
+	rec.setFail(func(ev outbox.ObservedEvent) error {
+		if ev.Sequence != batch+1 {
+			return nil
+		}
+		select {
+		case <-calls.third:
+			waited.Store(true)
+		case <-time.After(10 * time.Second):
+		}
+		return nil
+	})
+	evs := rec.waitCount(t, ctx, n)
+	require.True(t, waited.Load(), "no sequencer call while the second batch was dispatched")
+	require.Equal(t, upTo(n), sequencesByProject(evs)["p"], "every event once, in order")
 }

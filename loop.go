@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"sync/atomic"
 	"time"
@@ -44,7 +45,9 @@ type scanLoop struct {
 	readSuspects map[string]bool
 	holder       holder      // this instance as its projects' sequencer
 	holding      atomic.Bool // a sequencer call of this instance took a hold
-	skipLog      logEvery    // owned by the loop goroutine
+	// prefetched is the sequencer call in flight while the loop reads (see prefetch).
+	prefetched *prefetch
+	skipLog    logEvery // owned by the loop goroutine
 }
 
 // streamState is the loop's view of one project stream.
@@ -86,6 +89,7 @@ const maxBusyFollowUps = 25
 func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	s := l.dispatch.session(ctx, l.cfg.ListenerTimeout, abandon)
 	defer s.close()
+	defer l.takePrefetch() // the call in flight ends with ctx; nothing outlives the loop
 	s.trace, s.metrics = l.trace, l.metrics
 	poll := time.NewTimer(0)
 	defer poll.Stop()
@@ -366,11 +370,30 @@ func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]
 			mine = append(mine, p)
 		}
 	}
+	// What the call made while the last scan read and dispatched already numbered: its heads
+	// stand for this scan's call in the projects it covered.
 	heads := map[string]Head{}
 	var err error
+	at := map[string]time.Time{} // when each head was read, for the holds it reports
+	if pf := l.takePrefetch(); pf != nil && pf.err == nil {
+		rest := mine[:0:0]
+		for _, p := range mine {
+			if h, ok := pf.heads[p]; ok && slices.Contains(pf.projects, p) {
+				heads[p], at[p] = h, pf.at
+			} else {
+				rest = append(rest, p)
+			}
+		}
+		mine = rest
+	}
 	if len(mine) > 0 {
-		if heads, err = l.sequenceMine(ctx, mine); err != nil && !errors.As(err, new(*ProjectErrors)) {
-			return nil, err
+		got, serr := l.sequenceMine(ctx, mine)
+		if serr != nil && !errors.As(serr, new(*ProjectErrors)) {
+			return nil, serr
+		}
+		err = serr
+		for p, h := range got {
+			heads[p] = h
 		}
 	}
 	if len(elsewhere) > 0 {
@@ -383,19 +406,66 @@ func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]
 			heads[p] = h
 		}
 	}
+	var backlog []string
 	for p, h := range heads {
 		st := l.state[p]
 		if st == nil {
 			continue
 		}
+		read, ok := at[p]
+		if !ok {
+			read = now
+		}
 		if h.heldFor > 0 {
-			st.heldElsewhere = now.Add(h.heldFor)
+			st.heldElsewhere = read.Add(h.heldFor)
 		} else if h.Assigned > 0 {
 			l.holding.Store(true)
 			l.stats.numbered.Add(int64(h.Assigned))
 		}
+		if h.Assigned >= l.cfg.SequenceBatchSize {
+			backlog = append(backlog, p) // a full batch: there is likely more to number
+		}
+	}
+	if len(backlog) > 0 && ctx.Err() == nil {
+		l.startPrefetch(ctx, backlog)
 	}
 	return heads, err
+}
+
+// prefetch is a sequencer call made while the loop reads and dispatches what the last call
+// numbered, so that draining a backlog numbers the next batch meanwhile instead of after.
+type prefetch struct {
+	projects []string
+	at       time.Time
+	done     chan struct{}
+	heads    map[string]Head
+	err      error
+}
+
+// startPrefetch calls the sequencer for projects in the background. Only one call is in
+// flight, and the loop goroutine uses l.seq only after taking it (takePrefetch).
+func (l *scanLoop) startPrefetch(ctx context.Context, projects []string) {
+	sort.Strings(projects)
+	pf := &prefetch{projects: projects, at: time.Now(), done: make(chan struct{})}
+	l.prefetched = pf
+	go func() {
+		defer close(pf.done)
+		pf.heads, pf.err = l.sequenceMine(ctx, projects)
+	}()
+}
+
+// takePrefetch waits for the call in flight, if any, and hands it over.
+func (l *scanLoop) takePrefetch() *prefetch {
+	pf := l.prefetched
+	if pf == nil {
+		return nil
+	}
+	l.prefetched = nil
+	<-pf.done
+	if pf.err != nil && !errors.Is(pf.err, context.Canceled) {
+		logTransient(l.log, "sequence ahead", pf.err) // this scan calls again for those projects
+	}
+	return pf
 }
 
 // sequenceMine is the sequencer call, in a span when tracing is on.

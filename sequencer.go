@@ -113,8 +113,9 @@ func Sequence(ctx context.Context, db DBTX, projects []string, limit int) (map[s
 }
 
 // sequence is Sequence; without wait, a project another sequencer is numbering comes back
-// at once with Busy set instead of waiting for that sequencer's lock. With a holder, a project
-// another instance holds comes back with heldFor set, and nothing numbered.
+// at once with Busy set instead of waiting for that sequencer's lock, and each project gets one
+// batch of at most limit. With a holder, a project another instance holds comes back with
+// heldFor set, and nothing numbered.
 func sequence(ctx context.Context, db DBTX, projects []string, limit int, wait bool, h *holder) (map[string]Head, error) {
 	heads := make(map[string]Head, len(projects))
 	for {
@@ -134,7 +135,9 @@ func sequence(ctx context.Context, db DBTX, projects []string, limit int, wait b
 			h.Assigned += heads[h.ProjectID].Assigned
 			heads[h.ProjectID] = h
 		}
-		if len(more) == 0 {
+		if len(more) == 0 || !wait {
+			// The consumer's call numbers one batch per project: it reads that batch while the
+			// next is numbered (see the scan loop's prefetch).
 			return heads, nil
 		}
 		projects = more
