@@ -422,7 +422,8 @@ func TestReconcilingProjectsAreNotReadAhead(t *testing.T) {
 	for _, p := range projects {
 		waitCursor(t, waitCtx, seeder, p, "c1", 3)
 	}
-	require.Equal(t, int64(3), c.Stats().Reconciliations)
+	// The counter moves just after the cursor commits, so it may lag the cursor a moment.
+	require.Eventually(t, func() bool { return c.Stats().Reconciliations == 3 }, 10*time.Second, time.Millisecond)
 	combined, single, _ := tr.readsFrom(0)
 	require.Zero(t, combined, "history that reconciliation skips is not read ahead")
 	require.Zero(t, single)
