@@ -40,6 +40,12 @@ func startPooledProcess(t *testing.T, pool *pgxpool.Pool, o processOpts, metrics
 	core, logs := observer.New(zap.WarnLevel)
 	log := zap.New(zapcore.NewTee(zaptest.NewLogger(t).Core(), core))
 	p := &pooledProcess{process: process{pool: pool, rec: newRecorder()}, logs: logs}
+	bouncer := pgtest.Bouncer(t)
+	p.stalled = func() string {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		return bouncer.State(sctx)
+	}
 	w, err := outbox.NewWriter(pool, o.cfg, log)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = w.Close(context.Background()) })

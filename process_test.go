@@ -93,6 +93,8 @@ type process struct {
 	writer   *outbox.Writer
 	consumer *outbox.Consumer
 	rec      *recorder
+	// stalled, when set, describes what the process's connections wait on (the bouncer's state).
+	stalled func() string
 }
 
 type processOpts struct {
@@ -160,7 +162,19 @@ func (p *process) start(t *testing.T) {
 func (p *process) stop(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	require.NoError(t, p.consumer.Stop(ctx))
+	done := make(chan error, 1)
+	go func() { done <- p.consumer.Stop(ctx) }()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		// A stop this slow has stalled (seen through PgBouncer, cause not found): say what the
+		// bouncer holds while it does.
+		if p.stalled != nil {
+			t.Logf("consumer stop still running after 10s; the bouncer: %s", p.stalled())
+		}
+		require.NoError(t, <-done)
+	}
 }
 
 func fastConfig() outbox.Config {

@@ -27,6 +27,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"fusion/outbox/internal/pgcluster"
 )
 
@@ -383,4 +385,50 @@ func (b *Bouncer) Stop() {
 	_ = b.reaperPipe.Close()
 	_ = b.reaper.Wait()
 	_ = os.RemoveAll(b.dir)
+}
+
+// State is what the admin console says of the pools, server connections and clients, as text,
+// for a test to log while something waits on the bouncer. It never fails: an error is part of
+// the text.
+func (b *Bouncer) State(ctx context.Context) string {
+	cfg, err := pgx.ParseConfig(b.DSN("postgres", "pgbouncer"))
+	if err != nil {
+		return "pgbouncer state: " + err.Error()
+	}
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol // all the admin console speaks
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return "pgbouncer state: " + err.Error()
+	}
+	defer conn.Close(context.Background())
+	var s strings.Builder
+	for _, show := range []string{"SHOW POOLS", "SHOW SERVERS", "SHOW CLIENTS"} {
+		fmt.Fprintf(&s, "\n%s:\n", show)
+		rows, err := conn.Query(ctx, show)
+		if err != nil {
+			fmt.Fprintf(&s, "  %v\n", err)
+			continue
+		}
+		names := make([]string, 0, len(rows.FieldDescriptions()))
+		for _, f := range rows.FieldDescriptions() {
+			names = append(names, f.Name)
+		}
+		fmt.Fprintf(&s, "  %s\n", strings.Join(names, " | "))
+		for rows.Next() {
+			vals, err := rows.Values()
+			if err != nil {
+				fmt.Fprintf(&s, "  %v\n", err)
+				break
+			}
+			cells := make([]string, len(vals))
+			for i, v := range vals {
+				cells[i] = fmt.Sprint(v)
+			}
+			fmt.Fprintf(&s, "  %s\n", strings.Join(cells, " | "))
+		}
+		if err := rows.Err(); err != nil {
+			fmt.Fprintf(&s, "  %v\n", err)
+		}
+	}
+	return s.String() + b.LogTail()
 }

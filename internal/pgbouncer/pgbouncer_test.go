@@ -55,4 +55,10 @@ func TestBouncerForwardsTransactionsAndAddsUsers(t *testing.T) {
 	var who string
 	require.NoError(t, guest.QueryRow(ctx, "SELECT current_user").Scan(&who))
 	require.Equal(t, "bouncer_guest", who)
+
+	// The admin console's view, for a test to log while something waits on the bouncer.
+	state := b.State(ctx)
+	require.Contains(t, state, "SHOW POOLS:")
+	require.Contains(t, state, "bouncer_guest", "the guest's pool and client are listed")
+	require.NotContains(t, state, "pgbouncer state:", "the console answered")
 }
