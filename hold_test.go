@@ -253,22 +253,6 @@ func TestConsumersOfAProjectLeaveItToOneSequencer(t *testing.T) {
 	require.EqualValues(t, 1, other.Stats().Numbered)
 }
 
-// sequencerCalls counts the consumer's sequencer calls a pool sends, and closes third when
-// the third starts.
-type sequencerCalls struct {
-	n     atomic.Int64
-	third chan struct{}
-}
-
-func (s *sequencerCalls) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	if d.SQL == outbox.Statements["sequenceHeldSQL"] && s.n.Add(1) == 3 {
-		close(s.third)
-	}
-	return ctx
-}
-
-func (s *sequencerCalls) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
 // TestDrainNumbersTheNextBatchWhileDispatching: draining a backlog, the consumer numbers the
 // next batch while its listeners handle this one. The listener holds the first event of the
 // second batch until a third sequencer call has started: a loop that numbered only between
@@ -283,7 +267,7 @@ func TestDrainNumbersTheNextBatchWhileDispatching(t *testing.T) {
 		_, err := seeder.Exec(ctx, insertPendingRow, "p", fmt.Sprintf("t%02d", i))
 		require.NoError(t, err)
 	}
-	calls := &sequencerCalls{third: make(chan struct{})}
+	calls := &statementCounter{sql: outbox.Statements["sequenceHeldSQL"], at: 3, reached: make(chan struct{})}
 	cfg, err := pgxpool.ParseConfig(db.URL)
 	require.NoError(t, err)
 	cfg.ConnConfig.Tracer = calls
@@ -298,7 +282,7 @@ func TestDrainNumbersTheNextBatchWhileDispatching(t *testing.T) {
 			return nil
 		}
 		select {
-		case <-calls.third:
+		case <-calls.reached:
 			waited.Store(true)
 		case <-time.After(10 * time.Second):
 		}

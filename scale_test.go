@@ -16,11 +16,22 @@ import (
 	"fusion/outbox/internal/pgtest"
 )
 
-// statementCounter counts the statements a pool sends.
-type statementCounter struct{ n atomic.Int64 }
+// statementCounter counts the statements a pool sends (those with text sql, when it is set),
+// and closes reached, when it is not nil, as the count reaches at.
+type statementCounter struct {
+	n       atomic.Int64
+	sql     string
+	at      int64
+	reached chan struct{}
+}
 
-func (s *statementCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	s.n.Add(1)
+func (s *statementCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if s.sql != "" && d.SQL != s.sql {
+		return ctx
+	}
+	if s.n.Add(1) == s.at && s.reached != nil {
+		close(s.reached)
+	}
 	return ctx
 }
 
