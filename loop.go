@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sort"
 	"sync/atomic"
 	"time"
@@ -378,7 +377,7 @@ func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]
 	if pf := l.takePrefetch(); pf != nil && pf.err == nil {
 		rest := mine[:0:0]
 		for _, p := range mine {
-			if h, ok := pf.heads[p]; ok && slices.Contains(pf.projects, p) {
+			if h, ok := pf.heads[p]; ok {
 				heads[p], at[p] = h, pf.at
 			} else {
 				rest = append(rest, p)
@@ -435,18 +434,16 @@ func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]
 // prefetch is a sequencer call made while the loop reads and dispatches what the last call
 // numbered, so that draining a backlog numbers the next batch meanwhile instead of after.
 type prefetch struct {
-	projects []string
-	at       time.Time
-	done     chan struct{}
-	heads    map[string]Head
-	err      error
+	at    time.Time
+	done  chan struct{}
+	heads map[string]Head
+	err   error
 }
 
 // startPrefetch calls the sequencer for projects in the background. Only one call is in
 // flight, and the loop goroutine uses l.seq only after taking it (takePrefetch).
 func (l *scanLoop) startPrefetch(ctx context.Context, projects []string) {
-	sort.Strings(projects)
-	pf := &prefetch{projects: projects, at: time.Now(), done: make(chan struct{})}
+	pf := &prefetch{at: time.Now(), done: make(chan struct{})}
 	l.prefetched = pf
 	go func() {
 		defer close(pf.done)
