@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"runtime"
@@ -33,6 +35,10 @@ type Header struct {
 	// Load1m is the machine's one-minute load average when the case started: the machine is
 	// shared, and a busy neighbour shows here.
 	Load1m float64 `json:"load_1m"`
+	// Roles says as whom the host's deletes and the consumers ran: "component", a writer role
+	// and a consumer role granted as the README says, so that row-level security and column
+	// privileges cost what they cost a real host. Setup and measurement run as the superuser.
+	Roles string `json:"roles"`
 }
 
 // Env is where cases run: a server on which each case gets fresh, migrated databases.
@@ -43,17 +49,24 @@ type Env struct {
 	close  func()
 }
 
-// DB is one fresh database with the outbox and reference host schemas.
+// DB is one fresh database with the outbox and reference host schemas, and a login role for
+// each component that runs on it.
 type DB struct {
-	Name string
-	cfg  *pgxpool.Config
-	drop func()
+	Name     string
+	cfg      *pgxpool.Config
+	drop     func()
+	writer   loginRole
+	consumer loginRole
 }
+
+// loginRole is a role the bench created for one database.
+type loginRole struct{ name, password string }
 
 // Header returns the line header for a case.
 func (e *Env) Header(bench string) Header {
 	h := e.header
 	h.Bench = bench
+	h.Roles = componentRoles
 	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
 		if f := strings.Fields(string(b)); len(f) > 0 {
 			h.Load1m, _ = strconv.ParseFloat(f[0], 64)
@@ -97,11 +110,42 @@ func (d *DB) Drop() {
 	}
 }
 
-// Pool opens a pool of at most maxConns connections on the database. tracer may be nil.
+// Pool opens a pool of at most maxConns connections on the database as the superuser, for
+// setup and measurement. tracer may be nil.
 func (d *DB) Pool(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
+	return d.rolePool(ctx, loginRole{}, maxConns, tracer)
+}
+
+// Pools opens a superuser pool of two connections for setup and a writer role's pool of
+// maxConns (with tracer, which may be nil) for the host; closePools closes both.
+func (d *DB) Pools(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (admin, writer *pgxpool.Pool, closePools func(), err error) {
+	if admin, err = d.Pool(ctx, 2, nil); err != nil {
+		return nil, nil, nil, err
+	}
+	if writer, err = d.WriterPool(ctx, maxConns, tracer); err != nil {
+		admin.Close()
+		return nil, nil, nil, err
+	}
+	return admin, writer, func() { writer.Close(); admin.Close() }, nil
+}
+
+// WriterPool opens a pool as the database's writer role: the host's deletes run on it.
+func (d *DB) WriterPool(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
+	return d.rolePool(ctx, d.writer, maxConns, tracer)
+}
+
+// ConsumerPool opens a pool as the database's consumer role.
+func (d *DB) ConsumerPool(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
+	return d.rolePool(ctx, d.consumer, maxConns, tracer)
+}
+
+func (d *DB) rolePool(ctx context.Context, role loginRole, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
 	cfg := d.cfg.Copy()
 	cfg.MaxConns = maxConns
 	cfg.ConnConfig.Tracer = tracer
+	if role.name != "" {
+		cfg.ConnConfig.User, cfg.ConnConfig.Password = role.name, role.password
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("open pool on %s: %w", d.Name, err)
@@ -253,7 +297,76 @@ func createDB(ctx context.Context, dsn string, admin *pgx.ConnConfig, name strin
 		db.Drop()
 		return nil, fmt.Errorf("migrate %s: %w", name, err)
 	}
+	if err := db.createRoles(ctx); err != nil {
+		db.Drop()
+		return nil, err
+	}
+	dropDB := db.drop
+	db.drop = func() {
+		dropDB()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_ = adminExec(ctx, "DROP ROLE IF EXISTS "+pgx.Identifier{db.writer.name}.Sanitize()+", "+pgx.Identifier{db.consumer.name}.Sanitize())
+	}
 	return db, nil
+}
+
+// componentRoles is the Header's Roles: see there.
+const componentRoles = "component"
+
+// hostTables are the reference host's tables, on which its writer role gets the host's own grants.
+const hostTables = "tasks, run_audit, mailbox_notices, settings"
+
+// createRoles creates the database's writer and consumer login roles and grants them what the
+// README tells a host to grant, in every project, and on the host's tables what the host needs.
+func (d *DB) createRoles(ctx context.Context) error {
+	conn, err := pgx.ConnectConfig(ctx, d.cfg.ConnConfig)
+	if err != nil {
+		return fmt.Errorf("connect to %s: %w", d.Name, err)
+	}
+	defer conn.Close(ctx)
+	var suffix int64
+	if err := conn.QueryRow(ctx, "SELECT oid::bigint FROM pg_database WHERE datname = current_database()").Scan(&suffix); err != nil {
+		return fmt.Errorf("read database oid: %w", err)
+	}
+	for _, r := range []*loginRole{&d.writer, &d.consumer} {
+		key := make([]byte, 16)
+		if _, err := rand.Read(key); err != nil {
+			return fmt.Errorf("role password: %w", err)
+		}
+		kind := "writer"
+		if r == &d.consumer {
+			kind = "consumer"
+		}
+		r.name, r.password = fmt.Sprintf("outbox_bench_%s_%d", kind, suffix), hex.EncodeToString(key)
+		// The password is hex, so it needs no quoting beyond the literal's.
+		if _, err := conn.Exec(ctx, "CREATE ROLE "+pgx.Identifier{r.name}.Sanitize()+" LOGIN PASSWORD '"+r.password+"'"); err != nil {
+			return fmt.Errorf("create role %s: %w", r.name, err)
+		}
+	}
+	w, c := pgx.Identifier{d.writer.name}.Sanitize(), pgx.Identifier{d.consumer.name}.Sanitize()
+	steps := []struct {
+		what string
+		run  func() error
+	}{
+		{"writer grants", func() error { return outbox.GrantWriterRole(ctx, conn, d.writer.name, "*") }},
+		{"host grants", func() error {
+			_, err := conn.Exec(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON "+hostTables+" TO "+w)
+			return err
+		}},
+		{"consumer grants", func() error { return outbox.GrantConsumerRole(ctx, conn, d.consumer.name, "bench", "*") }},
+		{"consumer identities", func() error { return outbox.GrantConsumerAccess(ctx, conn, d.consumer.name, "*") }},
+		{"consumer's host grants", func() error {
+			_, err := conn.Exec(ctx, "GRANT SELECT ON tasks TO "+c)
+			return err
+		}},
+	}
+	for _, s := range steps {
+		if err := s.run(); err != nil {
+			return fmt.Errorf("%s on %s: %w", s.what, d.Name, err)
+		}
+	}
+	return nil
 }
 
 func migrateDB(ctx context.Context, cfg *pgx.ConnConfig) error {
@@ -269,10 +382,11 @@ func migrateDB(ctx context.Context, cfg *pgx.ConnConfig) error {
 }
 
 // existingDB wraps a database someone else created and migrated (the tests' pgtest database).
-func existingDB(url string) (*DB, error) {
+func existingDB(ctx context.Context, url string) (*DB, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("parse database URL: %w", err)
 	}
-	return &DB{Name: cfg.ConnConfig.Database, cfg: cfg}, nil
+	db := &DB{Name: cfg.ConnConfig.Database, cfg: cfg}
+	return db, db.createRoles(ctx)
 }

@@ -252,7 +252,7 @@ func (r *runningConsumer) Close() {
 
 func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsumer, error) {
 	// Two pool connections at most, plus the hijacked LISTEN connection.
-	pool, err := db.Pool(ctx, 4, s.tracer)
+	pool, err := db.ConsumerPool(ctx, 4, s.tracer)
 	if err != nil {
 		return nil, err
 	}

@@ -57,13 +57,13 @@ func runLatency(ctx context.Context, env *Env, o latencyOpts) (latencyResult, er
 		return res, err
 	}
 	defer db.Drop()
-	pool, err := db.Pool(ctx, int32(o.writers+2), &stampTracer{})
+	admin, pool, closePools, err := db.Pools(ctx, int32(o.writers+2), &stampTracer{})
 	if err != nil {
 		return res, err
 	}
-	defer pool.Close()
+	defer closePools()
 	const project, consumer = "lat", "bench-latency"
-	if err := createTasks(ctx, pool, project, "t", 0, total-1, 1); err != nil {
+	if err := createTasks(ctx, admin, project, "t", 0, total-1, 1); err != nil {
 		return res, err
 	}
 	store, w, err := newHost(pool, true, true)
@@ -79,7 +79,7 @@ func runLatency(ctx context.Context, env *Env, o latencyOpts) (latencyResult, er
 	}
 	defer c.Close()
 	// The first scan positions the new cursor (at the head, by reconciliation); wait for it.
-	if _, ok := waitCursor(ctx, pool, consumer, project, 0, 10*time.Second); !ok {
+	if _, ok := waitCursor(ctx, admin, consumer, project, 0, 10*time.Second); !ok {
 		return res, errors.New("latency: the consumer never positioned its cursor")
 	}
 

@@ -75,9 +75,17 @@ const (
 )
 
 func rawDelete(extra int) sideSetup {
-	return func(ctx context.Context, pool *pgxpool.Pool) (deleteFunc, func(), error) {
-		if _, err := pool.Exec(ctx, scratchDDL); err != nil {
+	return func(ctx context.Context, admin, pool *pgxpool.Pool) (deleteFunc, func(), error) {
+		if _, err := admin.Exec(ctx, scratchDDL); err != nil {
 			return nil, nil, fmt.Errorf("create scratch table: %w", err)
+		}
+		// The writer role inserts into it, as into any table of the host's.
+		var writer string
+		if err := pool.QueryRow(ctx, "SELECT current_user").Scan(&writer); err != nil {
+			return nil, nil, fmt.Errorf("read writer role: %w", err)
+		}
+		if _, err := admin.Exec(ctx, "GRANT INSERT ON bench_scratch TO "+pgx.Identifier{writer}.Sanitize()); err != nil {
+			return nil, nil, fmt.Errorf("grant scratch table: %w", err)
 		}
 		// The outbox row goes through the real writer hook, without its post-commit wake-up.
 		w, err := outbox.NewWriter(pool, outbox.Config{NotifyDisabled: true}, nil)

@@ -8,7 +8,7 @@
 // Without -dsn it starts its own throwaway cluster with durable settings (fsync,
 // synchronous_commit and full_page_writes on) and stops it on exit. Every case runs on fresh
 // databases created on that server and migrated with the module's and the reference host's
-// migrations; -dsn points at an existing server instead (its role needs CREATEDB).
+// migrations; -dsn points at an existing server instead (its role needs CREATEDB and CREATEROLE).
 //
 // Cases: write, write-trace, sequence, drain, latency, fanout, sustained, scale, ooo, reconcile,
 // limits, retention, and all. Run a case with -h for its flags. "chart" needs no database: it
@@ -61,7 +61,7 @@ type globalFlags struct {
 }
 
 func (g *globalFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&g.dsn, "dsn", g.dsn, "an existing PostgreSQL server (its role needs CREATEDB); default: a throwaway durable cluster")
+	fs.StringVar(&g.dsn, "dsn", g.dsn, "an existing PostgreSQL server (its role needs CREATEDB and CREATEROLE); default: a throwaway durable cluster")
 	fs.StringVar(&g.cpuprofile, "cpuprofile", g.cpuprofile, "write a CPU profile of the case(s) to this file")
 }
 

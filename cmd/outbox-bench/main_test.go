@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox/internal/pgcluster"
@@ -30,8 +31,8 @@ func testEnv(t *testing.T) *Env {
 	require.NoError(t, err)
 	h, err := newHeader(ctxT(t), cfg)
 	require.NoError(t, err)
-	return &Env{header: h, logf: t.Logf, newDB: func(context.Context, string) (*DB, error) {
-		return existingDB(pgtest.NewDB(t).URL)
+	return &Env{header: h, logf: t.Logf, newDB: func(ctx context.Context, _ string) (*DB, error) {
+		return existingDB(ctx, pgtest.NewDB(t).URL)
 	}}
 }
 
@@ -90,6 +91,37 @@ func TestWrite(t *testing.T) {
 		}
 		require.Positive(t, num(t, m, "outbox_vs_baseline"))
 	}
+}
+
+// The host's deletes and the consumers run as the roles the README prescribes, which row-level
+// security and column privileges bind: not as the superuser that sets the case up.
+func TestComponentPoolsRunAsBoundRoles(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	env := testEnv(t)
+	require.Equal(t, componentRoles, env.Header("write").Roles)
+	db, err := env.NewDB(ctx, "roles")
+	require.NoError(t, err)
+	for name, open := range map[string]func(context.Context, int32, pgx.QueryTracer) (*pgxpool.Pool, error){
+		"writer": db.WriterPool, "consumer": db.ConsumerPool,
+	} {
+		pool, err := open(ctx, 1, nil)
+		require.NoError(t, err, name)
+		var user string
+		var super, bypass bool
+		require.NoError(t, pool.QueryRow(ctx, `SELECT current_user, rolsuper, rolbypassrls FROM pg_roles WHERE rolname = current_user`).
+			Scan(&user, &super, &bypass), name)
+		require.Contains(t, user, name, name)
+		require.False(t, super, name)
+		require.False(t, bypass, name)
+		pool.Close()
+	}
+	// The writer may insert pending rows but not read the consumers' cursors.
+	writer, err := db.WriterPool(ctx, 1, nil)
+	require.NoError(t, err)
+	defer writer.Close()
+	_, err = writer.Exec(ctx, `SELECT 1 FROM lifecycle_consumer_cursors`)
+	require.ErrorContains(t, err, "permission denied")
 }
 
 // requireBacklog checks how a line says its backlog was written.

@@ -83,20 +83,23 @@ func runOOO(ctx context.Context, env *Env, o oooOpts, which string) (oooResult, 
 		return res, err
 	}
 	defer db.Drop()
-	pool, err := db.Pool(ctx, int32(o.writers+4), &stampTracer{})
+	admin, pool, closePools, err := db.Pools(ctx, int32(o.writers+4), &stampTracer{})
 	if err != nil {
 		return res, err
 	}
-	defer pool.Close()
+	defer closePools()
 	const projectA, projectB, consumer = "ooo-a", "ooo-b", "bench-ooo"
-	if err := createTasks(ctx, pool, projectA, "t", 0, o.events-1, 1); err != nil {
+	if err := createTasks(ctx, admin, projectA, "t", 0, o.events-1, 1); err != nil {
 		return res, err
 	}
-	if err := createTasks(ctx, pool, projectB, "held", 1, 1, 1); err != nil {
+	if err := createTasks(ctx, admin, projectB, "held", 1, 1, 1); err != nil {
 		return res, err
 	}
-	if _, err := pool.Exec(ctx, `CREATE TABLE bench_unrelated (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, note text)`); err != nil {
+	if _, err := admin.Exec(ctx, `CREATE TABLE bench_unrelated (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, note text)`); err != nil {
 		return res, fmt.Errorf("create unrelated table: %w", err)
+	}
+	if _, err := admin.Exec(ctx, `GRANT INSERT ON bench_unrelated TO `+pgx.Identifier{db.writer.name}.Sanitize()); err != nil {
+		return res, fmt.Errorf("grant unrelated table: %w", err)
 	}
 	store, w, err := newHost(pool, true, true)
 	if err != nil {
@@ -110,7 +113,7 @@ func runOOO(ctx context.Context, env *Env, o oooOpts, which string) (oooResult, 
 	}
 	defer c.Close()
 	for _, p := range []string{projectA, projectB} {
-		if _, ok := waitCursor(ctx, pool, consumer, p, 0, 10*time.Second); !ok {
+		if _, ok := waitCursor(ctx, admin, consumer, p, 0, 10*time.Second); !ok {
 			return res, errors.New("ooo: the consumer never positioned its cursors")
 		}
 	}

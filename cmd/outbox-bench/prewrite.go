@@ -102,19 +102,19 @@ func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, coun
 		return b, nil
 	}
 	b := Backlog{Kind: backlogUnsequenced, Prewrite: prewriteHost, PerTx: o.perTx, Writers: o.writers}
-	pool, err := db.Pool(ctx, int32(o.writers+1), nil)
+	admin, pool, closePools, err := db.Pools(ctx, int32(o.writers+1), nil)
 	if err != nil {
 		return b, err
 	}
-	defer pool.Close()
+	defer closePools()
 	total := 0
 	for p, project := range projects {
-		if err := createTasks(ctx, pool, project, prefix, 1, counts[p], 1); err != nil {
+		if err := createTasks(ctx, admin, project, prefix, 1, counts[p], 1); err != nil {
 			return b, err
 		}
 		total += counts[p]
 	}
-	if _, err := pool.Exec(ctx, "VACUUM ANALYZE tasks"); err != nil {
+	if _, err := admin.Exec(ctx, "VACUUM ANALYZE tasks"); err != nil {
 		return b, fmt.Errorf("vacuum tasks: %w", err)
 	}
 	env.Logf("prewriting %d events through the host's deletes (%d per transaction, %d writers)", total, o.perTx, o.writers)
@@ -124,7 +124,7 @@ func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, coun
 	}
 	b.Seconds = seconds(time.Since(t0))
 	for _, sql := range []string{"VACUUM ANALYZE lifecycle_outbox", "CHECKPOINT"} {
-		if _, err := pool.Exec(ctx, sql); err != nil {
+		if _, err := admin.Exec(ctx, sql); err != nil {
 			return b, fmt.Errorf("after prewrite: %s: %w", sql, err)
 		}
 	}

@@ -64,11 +64,11 @@ func runRetention(ctx context.Context, env *Env, o retentionOpts) (retentionResu
 		return res, err
 	}
 	defer db.Drop()
-	pool, err := db.Pool(ctx, int32(o.writers+4), nil)
+	pool, hostPool, closePools, err := db.Pools(ctx, int32(o.writers+4), nil)
 	if err != nil {
 		return res, err
 	}
-	defer pool.Close()
+	defer closePools()
 	const project = "ret"
 	env.Logf("retention: loading %d prunable rows", o.rows)
 	if err := insertBacklog(ctx, pool, project, "old", o.rows, true, 60*24*time.Hour); err != nil {
@@ -77,7 +77,7 @@ func runRetention(ctx context.Context, env *Env, o retentionOpts) (retentionResu
 	if err := createTasks(ctx, pool, project, "t", 1, o.tasks, 1); err != nil {
 		return res, err
 	}
-	store, w, err := newHost(pool, true, true)
+	store, w, err := newHost(hostPool, true, true)
 	if err != nil {
 		return res, err
 	}

@@ -11,13 +11,14 @@ import (
 // side is one database, its tasks and the delete each job runs: the write and limits cases
 // compare two of them.
 type side struct {
-	name   string
-	pool   *pgxpool.Pool
-	tracer *stampTracer
-	del    deleteFunc
-	jobs   []deleteJob
-	close  []func()
-	run    deleteRun
+	name string
+	// pool is the writer role's, for the deletes; admin the superuser's, for setup.
+	pool, admin *pgxpool.Pool
+	tracer      *stampTracer
+	del         deleteFunc
+	jobs        []deleteJob
+	close       []func()
+	run         deleteRun
 	// Statements the pool sent while the deletes ran, and the wake-ups among them.
 	statements, roundTrips, notifies int64
 	// CPU the bench process and the server used while the deletes ran.
@@ -31,30 +32,37 @@ func (s *side) Close() {
 	}
 }
 
-// sideSetup prepares a side's database and returns its delete; cleanup may be nil.
-type sideSetup func(ctx context.Context, pool *pgxpool.Pool) (del deleteFunc, cleanup func(), err error)
+// sideSetup prepares a side's database through admin and returns its delete, which runs on
+// pool; cleanup may be nil.
+type sideSetup func(ctx context.Context, admin, pool *pgxpool.Pool) (del deleteFunc, cleanup func(), err error)
 
 // newSide creates a fresh database with tasks t-0 .. t-(events-1), event e deleting task t-e
-// of project e mod projects, and a pool for the writers (plus the writer hook's NOTIFY).
+// of project e mod projects, and a pool for the writers (plus the writer hook's NOTIFY) as the
+// writer role.
 func newSide(ctx context.Context, env *Env, name string, writers, events, projects int, setup sideSetup) (*side, error) {
 	db, err := env.NewDB(ctx, name)
 	if err != nil {
 		return nil, err
 	}
 	s := &side{name: name, tracer: &stampTracer{}, close: []func(){db.Drop}}
-	if s.pool, err = db.Pool(ctx, int32(writers+2), s.tracer); err != nil {
+	if s.admin, err = db.Pool(ctx, 2, nil); err != nil {
+		s.Close()
+		return nil, err
+	}
+	s.close = append(s.close, s.admin.Close)
+	if s.pool, err = db.WriterPool(ctx, int32(writers+2), s.tracer); err != nil {
 		s.Close()
 		return nil, err
 	}
 	s.close = append(s.close, s.pool.Close)
 	s.server = findServer(ctx, s.pool)
 	for p := range projects {
-		if err := createTasks(ctx, s.pool, projectName(p), "t", p, events-1, projects); err != nil {
+		if err := createTasks(ctx, s.admin, projectName(p), "t", p, events-1, projects); err != nil {
 			s.Close()
 			return nil, err
 		}
 	}
-	if _, err := s.pool.Exec(ctx, "VACUUM ANALYZE tasks"); err != nil {
+	if _, err := s.admin.Exec(ctx, "VACUUM ANALYZE tasks"); err != nil {
 		s.Close()
 		return nil, fmt.Errorf("vacuum tasks: %w", err)
 	}
@@ -62,7 +70,7 @@ func newSide(ctx context.Context, env *Env, name string, writers, events, projec
 	for e := range s.jobs {
 		s.jobs[e] = deleteJob{project: projectName(e % projects), task: fmt.Sprintf("t-%d", e)}
 	}
-	del, cleanup, err := setup(ctx, s.pool)
+	del, cleanup, err := setup(ctx, s.admin, s.pool)
 	if err != nil {
 		s.Close()
 		return nil, err
@@ -95,7 +103,7 @@ func runABBA(ctx context.Context, env *Env, writers int, sides ...*side) error {
 		if step.half == 1 {
 			jobs = step.s.jobs[n:]
 		}
-		if _, err := step.s.pool.Exec(ctx, "CHECKPOINT"); err != nil {
+		if _, err := step.s.admin.Exec(ctx, "CHECKPOINT"); err != nil {
 			return fmt.Errorf("checkpoint: %w", err)
 		}
 		env.Logf("%s: half %d, %d deletes on %d writers", step.s.name, step.half+1, len(jobs), writers)

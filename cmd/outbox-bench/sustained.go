@@ -178,12 +178,13 @@ func (q *taskQueue) runFor(ctx context.Context, del deleteFunc, writers int, d t
 
 // sustainedDB is one side's database: tasks, a writers' pool and the host's delete.
 type sustainedDB struct {
-	db     *DB
-	pool   *pgxpool.Pool
-	del    deleteFunc
-	queue  *taskQueue
-	server *serverCPU
-	close  []func()
+	db *DB
+	// pool is the writer role's, for the deletes; admin the superuser's, for setup.
+	pool, admin *pgxpool.Pool
+	del         deleteFunc
+	queue       *taskQueue
+	server      *serverCPU
+	close       []func()
 }
 
 func (s *sustainedDB) Close() {
@@ -198,24 +199,29 @@ func newSustainedDB(ctx context.Context, env *Env, label string, o sustainedOpts
 		return nil, err
 	}
 	s := &sustainedDB{db: db, close: []func(){db.Drop}, queue: newTaskQueue(o.tasks, o.projects)}
-	if s.pool, err = db.Pool(ctx, int32(o.writers+2), &stampTracer{}); err != nil {
+	if s.admin, err = db.Pool(ctx, 2, nil); err != nil {
+		s.Close()
+		return nil, err
+	}
+	s.close = append(s.close, s.admin.Close)
+	if s.pool, err = db.WriterPool(ctx, int32(o.writers+2), &stampTracer{}); err != nil {
 		s.Close()
 		return nil, err
 	}
 	s.close = append(s.close, s.pool.Close)
 	s.server = findServer(ctx, s.pool)
 	for p := range o.projects {
-		if err := createTasks(ctx, s.pool, projectName(p), "t", p+1, o.tasks, o.projects); err != nil {
+		if err := createTasks(ctx, s.admin, projectName(p), "t", p+1, o.tasks, o.projects); err != nil {
 			s.Close()
 			return nil, err
 		}
 	}
-	if _, err := s.pool.Exec(ctx, "VACUUM ANALYZE tasks"); err != nil {
+	if _, err := s.admin.Exec(ctx, "VACUUM ANALYZE tasks"); err != nil {
 		s.Close()
 		return nil, fmt.Errorf("vacuum tasks: %w", err)
 	}
 	if o.mailbox == mailboxExcluded {
-		if _, err := s.pool.Exec(ctx, skipMailboxSQL); err != nil {
+		if _, err := s.admin.Exec(ctx, skipMailboxSQL); err != nil {
 			s.Close()
 			return nil, fmt.Errorf("exclude mailbox: %w", err)
 		}
@@ -235,7 +241,7 @@ func newSustainedDB(ctx context.Context, env *Env, label string, o sustainedOpts
 // phase runs the writers on s for d after a CHECKPOINT, measuring the server's CPU; start,
 // when not nil, runs right before the writers do.
 func (s *sustainedDB) phase(ctx context.Context, env *Env, name string, writers int, d time.Duration, start func() error) (deleteRun, time.Duration, error) {
-	if _, err := s.pool.Exec(ctx, "CHECKPOINT"); err != nil {
+	if _, err := s.admin.Exec(ctx, "CHECKPOINT"); err != nil {
 		return deleteRun{}, 0, fmt.Errorf("checkpoint: %w", err)
 	}
 	if start != nil {
@@ -276,7 +282,7 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		return res, err
 	}
 	defer ob.Close()
-	stats := openStatStatements(ctx, ob.pool)
+	stats := openStatStatements(ctx, ob.admin)
 
 	b1, b1CPU, err := base.phase(ctx, env, "baseline, first half", o.writers, phase/2, nil)
 	if err != nil {
@@ -309,7 +315,7 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 	}
 	defer stopConsumers()
 	// A new cursor is positioned at the head by the consumer's first scan; wait for all.
-	if err := waitPositioned(ctx, outbox.NewAdmin(ob.pool, outbox.AdminOptions{}), ids, o.consumers*o.projects, time.Minute); err != nil {
+	if err := waitPositioned(ctx, outbox.NewAdmin(ob.admin, outbox.AdminOptions{}), ids, o.consumers*o.projects, time.Minute); err != nil {
 		return res, fmt.Errorf("sustained: %w", err)
 	}
 

@@ -87,9 +87,9 @@ func runWrite(ctx context.Context, env *Env, o writeOpts) (writeResult, error) {
 		return res, fmt.Errorf("write: -mailbox must be %q or %q", mailboxExcluded, mailboxIncluded)
 	}
 	host := func(withOutbox bool) sideSetup {
-		return func(ctx context.Context, pool *pgxpool.Pool) (deleteFunc, func(), error) {
+		return func(ctx context.Context, admin, pool *pgxpool.Pool) (deleteFunc, func(), error) {
 			if o.mailbox == mailboxExcluded {
-				if _, err := pool.Exec(ctx, skipMailboxSQL); err != nil {
+				if _, err := admin.Exec(ctx, skipMailboxSQL); err != nil {
 					return nil, nil, fmt.Errorf("exclude mailbox: %w", err)
 				}
 			}

@@ -57,8 +57,8 @@ func runWriteTrace(ctx context.Context, env *Env, o writeTraceOpts) (writeTraceR
 		sdktrace.WithBatcher(tracetest.NewNoopExporter()))
 	defer func() { _ = tp.Shutdown(context.Background()) }()
 	host := func(hostSpan, moduleTraces bool) sideSetup {
-		return func(ctx context.Context, pool *pgxpool.Pool) (deleteFunc, func(), error) {
-			if _, err := pool.Exec(ctx, skipMailboxSQL); err != nil {
+		return func(ctx context.Context, admin, pool *pgxpool.Pool) (deleteFunc, func(), error) {
+			if _, err := admin.Exec(ctx, skipMailboxSQL); err != nil {
 				return nil, nil, fmt.Errorf("exclude mailbox: %w", err)
 			}
 			cfg := outbox.Config{WriterLabel: "bench"}
