@@ -85,6 +85,33 @@ func TestSequencerDropsAPendingRowTheStreamAlreadyHolds(t *testing.T) {
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`))
 }
 
+// TestSequencerMovesWithoutLookingUpEachRowFirst: the move lets the stream's key refuse a row
+// it holds already (the test above) instead of looking every row up before inserting it, which
+// cost as much as the key's own check (migration 0009). A batch of 200 new rows makes no index
+// scan of the stream's key.
+func TestSequencerMovesWithoutLookingUpEachRowFirst(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL) // one session, whose statistics it flushes
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		SELECT 'p', 't-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, 200) g`)
+	require.NoError(t, err)
+	keyScans := func() int {
+		_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
+		require.NoError(t, err)
+		var n int
+		require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(idx_scan, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = 'lifecycle_outbox_pkey'`).Scan(&n))
+		return n
+	}
+	before := keyScans()
+	heads, err := outbox.Sequence(ctx, conn, []string{"p"}, 1000)
+	require.NoError(t, err)
+	require.Equal(t, 200, heads["p"].Assigned)
+	require.Less(t, keyScans()-before, 10, "the move looked the rows up in the stream's key")
+}
+
 // TestSequencerMovesOnlyTheCallersProjects: the sequencer runs as its owner (it deletes pending
 // rows, and no consumer role may hold DELETE there), so it decides itself which projects the
 // caller may sequence. A project-A consumer can neither number, nor lock, nor see project B.
