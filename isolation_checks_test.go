@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -161,4 +162,32 @@ func TestConfigValidatesListenDSNWithoutEchoingIt(t *testing.T) {
 		require.True(t, errors.As(err, &v))
 	}
 	require.NoError(t, outbox.Config{ListenDSN: "host=db user=listener password='my Sup3rSecret phrase'"}.WithDefaults().Validate())
+}
+
+// TestIdentifierChecksRefuseWhatTheyRefusedBefore: the heads', cursors' and project grants'
+// identifier checks lost their bounded repetition (migration 0010, for speed) but accept and
+// refuse the same values: up to 128 characters from the class, starting with a letter or digit.
+func TestIdentifierChecksRefuseWhatTheyRefusedBefore(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	longest := "a" + strings.Repeat("b._:-", 25) + "cd" // 128 characters
+	require.Len(t, longest, 128)
+	statements := []string{
+		`INSERT INTO lifecycle_outbox_heads (project_id) VALUES ($1)`,
+		`INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ($1, 'c1')`,
+		`INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('p', $1)`,
+		`INSERT INTO lifecycle_project_access (role_name, project_id) VALUES ('someone', $1)`,
+	}
+	for i, stmt := range statements {
+		_, err := pool.Exec(ctx, stmt, fmt.Sprintf("%s%d", longest[:127], i))
+		require.NoError(t, err, "128 characters: %s", stmt)
+		for _, bad := range []string{longest + "x", ".leading-dot", "two words", "caf\u00e9", "", "tab\there"} {
+			_, err := pool.Exec(ctx, stmt, bad)
+			require.Error(t, err, "%q: %s", bad, stmt)
+			requireSQLState(t, err, "23514")
+		}
+	}
+	_, err := pool.Exec(ctx, statements[3], "*")
+	require.NoError(t, err, "every project")
 }
