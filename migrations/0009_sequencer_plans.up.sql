@@ -54,6 +54,7 @@ DECLARE
     v_moved_max      bigint[];
     v_announce text[];
     v_return   text[];
+    v_look     boolean;
 BEGIN
     IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
         RAISE EXCEPTION 'lifecycle_outbox_sequence must run at READ COMMITTED, not %',
@@ -183,86 +184,60 @@ BEGIN
         -- Every locked project's pending batch in one statement: taken in key order (a task's
         -- deletions in their order), numbered from the project's base by occurred_at within the
         -- batch, moved into the stream. The stream's key refuses a pending row whose identity it
-        -- holds already; then the batch moves again, in a statement that drops such rows. The
-        -- first try does not look for them: that look-up costs as much as the key's own.
+        -- holds already; then the batch moves again (v_look), dropping such rows. The first try
+        -- does not look for them: that look-up costs as much as the key's own check.
         PERFORM pg_catalog.set_config('plan_cache_mode', 'auto', true);
-        BEGIN
-            WITH locked AS (
-                SELECT l.project_id, l.base, l.room
-                FROM ROWS FROM (pg_catalog.unnest(v_locked), pg_catalog.unnest(v_base), pg_catalog.unnest(v_room)) AS l(project_id, base, room)
-                WHERE l.room OPERATOR(pg_catalog.>) 0
-            ), batch AS (
-                SELECT b.row_id
-                FROM locked l
-                CROSS JOIN LATERAL (
-                    SELECT q.ctid AS row_id
-                    FROM lifecycle_outbox_pending q
-                    WHERE q.project_id::text OPERATOR(pg_catalog.=) l.project_id
-                    ORDER BY q.project_id, q.task_id, q.deleted_at
-                    LIMIT l.room) AS b
-            ), moved AS (
-                DELETE FROM lifecycle_outbox_pending q
-                USING batch
-                WHERE q.ctid OPERATOR(pg_catalog.=) batch.row_id
-                RETURNING q.*
-            ), fresh AS (
-                SELECT m.*, pg_catalog.row_number() OVER (PARTITION BY m.project_id ORDER BY m.occurred_at, m.task_id, m.deleted_at) AS rn
-                FROM moved m
-            ), numbered AS (
-                INSERT INTO lifecycle_outbox
-                    (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
-                     writer_process_id, prior_column, trace_context)
-                SELECT f.project_id, f.task_id, f.deleted_at, l.base OPERATOR(pg_catalog.+) f.rn, f.event_type, f.archived,
-                       f.payload_version, f.occurred_at, f.writer_process_id, f.prior_column, f.trace_context
-                FROM fresh f JOIN locked l ON l.project_id OPERATOR(pg_catalog.=) f.project_id::text
-                RETURNING lifecycle_outbox.project_id, lifecycle_outbox.sequence
-            )
-            SELECT pg_catalog.array_agg(r.project_id), pg_catalog.array_agg(r.n), pg_catalog.array_agg(r.top)
-            INTO v_moved_projects, v_moved_counts, v_moved_max
-            FROM (SELECT numbered.project_id, pg_catalog.count(*)::integer AS n, pg_catalog.max(numbered.sequence) AS top
-                  FROM numbered GROUP BY numbered.project_id) AS r;
-        EXCEPTION WHEN unique_violation THEN
-            -- Some pending row's identity is in the stream already (written twice, by a
-            -- writer that should not have): the batch moves again, without such rows.
-            WITH locked AS (
-                SELECT l.project_id, l.base, l.room
-                FROM ROWS FROM (pg_catalog.unnest(v_locked), pg_catalog.unnest(v_base), pg_catalog.unnest(v_room)) AS l(project_id, base, room)
-                WHERE l.room OPERATOR(pg_catalog.>) 0
-            ), batch AS (
-                SELECT b.row_id
-                FROM locked l
-                CROSS JOIN LATERAL (
-                    SELECT q.ctid AS row_id
-                    FROM lifecycle_outbox_pending q
-                    WHERE q.project_id::text OPERATOR(pg_catalog.=) l.project_id
-                    ORDER BY q.project_id, q.task_id, q.deleted_at
-                    LIMIT l.room) AS b
-            ), moved AS (
-                DELETE FROM lifecycle_outbox_pending q
-                USING batch
-                WHERE q.ctid OPERATOR(pg_catalog.=) batch.row_id
-                RETURNING q.*
-            ), fresh AS (
-                SELECT m.*, pg_catalog.row_number() OVER (PARTITION BY m.project_id ORDER BY m.occurred_at, m.task_id, m.deleted_at) AS rn
-                FROM moved m
-                WHERE NOT EXISTS (
-                    SELECT 1 FROM lifecycle_outbox o
-                    WHERE o.project_id OPERATOR(pg_catalog.=) m.project_id::text AND o.task_id OPERATOR(pg_catalog.=) m.task_id::text
-                      AND o.deleted_at OPERATOR(pg_catalog.=) m.deleted_at::timestamptz)
-            ), numbered AS (
-                INSERT INTO lifecycle_outbox
-                    (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
-                     writer_process_id, prior_column, trace_context)
-                SELECT f.project_id, f.task_id, f.deleted_at, l.base OPERATOR(pg_catalog.+) f.rn, f.event_type, f.archived,
-                       f.payload_version, f.occurred_at, f.writer_process_id, f.prior_column, f.trace_context
-                FROM fresh f JOIN locked l ON l.project_id OPERATOR(pg_catalog.=) f.project_id::text
-                RETURNING lifecycle_outbox.project_id, lifecycle_outbox.sequence
-            )
-            SELECT pg_catalog.array_agg(r.project_id), pg_catalog.array_agg(r.n), pg_catalog.array_agg(r.top)
-            INTO v_moved_projects, v_moved_counts, v_moved_max
-            FROM (SELECT numbered.project_id, pg_catalog.count(*)::integer AS n, pg_catalog.max(numbered.sequence) AS top
-                  FROM numbered GROUP BY numbered.project_id) AS r;
-        END;
+        v_look := false;
+        LOOP
+            BEGIN
+                WITH locked AS (
+                    SELECT l.project_id, l.base, l.room
+                    FROM ROWS FROM (pg_catalog.unnest(v_locked), pg_catalog.unnest(v_base), pg_catalog.unnest(v_room)) AS l(project_id, base, room)
+                    WHERE l.room OPERATOR(pg_catalog.>) 0
+                ), batch AS (
+                    SELECT b.row_id
+                    FROM locked l
+                    CROSS JOIN LATERAL (
+                        SELECT q.ctid AS row_id
+                        FROM lifecycle_outbox_pending q
+                        WHERE q.project_id::text OPERATOR(pg_catalog.=) l.project_id
+                        ORDER BY q.project_id, q.task_id, q.deleted_at
+                        LIMIT l.room) AS b
+                ), moved AS (
+                    DELETE FROM lifecycle_outbox_pending q
+                    USING batch
+                    WHERE q.ctid OPERATOR(pg_catalog.=) batch.row_id
+                    RETURNING q.*
+                ), fresh AS (
+                    SELECT m.*, pg_catalog.row_number() OVER (PARTITION BY m.project_id ORDER BY m.occurred_at, m.task_id, m.deleted_at) AS rn
+                    FROM moved m
+                    WHERE NOT v_look OR NOT EXISTS (
+                        SELECT 1 FROM lifecycle_outbox o
+                        WHERE o.project_id OPERATOR(pg_catalog.=) m.project_id::text AND o.task_id OPERATOR(pg_catalog.=) m.task_id::text
+                          AND o.deleted_at OPERATOR(pg_catalog.=) m.deleted_at::timestamptz)
+                ), numbered AS (
+                    INSERT INTO lifecycle_outbox
+                        (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
+                         writer_process_id, prior_column, trace_context)
+                    SELECT f.project_id, f.task_id, f.deleted_at, l.base OPERATOR(pg_catalog.+) f.rn, f.event_type, f.archived,
+                           f.payload_version, f.occurred_at, f.writer_process_id, f.prior_column, f.trace_context
+                    FROM fresh f JOIN locked l ON l.project_id OPERATOR(pg_catalog.=) f.project_id::text
+                    RETURNING lifecycle_outbox.project_id, lifecycle_outbox.sequence
+                )
+                SELECT pg_catalog.array_agg(r.project_id), pg_catalog.array_agg(r.n), pg_catalog.array_agg(r.top)
+                INTO v_moved_projects, v_moved_counts, v_moved_max
+                FROM (SELECT numbered.project_id, pg_catalog.count(*)::integer AS n, pg_catalog.max(numbered.sequence) AS top
+                      FROM numbered GROUP BY numbered.project_id) AS r;
+                EXIT;
+            EXCEPTION WHEN unique_violation THEN
+                -- Some pending row's identity is in the stream already (an event written
+                -- twice). A second refusal is not that, and goes to the caller.
+                IF v_look THEN
+                    RAISE;
+                END IF;
+                v_look := true;
+            END;
+        END LOOP;
         PERFORM pg_catalog.set_config('plan_cache_mode', 'force_generic_plan', true);
 
         -- Only a sequencer holding the heads lock numbers rows, so nothing can be skipped here;
