@@ -123,9 +123,14 @@ AND NOT EXISTS (
 
 const countPrunableSQL = `SELECT pg_catalog.count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
 
+// pruneBatchSQL deletes the first $5 prunable rows above $6, the highest sequence this sweep
+// pruned in the project before: a batch that started from the bottom again would step over
+// the index entries of every row the sweep deleted so far, which cannot be marked dead while
+// a snapshot from before their deletion lives.
 const pruneBatchSQL = `
 WITH doomed AS (
     SELECT o.ctid AS row_id FROM lifecycle_outbox o WHERE ` + prunableWhere + `
+      AND o.sequence > $6
     ORDER BY o.sequence
     LIMIT $5
 ), gone AS (
@@ -209,8 +214,9 @@ func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 	// that project's pruning only: the others and the dead letters are pruned all the same.
 	failed := map[string]error{}
 	for _, p := range plans {
+		var after int64 // the highest sequence pruned in p by this sweep
 		for budget > 0 {
-			n, err := r.pruneBatch(ctx, p, min(int64(r.cfg.RetentionBatchSize), budget), &res)
+			n, err := r.pruneBatch(ctx, p, min(int64(r.cfg.RetentionBatchSize), budget), &after, &res)
 			if err != nil && ctx.Err() != nil {
 				return res, err
 			}
@@ -258,11 +264,12 @@ func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 	return res, err
 }
 
-// pruneBatch deletes up to limit rows of one project and raises its floor, in one transaction.
+// pruneBatch deletes up to limit rows of one project above *after and raises its floor, in one
+// transaction; *after becomes the highest sequence it deleted.
 // The plan is a sweep's starting point; each batch re-reads the slowest live cursor, so that
 // one created or reinstated since holds its rows back. (One that appears between that read
 // and the commit finds the raised floor and reconciles.)
-func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, res *RetentionResult) (int64, error) {
+func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, after *int64, res *RetentionResult) (int64, error) {
 	if p.Through <= 0 {
 		return 0, nil
 	}
@@ -279,7 +286,7 @@ func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, re
 		if through <= 0 {
 			return nil
 		}
-		if err := tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow, limit).Scan(&n, &maxSeq); err != nil {
+		if err := tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow, limit, *after).Scan(&n, &maxSeq); err != nil {
 			return err
 		}
 		if n == 0 {
@@ -292,6 +299,7 @@ func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, re
 		return 0, fmt.Errorf("prune project %s: %w", p.ProjectID, err)
 	}
 	if n > 0 {
+		*after = maxSeq
 		res.Batches++
 		res.PrunedByProject[p.ProjectID] += n
 		res.LongestBatch = max(res.LongestBatch, time.Since(started))
