@@ -35,9 +35,10 @@ type Header struct {
 	// Load1m is the machine's one-minute load average when the case started: the machine is
 	// shared, and a busy neighbour shows here.
 	Load1m float64 `json:"load_1m"`
-	// Roles says as whom the host's deletes and the consumers ran: "component", a writer role
-	// and a consumer role granted as the README says, so that row-level security and column
-	// privileges cost what they cost a real host. Setup and measurement run as the superuser.
+	// Roles says as whom the host's deletes, the consumers and retention ran: "component", a
+	// writer, a consumer and an operator role granted as the README says, so that row-level
+	// security and column privileges cost what they cost a real host. Setup and measurement run
+	// as the superuser.
 	Roles string `json:"roles"`
 }
 
@@ -57,6 +58,7 @@ type DB struct {
 	drop     func()
 	writer   loginRole
 	consumer loginRole
+	operator loginRole
 }
 
 // loginRole is a role the bench created for one database.
@@ -132,6 +134,11 @@ func (d *DB) Pools(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) 
 // WriterPool opens a pool as the database's writer role: the host's deletes run on it.
 func (d *DB) WriterPool(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
 	return d.rolePool(ctx, d.writer, maxConns, tracer)
+}
+
+// OperatorPool opens a pool as the database's operator role: retention runs on it.
+func (d *DB) OperatorPool(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
+	return d.rolePool(ctx, d.operator, maxConns, tracer)
 }
 
 // ConsumerPool opens a pool as the database's consumer role.
@@ -306,7 +313,8 @@ func createDB(ctx context.Context, dsn string, admin *pgx.ConnConfig, name strin
 		dropDB()
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		_ = adminExec(ctx, "DROP ROLE IF EXISTS "+pgx.Identifier{db.writer.name}.Sanitize()+", "+pgx.Identifier{db.consumer.name}.Sanitize())
+		_ = adminExec(ctx, "DROP ROLE IF EXISTS "+pgx.Identifier{db.writer.name}.Sanitize()+", "+
+			pgx.Identifier{db.consumer.name}.Sanitize()+", "+pgx.Identifier{db.operator.name}.Sanitize())
 	}
 	return db, nil
 }
@@ -317,8 +325,9 @@ const componentRoles = "component"
 // hostTables are the reference host's tables, on which its writer role gets the host's own grants.
 const hostTables = "tasks, run_audit, mailbox_notices, settings"
 
-// createRoles creates the database's writer and consumer login roles and grants them what the
-// README tells a host to grant, in every project, and on the host's tables what the host needs.
+// createRoles creates the database's writer, consumer and operator login roles and grants them
+// what the README tells a host to grant, in every project, and on the host's tables what the
+// host needs.
 func (d *DB) createRoles(ctx context.Context) error {
 	conn, err := pgx.ConnectConfig(ctx, d.cfg.ConnConfig)
 	if err != nil {
@@ -329,14 +338,10 @@ func (d *DB) createRoles(ctx context.Context) error {
 	if err := conn.QueryRow(ctx, "SELECT oid::bigint FROM pg_database WHERE datname = current_database()").Scan(&suffix); err != nil {
 		return fmt.Errorf("read database oid: %w", err)
 	}
-	for _, r := range []*loginRole{&d.writer, &d.consumer} {
+	for kind, r := range map[string]*loginRole{"writer": &d.writer, "consumer": &d.consumer, "operator": &d.operator} {
 		key := make([]byte, 16)
 		if _, err := rand.Read(key); err != nil {
 			return fmt.Errorf("role password: %w", err)
-		}
-		kind := "writer"
-		if r == &d.consumer {
-			kind = "consumer"
 		}
 		r.name, r.password = fmt.Sprintf("outbox_bench_%s_%d", kind, suffix), hex.EncodeToString(key)
 		// The password is hex, so it needs no quoting beyond the literal's.
@@ -356,6 +361,7 @@ func (d *DB) createRoles(ctx context.Context) error {
 		}},
 		{"consumer grants", func() error { return outbox.GrantConsumerRole(ctx, conn, d.consumer.name, "bench", "*") }},
 		{"consumer identities", func() error { return outbox.GrantConsumerAccess(ctx, conn, d.consumer.name, "*") }},
+		{"operator grants", func() error { return outbox.GrantOperatorRole(ctx, conn, d.operator.name, "*") }},
 		{"consumer's host grants", func() error {
 			_, err := conn.Exec(ctx, "GRANT SELECT ON tasks TO "+c)
 			return err

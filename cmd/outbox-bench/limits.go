@@ -206,10 +206,16 @@ func keysetLimits(ctx context.Context, env *Env, o limitsOpts) (plain, withCommi
 	if _, err := pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ($1, 'bench-read')`, project); err != nil {
 		return 0, 0, fmt.Errorf("create cursor: %w", err)
 	}
+	// The walk reads as the consumer role, whose reads row-level security filters.
+	reader, err := db.ConsumerPool(ctx, 2, nil)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer reader.Close()
 	for _, commit := range []bool{false, true} {
 		env.Logf("limits: keyset read of %d rows, cursor commit per page: %t", o.readEvents, commit)
 		started := time.Now()
-		n, err := keysetWalk(ctx, pool, project, o.page, commit)
+		n, err := keysetWalk(ctx, reader, project, o.page, commit)
 		elapsed := time.Since(started)
 		if err != nil {
 			return 0, 0, err

@@ -103,7 +103,7 @@ func TestComponentPoolsRunAsBoundRoles(t *testing.T) {
 	db, err := env.NewDB(ctx, "roles")
 	require.NoError(t, err)
 	for name, open := range map[string]func(context.Context, int32, pgx.QueryTracer) (*pgxpool.Pool, error){
-		"writer": db.WriterPool, "consumer": db.ConsumerPool,
+		"writer": db.WriterPool, "consumer": db.ConsumerPool, "operator": db.OperatorPool,
 	} {
 		pool, err := open(ctx, 1, nil)
 		require.NoError(t, err, name)

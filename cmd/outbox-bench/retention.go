@@ -82,7 +82,13 @@ func runRetention(ctx context.Context, env *Env, o retentionOpts) (retentionResu
 		return res, err
 	}
 	defer closeWriter(w)()
-	ret, err := outbox.NewRetention(pool, cfg, nil, nil)
+	// The sweep runs as the operator role, as the host's maintenance sweep would.
+	opPool, err := db.OperatorPool(ctx, 2, nil)
+	if err != nil {
+		return res, err
+	}
+	defer opPool.Close()
+	ret, err := outbox.NewRetention(opPool, cfg, nil, nil)
 	if err != nil {
 		return res, fmt.Errorf("new retention: %w", err)
 	}
