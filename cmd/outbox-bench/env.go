@@ -362,6 +362,7 @@ func (d *DB) createRoles(ctx context.Context) error {
 		{"consumer grants", func() error { return outbox.GrantConsumerRole(ctx, conn, d.consumer.name, "bench", "*") }},
 		{"consumer identities", func() error { return outbox.GrantConsumerAccess(ctx, conn, d.consumer.name, "*") }},
 		{"operator grants", func() error { return outbox.GrantOperatorRole(ctx, conn, d.operator.name, "*") }},
+		// Reconciliation reads the live tasks in the consumer's own snapshot, as the consumer role.
 		{"consumer's host grants", func() error {
 			_, err := conn.Exec(ctx, "GRANT SELECT ON tasks TO "+c)
 			return err
