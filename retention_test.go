@@ -26,6 +26,19 @@ func newRetention(t *testing.T, pool *pgxpool.Pool, cfg outbox.Config) *outbox.R
 	return r
 }
 
+// insertOldEvents writes events 1..n of project "p", numbered and 40 days old (past the
+// default retention window), and its head.
+func insertOldEvents(t *testing.T, pool *pgxpool.Pool, n int) {
+	t.Helper()
+	ctx := ctxT(t)
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
+		SELECT 'p', i, 'task:deleted', 'old-' || i, '2026-01-01T00:00:00Z', false, 'w', 1, now() - interval '40 days'
+		FROM generate_series(1, $1) AS i`, n)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id, last_sequence) VALUES ('p', $1)`, n)
+	require.NoError(t, err)
+}
+
 func outboxSequences(t *testing.T, pool *pgxpool.Pool, project string) []int64 {
 	t.Helper()
 	rows, err := pool.Query(context.Background(), `SELECT sequence FROM lifecycle_outbox WHERE project_id = $1 ORDER BY sequence`, project)
@@ -179,12 +192,7 @@ func TestRetentionWorksInBoundedBatchesBesideWriters(t *testing.T) {
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	const old = 50000
-	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
-		SELECT 'p', i, 'task:deleted', 'old-' || i, '2026-01-01T00:00:00Z', false, 'w', 1, now() - interval '40 days'
-		FROM generate_series(1, $1) AS i`, old)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id, last_sequence) VALUES ('p', $1)`, old)
-	require.NoError(t, err)
+	insertOldEvents(t, pool, old)
 
 	// Writers keep deleting in the same project throughout.
 	store := testhost.New(pool, testhost.Options{Writer: newWriter(t, pool, outbox.Config{})})
@@ -342,13 +350,8 @@ func TestSweepBatchesStartWhereTheLastOneEnded(t *testing.T) {
 	db := pgtest.NewDB(t)
 	admin := pgtest.Pool(t, db.URL)
 	const rows, batch = 400, 20
-	_, err := admin.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
-		SELECT 'p', i, 'task:deleted', 'old-' || i, '2026-01-01T00:00:00Z', false, 'w', 1, now() - interval '40 days'
-		FROM generate_series(1, $1) AS i`, rows)
-	require.NoError(t, err)
-	_, err = admin.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id, last_sequence) VALUES ('p', $1)`, rows)
-	require.NoError(t, err)
-	_, err = admin.Exec(ctx, `VACUUM ANALYZE lifecycle_outbox`)
+	insertOldEvents(t, admin, rows)
+	_, err := admin.Exec(ctx, `VACUUM ANALYZE lifecycle_outbox`)
 	require.NoError(t, err)
 
 	old, err := admin.Begin(ctx) // a snapshot from before the sweep, held throughout
