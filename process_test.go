@@ -192,6 +192,20 @@ func cursorOf(t *testing.T, pool *pgxpool.Pool, project, consumer string) int64 
 	return *c
 }
 
+// waitReconciled waits until c has reconciled want times. The cursor a reconciliation moves
+// is committed before its count goes up, so a test that saw the cursor waits for the count.
+func waitReconciled(t *testing.T, ctx context.Context, c *outbox.Consumer, want int64) {
+	t.Helper()
+	for c.Stats().Reconciliations < want {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("consumer reconciled %d times, want %d", c.Stats().Reconciliations, want)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	require.Equal(t, want, c.Stats().Reconciliations)
+}
+
 func waitCursor(t *testing.T, ctx context.Context, pool *pgxpool.Pool, project, consumer string, want int64) {
 	t.Helper()
 	for {

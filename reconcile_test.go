@@ -87,7 +87,7 @@ func TestReconciliationDoesNotResurrectAnOwnDeletion(t *testing.T) {
 	proc.start(t)
 	require.NoError(t, <-deleted)
 	waitCursor(t, ctx, proc.pool, "p", "engine", 4) // reconciled at the snapshot's head
-	require.Equal(t, int64(1), proc.consumer.Stats().Reconciliations)
+	waitReconciled(t, ctx, proc.consumer, 1)
 	require.Equal(t, []string{"live-1", "live-3"}, proc.store.Cache().Live("p"),
 		"the reconciliation did not put back a task deleted after its snapshot")
 
@@ -171,7 +171,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 		w, obs := setup(t, ctx, false)
 		outbox.ScanNow(obs.consumer)
 		waitCursor(t, ctx, w.pool, "p", "dash", 3)
-		require.Equal(t, int64(1), obs.consumer.Stats().Reconciliations)
+		waitReconciled(t, ctx, obs.consumer, 1)
 		deleteNew(t, ctx, w)
 		requireNewOnes(t, ctx, obs)
 		waitCursor(t, ctx, w.pool, "p", "dash", 6)
