@@ -63,6 +63,10 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 	steps = append(steps, one(func(ctx context.Context, env *Env) (sequenceResult, error) {
 		return runSequence(ctx, env, sequenceOpts{events: size(200000, 10000), projects: 1, backlog: defaultBacklog()})
 	}))
+	// A consumer of many projects after a pause: one event in each, numbered in one call.
+	steps = append(steps, one(func(ctx context.Context, env *Env) (sequenceResult, error) {
+		return runSequence(ctx, env, sequenceOpts{events: size(5000, 500), projects: size(5000, 500), backlog: defaultBacklog()})
+	}))
 	for _, s := range sizes {
 		b := defaultBacklog()
 		b.perTx = s.perTx
