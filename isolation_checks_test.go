@@ -191,3 +191,62 @@ func TestIdentifierChecksRefuseWhatTheyRefusedBefore(t *testing.T) {
 	_, err := pool.Exec(ctx, statements[3], "*")
 	require.NoError(t, err, "every project")
 }
+
+// TestCursorChecksLiveInTheColumnTypes: the cursor row is rewritten by every acknowledgement
+// and heartbeat, and PostgreSQL tests every table check of a row on every UPDATE, so its
+// single-column checks are column types (migration 0012), which test only what a statement
+// sets. The table keeps the checks that cannot be types, and the types accept what the checks
+// accepted.
+func TestCursorChecksLiveInTheColumnTypes(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	rows, err := pool.Query(ctx, `SELECT conname FROM pg_catalog.pg_constraint
+		WHERE conrelid = 'lifecycle_consumer_cursors'::regclass AND contype = 'c' ORDER BY conname`)
+	require.NoError(t, err)
+	checks, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"lifecycle_consumer_cursors_check", "lifecycle_consumer_cursors_consumer_id_format",
+		"lifecycle_consumer_cursors_project_id_format"}, checks, "policies name the identifiers; the other spans two columns")
+
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch,
+		lease_expires_at, heartbeat_at, reconciled_at, reconcile_reason, retired_at, retired_by, retired_reason)
+		VALUES ('p', 'c1', 0, repeat('c', 111) || '@0123456789abcdef', 0, '9999-12-31 23:59:59.999999+00', now(), now(),
+		'cursor_below_pruned_floor', now(), 'ops@host:1/x', 'INC-42/#7')`)
+	require.NoError(t, err, "the longest lease owner, the last reason, the latest time")
+	for _, reason := range []string{"missing_cursor", "cursor_ahead_of_head"} {
+		_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET reconcile_reason = $1`, reason)
+		require.NoError(t, err, reason)
+	}
+}
+
+// TestCursorTypesWaitForRowsTheChecksRefuse: a cursor row written before the database checked
+// times (schema 4) keeps the times check NOT VALID, and migration 0012 then leaves those
+// columns their type and that check, which still refuses new bad times; the cursor's other
+// columns take their types.
+func TestCursorTypesWaitForRowsTheChecksRefuse(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilegeWith(t, lpOptions{through: 4})
+	_, err := lp.owner.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_expires_at)
+		VALUES ('p', 'c1', 0, 'infinity')`)
+	require.NoError(t, err)
+	lp.finishMigration(t)
+
+	unvalidated, err := outbox.UnvalidatedChecks(ctx, lp.owner)
+	require.NoError(t, err)
+	require.Equal(t, []string{"lifecycle_consumer_cursors.lifecycle_consumer_cursors_times_finite"}, unvalidated)
+	typeOf := func(column string) string {
+		var typ string
+		require.NoError(t, lp.owner.QueryRow(ctx, `SELECT atttypid::regtype::text FROM pg_catalog.pg_attribute
+			WHERE attrelid = 'lifecycle_consumer_cursors'::regclass AND attname = $1`, column).Scan(&typ))
+		return typ
+	}
+	require.Equal(t, "timestamp with time zone", typeOf("lease_expires_at"))
+	require.Equal(t, "lifecycle_count", typeOf("last_acked_sequence"))
+	require.Equal(t, "lifecycle_instance", typeOf("lease_owner"))
+	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET heartbeat_at = '-infinity'`)
+	requireSQLState(t, err, "23514")
+	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = -1`)
+	requireSQLState(t, err, "23514")
+}
