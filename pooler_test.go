@@ -196,6 +196,7 @@ func TestPooledListenFallsBackToPollingAndSaysSo(t *testing.T) {
 	_, err = writer.store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
 	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "pooled", projects: []string{"p"}, cfg: cfg}, m)
+	obs.serverURL = db.URL
 
 	waitWakeups(t, ctx, obs.consumer, outbox.WakeupsPollingOnly)
 	require.False(t, obs.consumer.WakeupsWorking())
@@ -354,7 +355,7 @@ func logServerState(t *testing.T, url string) {
 	}
 	defer conn.Close(ctx)
 	for _, q := range []string{
-		`SELECT pid, usename, application_name, state, backend_xid, now() - xact_start AS xact_age, wait_event_type, wait_event, left(query, 160) AS query
+		`SELECT pid, usename, application_name, state, now() - state_change AS in_state, backend_xid, now() - xact_start AS xact_age, wait_event_type, wait_event, left(query, 160) AS query
 		 FROM pg_catalog.pg_stat_activity WHERE datname = current_database() AND pid <> pg_catalog.pg_backend_pid()`,
 		`SELECT pid, locktype, mode, relation::regclass::text, granted FROM pg_catalog.pg_locks WHERE NOT granted`,
 		`SELECT project_id, last_sequence, sequencer_owner, sequencer_until - now() AS hold_left FROM lifecycle_outbox_heads`,

@@ -95,6 +95,9 @@ type process struct {
 	rec      *recorder
 	// stalled, when set, describes what the process's connections wait on (the bouncer's state).
 	stalled func() string
+	// serverURL, when set, reaches PostgreSQL directly, so that a stalled stop can also log the
+	// server's view of the sessions behind the bouncer.
+	serverURL string
 }
 
 type processOpts struct {
@@ -172,6 +175,9 @@ func (p *process) stop(t *testing.T) {
 		// bouncer holds while it does.
 		if p.stalled != nil {
 			t.Logf("consumer stop still running after 10s; the bouncer: %s", p.stalled())
+		}
+		if p.serverURL != "" {
+			logServerState(t, p.serverURL)
 		}
 		require.NoError(t, <-done)
 	}
