@@ -172,9 +172,13 @@ func (b *Bouncer) config() string {
 		{"min_pool_size", "0"},
 		{"logfile", b.path("pgbouncer.log")},
 		{"pidfile", b.path("pgbouncer.pid")},
-		// A test database is dropped WITH (FORCE) while server connections to it are idle here;
-		// the bouncer then finds them closed, which is expected.
-		{"server_check_delay", "0"},
+		// PgBouncer's default check delay (30s): a server idle that long runs server_check_query
+		// before its next client. With 0 every reuse ran it, and a check that never finished
+		// stalled the pool: a client waits while any server is being checked, and none was
+		// opened for it (seen once in a CI run: two servers, one "used", one "tested", a client
+		// waiting). A server that PostgreSQL closes (a dropped test database, a terminated
+		// backend, a restart) is found without a check: the bouncer reads its idle servers.
+		{"server_check_delay", "30"},
 		{"server_login_retry", "1"},
 		{"log_connections", "0"},
 		{"log_disconnections", "0"},
