@@ -465,8 +465,14 @@ func (l *scanLoop) takePrefetch() *prefetch {
 	return pf
 }
 
-// sequenceMine is the sequencer call, in a span when tracing is on.
+// sequenceMine is the sequencer call, in a span when tracing is on. A stop does not cancel a
+// call in flight: the loop waits for it, bounded by StatementTimeout. A cancelled call can
+// still run on the server after the client gave up on it (the cancel request arrived before
+// the statement started), and it would then number rows and take holds after the stopping
+// consumer released them.
 func (l *scanLoop) sequenceMine(ctx context.Context, projects []string) (map[string]Head, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.StatementTimeout)
+	defer cancel()
 	if l.trace.tracer == nil {
 		return l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize, &l.holder)
 	}
