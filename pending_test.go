@@ -16,6 +16,10 @@ import (
 const insertPendingRow = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
 
+// insertPendingRows writes $3 pending rows into project $1, for tasks $2-1 to $2-$3.
+const insertPendingRows = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+	SELECT $1, $2 || '-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, $3) g`
+
 func TestWriterInsertsIntoPendingAndTheSequencerMovesIt(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
@@ -95,8 +99,7 @@ func TestSequencerMovesWithoutLookingUpEachRowFirst(t *testing.T) {
 	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL) // one session, whose statistics it flushes
 	require.NoError(t, err)
 	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		SELECT 'p', 't-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, 200) g`)
+	_, err = conn.Exec(ctx, insertPendingRows, "p", "t", 200)
 	require.NoError(t, err)
 	keyScans := func() int {
 		_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
@@ -264,10 +267,8 @@ func TestSequencerReachesRowsByIndexAsTheStreamGrows(t *testing.T) {
 	conn, err := pgx.Connect(ctx, db.URL) // one session: one plan cache
 	require.NoError(t, err)
 	defer conn.Close(ctx)
-	const batch = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		SELECT 'p', $1 || '-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, $2) g`
 	for round := range 8 { // past the five calls after which the plan cache may keep a generic plan
-		_, err := conn.Exec(ctx, batch, "r"+string(rune('a'+round)), 1+round*round*100)
+		_, err := conn.Exec(ctx, insertPendingRows, "p", "r"+string(rune('a'+round)), 1+round*round*100)
 		require.NoError(t, err)
 		_, err = outbox.Sequence(ctx, conn, []string{"p"}, 1000)
 		require.NoError(t, err)

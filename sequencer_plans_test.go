@@ -155,9 +155,7 @@ func TestSequencerMoveKeepsOnePlanWhateverTheBacklog(t *testing.T) {
 	_, err := s.conn.Exec(ctx, insertPendingPerProject, project, "first")
 	require.NoError(t, err)
 	s.plans(t, ctx, sequencerCall, project) // the plans, made on one pending row
-	_, err = s.conn.Exec(ctx, `INSERT INTO lifecycle_outbox_pending
-		(project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		SELECT 'p', 't-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, 6000) g`)
+	_, err = s.conn.Exec(ctx, insertPendingRows, "p", "t", 6000)
 	require.NoError(t, err)
 
 	var works []float64
