@@ -50,11 +50,14 @@ type inflightAck struct {
 	done    chan struct{}
 }
 
-// start writes a in the background, after applying the one still in flight: at most one is in
-// flight, on a second pool connection.
-func (a *acknowledger) start(ctx context.Context, k ack) {
+// start writes acks in the background, after applying the write still in flight: at most one
+// is in flight, on a second pool connection. The loop applies its outcome when it next awaits.
+func (a *acknowledger) start(ctx context.Context, acks ...ack) {
 	a.await()
-	p := &inflightAck{acks: []ack{k}, done: make(chan struct{})}
+	if len(acks) == 0 {
+		return
+	}
+	p := &inflightAck{acks: acks, done: make(chan struct{})}
 	a.inflight = p
 	go func() {
 		defer close(p.done)

@@ -229,6 +229,7 @@ func (f *followUps) add(scan map[string]struct{}) {
 // iterate runs one scan over the held leases of the dirty projects (all of them on a full
 // scan). It reports whether a step failed, in which case the loop scans again soon.
 func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]struct{}, full bool) (failed bool) {
+	l.acks.await() // the last scan's acknowledgement: a stream whose write matched nothing lost its lease
 	held := l.syncStates()
 	if !full {
 		scoped := held[:0:0]
@@ -276,8 +277,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 			l.handleStreamError(st, err)
 		}
 	}
-	l.acks.await()
-	l.acks.flush(ctx, l.pendingAcks())
+	// The scan's acknowledgement commits while the loop waits for its next scan; the next
+	// scan (or the consumer's shutdown) applies what it wrote before anything else.
+	l.acks.start(ctx, l.pendingAcks()...)
 	return failed
 }
 
