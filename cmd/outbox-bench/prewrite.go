@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -46,7 +47,10 @@ type Backlog struct {
 	// for bulk_sql.
 	PerTx int `json:"prewrite_per_tx"`
 	// Writers is how many goroutines wrote it concurrently (0 for bulk_sql).
-	Writers int     `json:"prewrite_writers"`
+	Writers int `json:"prewrite_writers"`
+	// Order is the order a project's tasks were deleted in: "random" (a fixed shuffle of their
+	// IDs, as a host deletes whatever its users delete) for host_deletes, "id" for bulk_sql.
+	Order   string  `json:"prewrite_order"`
 	Seconds float64 `json:"prewrite_seconds"`
 }
 
@@ -86,7 +90,7 @@ func (o backlogOpts) validate(what string) error {
 // a checkpoint taken, so that neither lands inside the measurement.
 func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, counts []int, prefix string, o backlogOpts) (Backlog, error) {
 	if o.kind == backlogSequenced {
-		b := Backlog{Kind: backlogSequenced, Prewrite: prewriteBulk}
+		b := Backlog{Kind: backlogSequenced, Prewrite: prewriteBulk, Order: orderID}
 		pool, err := db.Pool(ctx, 2, nil)
 		if err != nil {
 			return b, err
@@ -101,7 +105,7 @@ func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, coun
 		b.Seconds = seconds(time.Since(t0))
 		return b, nil
 	}
-	b := Backlog{Kind: backlogUnsequenced, Prewrite: prewriteHost, PerTx: o.perTx, Writers: o.writers}
+	b := Backlog{Kind: backlogUnsequenced, Prewrite: prewriteHost, PerTx: o.perTx, Writers: o.writers, Order: orderRandom}
 	admin, pool, closePools, err := db.Pools(ctx, int32(o.writers+1), nil)
 	if err != nil {
 		return b, err
@@ -131,16 +135,25 @@ func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, coun
 	return b, nil
 }
 
+const (
+	orderRandom = "random"
+	orderID     = "id"
+)
+
 // batchJobs cuts each project's deletes into transactions of perTx, one project per
-// transaction as a host's delete has, interleaving the projects so that they fill alike.
+// transaction as a host's delete has, interleaving the projects so that they fill alike. A
+// project's tasks are deleted in a fixed random order, not in the order of their IDs: rows
+// then reach the outbox's keys at random places, as a host's real deletes do, rather than
+// nearly in key order.
 func batchJobs(projects []string, counts []int, prefix string, perTx int) [][]deleteJob {
 	per := make([][][]deleteJob, len(projects))
 	rounds := 0
 	for p, project := range projects {
-		for i := 1; i <= counts[p]; i += perTx {
+		order := rand.New(rand.NewPCG(uint64(p), 0x5eed)).Perm(counts[p])
+		for i := 0; i < counts[p]; i += perTx {
 			batch := make([]deleteJob, 0, perTx)
-			for k := i; k < i+perTx && k <= counts[p]; k++ {
-				batch = append(batch, deleteJob{project: project, task: prefix + "-" + strconv.Itoa(k)})
+			for _, k := range order[i:min(i+perTx, counts[p])] {
+				batch = append(batch, deleteJob{project: project, task: prefix + "-" + strconv.Itoa(k+1)})
 			}
 			per[p] = append(per[p], batch)
 		}
