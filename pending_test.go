@@ -283,3 +283,71 @@ func TestSequencerReachesRowsByIndexAsTheStreamGrows(t *testing.T) {
 		require.Positive(t, idxScans, table)
 	}
 }
+
+// TestSequencerNumbersTheOldestPendingRowsFirst: a batch smaller than the backlog takes the
+// project's oldest pending rows, whatever their task IDs (migration 0013). Before, it took the
+// smallest task IDs, so on a backlog an event waited for as many batches as smaller IDs were
+// pending. Here the task IDs run against the deletion times.
+func TestSequencerNumbersTheOldestPendingRowsFirst(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		SELECT 'p', 'task-' || pg_catalog.chr(122 - g), '2026-01-02T03:04:05Z'::timestamptz + g * interval '1 second', 'task:deleted', false, 1,
+		       '2026-01-02T03:04:05Z'::timestamptz + g * interval '1 second', 'w'
+		FROM pg_catalog.generate_series(0, 9) g`) // task-z deleted first, task-q last
+	require.NoError(t, err)
+
+	numbered := func() []string {
+		rows, err := pool.Query(ctx, `SELECT task_id FROM lifecycle_outbox WHERE project_id = 'p' ORDER BY sequence`)
+		require.NoError(t, err)
+		tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		return tasks
+	}
+	batch := func() int { // one call, one batch of three
+		return pgtest.QueryInt(t, pool, `SELECT assigned FROM lifecycle_outbox_sequence(ARRAY['p'], 3)`)
+	}
+	require.Equal(t, 3, batch())
+	require.Equal(t, []string{"task-z", "task-y", "task-x"}, numbered(), "the three oldest, not the three smallest IDs")
+	require.Equal(t, 3, batch())
+	require.Equal(t, []string{"task-z", "task-y", "task-x", "task-w", "task-v", "task-u"}, numbered())
+}
+
+// TestKeysInArrivalOrderKeepEveryRowAcrossTheUpgrade: migration 0013 rebuilds both keys in
+// (project_id, deleted_at, task_id) order under rows of every kind, which all survive; both keys
+// still refuse an identity stored twice, and the writer's ON CONFLICT still finds its key.
+func TestKeysInArrivalOrderKeepEveryRowAcrossTheUpgrade(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilegeWith(t, lpOptions{through: 12})
+	_, err := lp.owner.Exec(ctx, insertPendingRows, "p", "t", 5)
+	require.NoError(t, err)
+	require.Equal(t, 3, pgtest.QueryInt(t, lp.owner, `SELECT assigned FROM lifecycle_outbox_sequence(ARRAY['p'], 3)`))
+	lp.finishMigration(t)
+
+	keyOf := func(table string) string {
+		var def string
+		require.NoError(t, lp.owner.QueryRow(ctx, `SELECT pg_catalog.pg_get_constraintdef(oid) FROM pg_catalog.pg_constraint
+			WHERE conrelid = $1::regclass AND contype = 'p'`, table).Scan(&def))
+		return def
+	}
+	require.Equal(t, "PRIMARY KEY (project_id, deleted_at, task_id)", keyOf("lifecycle_outbox"))
+	require.Equal(t, "PRIMARY KEY (project_id, deleted_at, task_id)", keyOf("lifecycle_outbox_pending"))
+	require.Equal(t, 3, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox`))
+	require.Equal(t, 2, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending`))
+
+	_, err = lp.owner.Exec(ctx, insertPendingRows, "p", "t", 1) // t-1 is in the stream now
+	require.NoError(t, err, "the pending key does not know the stream's rows")
+	_, err = lp.owner.Exec(ctx, insertPendingRows, "p", "t", 5)
+	requireSQLState(t, err, "23505")
+	_, err = lp.owner.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
+		SELECT project_id, 99, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at FROM lifecycle_outbox WHERE sequence = 1`)
+	requireSQLState(t, err, "23505")
+
+	heads, err := outbox.Sequence(ctx, lp.owner, []string{"p"}, 10)
+	require.NoError(t, err)
+	require.Equal(t, 2, heads["p"].Assigned, "t-4 and t-5; the repeated t-1 takes no number")
+	require.EqualValues(t, 5, heads["p"].LastSequence)
+	require.Zero(t, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending`))
+}
