@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -350,4 +351,49 @@ func TestKeysInArrivalOrderKeepEveryRowAcrossTheUpgrade(t *testing.T) {
 	require.Equal(t, 2, heads["p"].Assigned, "t-4 and t-5; the repeated t-1 takes no number")
 	require.EqualValues(t, 5, heads["p"].LastSequence)
 	require.Zero(t, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending`))
+}
+
+// TestIdlePollOfManyProjectsProbesNoProject: a call for more than 64 projects looks once whether
+// anything at all waits to be numbered (migration 0014) instead of probing the pending table
+// for each project, and still numbers a row of any one of them, pending or legacy.
+func TestIdlePollOfManyProjectsProbesNoProject(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL) // one session, whose statistics it flushes
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	projects := make([]string, 200)
+	for i := range projects {
+		projects[i] = fmt.Sprintf("p%03d", i)
+	}
+	pendingScans := func() int {
+		_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
+		require.NoError(t, err)
+		var n int
+		require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(idx_scan, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = 'lifecycle_outbox_pending_pkey'`).Scan(&n))
+		return n
+	}
+	call := func() map[string]outbox.Head {
+		heads, err := outbox.Sequence(ctx, conn, projects, 100)
+		require.NoError(t, err)
+		return heads
+	}
+	_, err = conn.Exec(ctx, `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		SELECT p, 'first', now(), 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.unnest($1::text[]) AS p`, projects)
+	require.NoError(t, err)
+	require.Equal(t, 1, call()["p199"].Assigned) // every project has its head now
+	before := pendingScans()
+	heads := call()
+	require.Len(t, heads, 200)
+	require.Less(t, pendingScans()-before, 5, "an idle call probed the pending table project by project")
+
+	_, err = conn.Exec(ctx, insertPendingRows, "p123", "t", 2)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
+		VALUES ('p045', 'task:deleted', 'legacy', now(), false, 'w', 1, now())`) // a schema-6 writer's row
+	require.NoError(t, err)
+	heads = call()
+	require.Equal(t, 2, heads["p123"].Assigned)
+	require.Equal(t, 1, heads["p045"].Assigned)
+	require.Zero(t, heads["p000"].Assigned)
 }
