@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"fmt"
 	"testing"
 
@@ -20,6 +21,25 @@ const insertPendingRow = `INSERT INTO lifecycle_outbox_pending (project_id, task
 // insertPendingRows writes $3 pending rows into project $1, for tasks $2-1 to $2-$3.
 const insertPendingRows = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 	SELECT $1, $2 || '-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, $3) g`
+
+// statsSession is one session of a fresh database, whose statistics indexScans flushes first.
+func statsSession(t *testing.T, ctx context.Context) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	return conn
+}
+
+// indexScans is how many scans of index the session's statistics count.
+func indexScans(t *testing.T, ctx context.Context, conn *pgx.Conn, index string) int {
+	t.Helper()
+	_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
+	require.NoError(t, err)
+	var n int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(idx_scan, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = $1`, index).Scan(&n))
+	return n
+}
 
 func TestWriterInsertsIntoPendingAndTheSequencerMovesIt(t *testing.T) {
 	t.Parallel()
@@ -97,18 +117,10 @@ func TestSequencerDropsAPendingRowTheStreamAlreadyHolds(t *testing.T) {
 func TestSequencerMovesWithoutLookingUpEachRowFirst(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL) // one session, whose statistics it flushes
+	conn := statsSession(t, ctx)
+	_, err := conn.Exec(ctx, insertPendingRows, "p", "t", 200)
 	require.NoError(t, err)
-	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, insertPendingRows, "p", "t", 200)
-	require.NoError(t, err)
-	keyScans := func() int {
-		_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
-		require.NoError(t, err)
-		var n int
-		require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(idx_scan, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = 'lifecycle_outbox_pkey'`).Scan(&n))
-		return n
-	}
+	keyScans := func() int { return indexScans(t, ctx, conn, "lifecycle_outbox_pkey") }
 	before := keyScans()
 	heads, err := outbox.Sequence(ctx, conn, []string{"p"}, 1000)
 	require.NoError(t, err)
@@ -354,31 +366,23 @@ func TestKeysInArrivalOrderKeepEveryRowAcrossTheUpgrade(t *testing.T) {
 }
 
 // TestIdlePollOfManyProjectsProbesNoProject: a call for more than 64 projects looks once whether
-// anything at all waits to be numbered (migration 0014) instead of probing the pending table
+// anything at all waits to be numbered (migration 0013) instead of probing the pending table
 // for each project, and still numbers a row of any one of them, pending or legacy.
 func TestIdlePollOfManyProjectsProbesNoProject(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL) // one session, whose statistics it flushes
-	require.NoError(t, err)
-	defer conn.Close(ctx)
+	conn := statsSession(t, ctx)
 	projects := make([]string, 200)
 	for i := range projects {
 		projects[i] = fmt.Sprintf("p%03d", i)
 	}
-	pendingScans := func() int {
-		_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
-		require.NoError(t, err)
-		var n int
-		require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(idx_scan, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = 'lifecycle_outbox_pending_pkey'`).Scan(&n))
-		return n
-	}
+	pendingScans := func() int { return indexScans(t, ctx, conn, "lifecycle_outbox_pending_pkey") }
 	call := func() map[string]outbox.Head {
 		heads, err := outbox.Sequence(ctx, conn, projects, 100)
 		require.NoError(t, err)
 		return heads
 	}
-	_, err = conn.Exec(ctx, `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+	_, err := conn.Exec(ctx, `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 		SELECT p, 'first', now(), 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.unnest($1::text[]) AS p`, projects)
 	require.NoError(t, err)
 	require.Equal(t, 1, call()["p199"].Assigned) // every project has its head now
