@@ -31,6 +31,16 @@ func statsSession(t *testing.T, ctx context.Context) *pgx.Conn {
 	return conn
 }
 
+// numberedTasks lists the tasks of project's stream in sequence order.
+func numberedTasks(t *testing.T, ctx context.Context, db outbox.DBTX, project string) []string {
+	t.Helper()
+	rows, err := db.Query(ctx, `SELECT task_id FROM lifecycle_outbox WHERE project_id = $1 ORDER BY sequence`, project)
+	require.NoError(t, err)
+	tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return tasks
+}
+
 // indexScans is how many scans of index the session's statistics count.
 func indexScans(t *testing.T, ctx context.Context, conn *pgx.Conn, index string) int {
 	t.Helper()
@@ -79,11 +89,7 @@ func TestSequencerNumbersLegacyRowsFirst(t *testing.T) {
 	heads, err := outbox.Sequence(ctx, pool, nil, 10)
 	require.NoError(t, err)
 	require.EqualValues(t, 2, heads["p"].LastSequence)
-	rows, err := pool.Query(ctx, `SELECT task_id FROM lifecycle_outbox WHERE project_id = 'p' ORDER BY sequence`)
-	require.NoError(t, err)
-	tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	require.NoError(t, err)
-	require.Equal(t, []string{"legacy", "pending"}, tasks)
+	require.Equal(t, []string{"legacy", "pending"}, numberedTasks(t, ctx, pool, "p"))
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox WHERE sequence IS NULL`))
 }
 
@@ -311,13 +317,7 @@ func TestSequencerNumbersTheOldestPendingRowsFirst(t *testing.T) {
 		FROM pg_catalog.generate_series(0, 9) g`) // task-z deleted first, task-q last
 	require.NoError(t, err)
 
-	numbered := func() []string {
-		rows, err := pool.Query(ctx, `SELECT task_id FROM lifecycle_outbox WHERE project_id = 'p' ORDER BY sequence`)
-		require.NoError(t, err)
-		tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		require.NoError(t, err)
-		return tasks
-	}
+	numbered := func() []string { return numberedTasks(t, ctx, pool, "p") }
 	batch := func() int { // one call, one batch of three
 		return pgtest.QueryInt(t, pool, `SELECT assigned FROM lifecycle_outbox_sequence(ARRAY['p'], 3)`)
 	}
