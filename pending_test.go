@@ -393,8 +393,7 @@ func TestIdlePollOfManyProjectsProbesNoProject(t *testing.T) {
 
 	_, err = conn.Exec(ctx, insertPendingRows, "p123", "t", 2)
 	require.NoError(t, err)
-	_, err = conn.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
-		VALUES ('p045', 'task:deleted', 'legacy', now(), false, 'w', 1, now())`) // a schema-6 writer's row
+	_, err = conn.Exec(ctx, insertRow, "p045", "legacy") // a schema-6 writer's row
 	require.NoError(t, err)
 	heads = call()
 	require.Equal(t, 2, heads["p123"].Assigned)
