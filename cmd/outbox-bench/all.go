@@ -82,15 +82,13 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 			return emit(drainScaleLine(h, r))
 		})
 	}
+	// The two rates of issue 16's latency goal; each line's achieved_rate says whether the
+	// writers reached its rate on this machine.
+	for _, o := range []latencyOpts{{rate: 1000, writers: 8}, {rate: 5000, writers: 16}} {
+		o.seconds = float64(size(10, 2))
+		steps = append(steps, one(func(ctx context.Context, env *Env) (latencyResult, error) { return runLatency(ctx, env, o) }))
+	}
 	steps = append(steps,
-		one(func(ctx context.Context, env *Env) (latencyResult, error) {
-			return runLatency(ctx, env, latencyOpts{rate: 1000, seconds: float64(size(10, 2)), writers: 8})
-		}),
-		// The second rate of issue 16's latency goal; its line's achieved_rate says whether 16
-		// writers reached it on this machine.
-		one(func(ctx context.Context, env *Env) (latencyResult, error) {
-			return runLatency(ctx, env, latencyOpts{rate: 5000, seconds: float64(size(10, 2)), writers: 16})
-		}),
 		one(func(ctx context.Context, env *Env) (fanoutResult, error) {
 			return runFanout(ctx, env, fanoutOpts{consumers: 4, events: size(20000, 2000), backlog: defaultBacklog()})
 		}),
