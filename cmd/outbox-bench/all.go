@@ -25,7 +25,8 @@ type allOpts struct {
 }
 
 // runAll runs every case once (the write case in each configuration the issue names, plus one
-// run with the mailbox notice included, one drain per backlog size, sustained with 2 and 8
+// run with the mailbox notice included and one with a writer role granted 10,000 projects one
+// by one, one drain per backlog size, sustained with 2 and 8
 // consumers, and the scale curves), emitting each line as soon as its case ends. The drains'
 // unsequenced backlogs are written one delete per transaction, as the host writes them, up to
 // 200k events, and 50 per transaction for 1M, where one per transaction would take minutes;
@@ -57,6 +58,8 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 		{writers: 16, projects: 16, events: size(20000, 2000), mailbox: mailboxExcluded, notify: true},
 		{writers: 16, projects: 1, events: size(20000, 2000), mailbox: mailboxExcluded, notify: true},
 		{writers: 1, projects: 1, events: size(4000, 400), mailbox: mailboxIncluded, notify: true},
+		// A project-scoped writer role, granted its projects one by one.
+		{writers: 16, projects: 16, events: size(20000, 2000), mailbox: mailboxExcluded, notify: true, grants: size(10000, 1000)},
 	} {
 		steps = append(steps, one(func(ctx context.Context, env *Env) (writeResult, error) { return runWrite(ctx, env, w) }))
 	}

@@ -4,8 +4,11 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"strconv"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"fusion/outbox"
 )
 
 func init() {
@@ -17,6 +20,7 @@ func init() {
 			fs.IntVar(&o.projects, "projects", o.projects, "projects the deletes spread over")
 			fs.BoolVar(&o.notify, "notify", o.notify, "the writer hook sends its post-commit wake-up (false separates the insert's cost from the NOTIFY's)")
 			fs.StringVar(&o.mailbox, "mailbox", o.mailbox, `"excluded": the post-commit mailbox notice commits nothing on either side; "included": as the host writes it`)
+			fs.IntVar(&o.grants, "grants", o.grants, "grant the writer role this many projects one by one (the deletes' among them) instead of every project ('*'); 0: '*'")
 			return one(func(ctx context.Context, env *Env) (writeResult, error) { return runWrite(ctx, env, o) })
 		}})
 }
@@ -30,6 +34,7 @@ type writeOpts struct {
 	writers, events, projects int
 	mailbox                   string
 	notify                    bool
+	grants                    int // projects granted to the writer role one by one; 0: '*'
 }
 
 // WriteSide is one side of the write case.
@@ -59,11 +64,14 @@ type WriteSide struct {
 
 type writeResult struct {
 	Header
-	Writers          int       `json:"writers"`
-	Projects         int       `json:"projects"`
-	Events           int       `json:"events"`
-	Mailbox          string    `json:"mailbox"`
-	Notify           bool      `json:"notify"`
+	Writers  int    `json:"writers"`
+	Projects int    `json:"projects"`
+	Events   int    `json:"events"`
+	Mailbox  string `json:"mailbox"`
+	Notify   bool   `json:"notify"`
+	// WriterGrants is what the writer role is granted: "*" (every project) or how many
+	// projects, one by one, as a project-scoped role is.
+	WriterGrants     string    `json:"writer_grants"`
 	Baseline         WriteSide `json:"baseline"`
 	Outbox           WriteSide `json:"outbox"`
 	OutboxVsBaseline float64   `json:"outbox_vs_baseline"`
@@ -79,15 +87,24 @@ CREATE TRIGGER bench_skip_mailbox BEFORE INSERT ON mailbox_notices FOR EACH ROW 
 // runWrite measures Store.Delete on two fresh databases, one without and one with the writer
 // hook (runABBA interleaves them).
 func runWrite(ctx context.Context, env *Env, o writeOpts) (writeResult, error) {
-	res := writeResult{Header: env.Header("write"), Writers: o.writers, Projects: o.projects, Events: o.events, Mailbox: o.mailbox, Notify: o.notify}
-	if o.writers < 1 || o.events < 2 || o.projects < 1 {
-		return res, fmt.Errorf("write: need writers >= 1, events >= 2, projects >= 1")
+	res := writeResult{Header: env.Header("write"), Writers: o.writers, Projects: o.projects, Events: o.events, Mailbox: o.mailbox, Notify: o.notify,
+		WriterGrants: "*"}
+	if o.writers < 1 || o.events < 2 || o.projects < 1 || (o.grants != 0 && o.grants < o.projects) {
+		return res, fmt.Errorf("write: need writers >= 1, events >= 2, projects >= 1, and grants 0 or at least projects")
+	}
+	if o.grants > 0 {
+		res.WriterGrants = strconv.Itoa(o.grants)
 	}
 	if o.mailbox != mailboxExcluded && o.mailbox != mailboxIncluded {
 		return res, fmt.Errorf("write: -mailbox must be %q or %q", mailboxExcluded, mailboxIncluded)
 	}
 	host := func(withOutbox bool) sideSetup {
 		return func(ctx context.Context, admin, pool *pgxpool.Pool) (deleteFunc, func(), error) {
+			if o.grants > 0 {
+				if err := grantOneByOne(ctx, admin, pool, o.projects, o.grants); err != nil {
+					return nil, nil, err
+				}
+			}
 			if o.mailbox == mailboxExcluded {
 				if _, err := admin.Exec(ctx, skipMailboxSQL); err != nil {
 					return nil, nil, fmt.Errorf("exclude mailbox: %w", err)
@@ -119,6 +136,29 @@ func runWrite(ctx context.Context, env *Env, o writeOpts) (writeResult, error) {
 	res.Baseline, res.Outbox = base.summary(), withOutbox.summary()
 	res.OutboxVsBaseline = ratio(res.Outbox.TxPerS, res.Baseline.TxPerS)
 	return res, nil
+}
+
+// grantOneByOne takes '*' from pool's role and grants it n projects instead: the deletes'
+// projects and others up to n.
+func grantOneByOne(ctx context.Context, admin, pool *pgxpool.Pool, projects, n int) error {
+	var role string
+	if err := pool.QueryRow(ctx, "SELECT current_user").Scan(&role); err != nil {
+		return fmt.Errorf("writer role: %w", err)
+	}
+	names := make([]string, n)
+	for i := range names {
+		names[i] = projectName(i)
+		if i >= projects {
+			names[i] = fmt.Sprintf("granted-%05d", i)
+		}
+	}
+	if err := outbox.GrantProjectAccess(ctx, admin, role, names...); err != nil {
+		return fmt.Errorf("grant %d projects: %w", n, err)
+	}
+	if err := outbox.RevokeProjectAccess(ctx, admin, role, "*"); err != nil {
+		return fmt.Errorf("revoke every project: %w", err)
+	}
+	return nil
 }
 
 func ratio(a, b float64) float64 {
