@@ -35,10 +35,13 @@ type Header struct {
 	// Load1m is the machine's one-minute load average when the case started: the machine is
 	// shared, and a busy neighbour shows here.
 	Load1m float64 `json:"load_1m"`
-	// Roles says as whom the host's deletes, the consumers and retention ran: "component", a
-	// writer, a consumer and an operator role granted as the README says, so that row-level
-	// security and column privileges cost what they cost a real host. Setup and measurement run
-	// as the superuser.
+	// Roles says as whom the host's deletes, the consumers and retention ran, and who owns
+	// the module's objects: "component+owner", a writer, a consumer and an operator role
+	// granted as the README says, and an owner that is not a superuser (the sequencer runs as
+	// the owner), so that row-level security and column privileges cost what they cost a real
+	// host. Lines that say "component" came from builds whose databases the superuser owned, so
+	// that the sequencer's statements skipped row-level security. Setup and measurement run as
+	// the superuser.
 	Roles string `json:"roles"`
 }
 
@@ -56,6 +59,7 @@ type DB struct {
 	Name     string
 	cfg      *pgxpool.Config
 	drop     func()
+	owner    loginRole // owns the database and the module's objects; empty for existingDB
 	writer   loginRole
 	consumer loginRole
 	operator loginRole
@@ -300,7 +304,28 @@ func createDB(ctx context.Context, dsn string, admin *pgx.ConnConfig, name strin
 	}
 	cfg.ConnConfig.Database = name
 	db.cfg = cfg
-	if err := migrateDB(ctx, cfg.ConnConfig); err != nil {
+	dropDB := db.drop
+	db.drop = func() {
+		dropDB()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		var roles []string
+		for _, r := range []loginRole{db.owner, db.writer, db.consumer, db.operator} {
+			if r.name != "" {
+				roles = append(roles, pgx.Identifier{r.name}.Sanitize())
+			}
+		}
+		if len(roles) > 0 {
+			_ = adminExec(ctx, "DROP ROLE IF EXISTS "+strings.Join(roles, ", "))
+		}
+	}
+	if err := db.createOwner(ctx); err != nil {
+		db.Drop()
+		return nil, err
+	}
+	owner := cfg.ConnConfig.Copy()
+	owner.User, owner.Password = db.owner.name, db.owner.password
+	if err := migrateDB(ctx, owner); err != nil {
 		db.Drop()
 		return nil, fmt.Errorf("migrate %s: %w", name, err)
 	}
@@ -308,19 +333,55 @@ func createDB(ctx context.Context, dsn string, admin *pgx.ConnConfig, name strin
 		db.Drop()
 		return nil, err
 	}
-	dropDB := db.drop
-	db.drop = func() {
-		dropDB()
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		_ = adminExec(ctx, "DROP ROLE IF EXISTS "+pgx.Identifier{db.writer.name}.Sanitize()+", "+
-			pgx.Identifier{db.consumer.name}.Sanitize()+", "+pgx.Identifier{db.operator.name}.Sanitize())
-	}
 	return db, nil
 }
 
+// newLoginRole creates a login role named outbox_bench_<kind>_<database oid> with a random
+// password, as the connection's user.
+func newLoginRole(ctx context.Context, conn *pgx.Conn, kind string) (loginRole, error) {
+	var suffix int64
+	if err := conn.QueryRow(ctx, "SELECT oid::bigint FROM pg_database WHERE datname = current_database()").Scan(&suffix); err != nil {
+		return loginRole{}, fmt.Errorf("read database oid: %w", err)
+	}
+	key := make([]byte, 16)
+	if _, err := rand.Read(key); err != nil {
+		return loginRole{}, fmt.Errorf("role password: %w", err)
+	}
+	r := loginRole{name: fmt.Sprintf("outbox_bench_%s_%d", kind, suffix), password: hex.EncodeToString(key)}
+	// The password is hex, so it needs no quoting beyond the literal's.
+	if _, err := conn.Exec(ctx, "CREATE ROLE "+pgx.Identifier{r.name}.Sanitize()+" LOGIN NOSUPERUSER NOBYPASSRLS PASSWORD '"+r.password+"'"); err != nil {
+		return loginRole{}, fmt.Errorf("create role %s: %w", r.name, err)
+	}
+	return r, nil
+}
+
+// createOwner makes a role that is not a superuser the owner of the database, and so of
+// its public schema and of everything the migrations create there, as a deployment's schema
+// owner is. The sequencer runs as that owner (SECURITY DEFINER), and the tables force
+// row-level security on it: owned by the superuser, its statements would skip the policies
+// that a deployment's sequencer pays for.
+func (d *DB) createOwner(ctx context.Context) error {
+	conn, err := pgx.ConnectConfig(ctx, d.cfg.ConnConfig)
+	if err != nil {
+		return fmt.Errorf("connect to %s: %w", d.Name, err)
+	}
+	defer conn.Close(ctx)
+	if d.owner, err = newLoginRole(ctx, conn, "owner"); err != nil {
+		return err
+	}
+	owner := pgx.Identifier{d.owner.name}.Sanitize()
+	// A role with CREATEROLE that is not a superuser must be a member of the new owner to hand
+	// the database to it.
+	for _, stmt := range []string{"GRANT " + owner + " TO CURRENT_USER", "ALTER DATABASE " + pgx.Identifier{d.Name}.Sanitize() + " OWNER TO " + owner} {
+		if _, err := conn.Exec(ctx, stmt); err != nil {
+			return fmt.Errorf("owner of %s: %w", d.Name, err)
+		}
+	}
+	return nil
+}
+
 // componentRoles is the Header's Roles: see there.
-const componentRoles = "component"
+const componentRoles = "component+owner"
 
 // hostTables are the reference host's tables, on which its writer role gets the host's own grants.
 const hostTables = "tasks, run_audit, mailbox_notices, settings"
@@ -334,19 +395,9 @@ func (d *DB) createRoles(ctx context.Context) error {
 		return fmt.Errorf("connect to %s: %w", d.Name, err)
 	}
 	defer conn.Close(ctx)
-	var suffix int64
-	if err := conn.QueryRow(ctx, "SELECT oid::bigint FROM pg_database WHERE datname = current_database()").Scan(&suffix); err != nil {
-		return fmt.Errorf("read database oid: %w", err)
-	}
 	for kind, r := range map[string]*loginRole{"writer": &d.writer, "consumer": &d.consumer, "operator": &d.operator} {
-		key := make([]byte, 16)
-		if _, err := rand.Read(key); err != nil {
-			return fmt.Errorf("role password: %w", err)
-		}
-		r.name, r.password = fmt.Sprintf("outbox_bench_%s_%d", kind, suffix), hex.EncodeToString(key)
-		// The password is hex, so it needs no quoting beyond the literal's.
-		if _, err := conn.Exec(ctx, "CREATE ROLE "+pgx.Identifier{r.name}.Sanitize()+" LOGIN PASSWORD '"+r.password+"'"); err != nil {
-			return fmt.Errorf("create role %s: %w", r.name, err)
+		if *r, err = newLoginRole(ctx, conn, kind); err != nil {
+			return err
 		}
 	}
 	w, c := pgx.Identifier{d.writer.name}.Sanitize(), pgx.Identifier{d.consumer.name}.Sanitize()

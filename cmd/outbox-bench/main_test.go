@@ -392,3 +392,44 @@ func TestCommandLine(t *testing.T) {
 
 	require.Error(t, run([]string{"-dsn", pgtest.AdminURL(t), "nosuchcase"}, io.Discard, io.Discard))
 }
+
+// The bench's databases are owned, with the module's objects, by a role that is not a
+// superuser, as a deployment's schema owner is: the sequencer runs as that owner, and the
+// row-level security the tables force on it is then in the figures. The roles go with the
+// database.
+func TestServerEnvDatabasesHaveAnOwnerThatIsNotASuperuser(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	env := statsEnv(t)
+	db, err := env.NewDB(ctx, "owner")
+	require.NoError(t, err)
+	watcher, err := env.NewDB(ctx, "owner_watch") // roles are the cluster's: seen from another database
+	require.NoError(t, err)
+	defer watcher.Drop()
+	admin, err := watcher.Pool(ctx, 1, nil)
+	require.NoError(t, err)
+	defer admin.Close()
+
+	pool, err := db.Pool(ctx, 1, nil)
+	require.NoError(t, err)
+	var tableOwner, sequencerOwner string
+	var super, bypass bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT r.rolname, r.rolsuper, r.rolbypassrls FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
+		WHERE c.oid = 'lifecycle_outbox'::regclass`).Scan(&tableOwner, &super, &bypass))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT proowner::regrole::text FROM pg_proc
+		WHERE oid = 'lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'::regprocedure`).Scan(&sequencerOwner))
+	pool.Close()
+	require.Equal(t, db.owner.name, tableOwner)
+	require.Equal(t, tableOwner, sequencerOwner, "the sequencer runs as the owner")
+	require.False(t, super)
+	require.False(t, bypass)
+
+	roles := []string{db.owner.name, db.writer.name, db.consumer.name, db.operator.name}
+	const count = `SELECT count(*) FROM pg_roles WHERE rolname = ANY ($1)`
+	var n int
+	require.NoError(t, admin.QueryRow(ctx, count, roles).Scan(&n))
+	require.Equal(t, len(roles), n)
+	db.Drop()
+	require.NoError(t, admin.QueryRow(ctx, count, roles).Scan(&n))
+	require.Zero(t, n, "the database's roles were dropped with it")
+}
