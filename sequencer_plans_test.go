@@ -30,11 +30,14 @@ type explainedPlan struct {
 }
 
 type planNode struct {
-	Type     string     `json:"Node Type"`
-	Relation string     `json:"Relation Name"`
-	Rows     float64    `json:"Actual Rows"`
-	Loops    float64    `json:"Actual Loops"`
-	Plans    []planNode `json:"Plans"`
+	Type     string  `json:"Node Type"`
+	Relation string  `json:"Relation Name"`
+	Rows     float64 `json:"Actual Rows"`
+	Loops    float64 `json:"Actual Loops"`
+	// Buffers the node and its children touched; present only when buffers are logged.
+	SharedHit  float64    `json:"Shared Hit Blocks"`
+	SharedRead float64    `json:"Shared Read Blocks"`
+	Plans      []planNode `json:"Plans"`
 }
 
 // work is the node's and its children's output rows over all their runs, a run that produced
