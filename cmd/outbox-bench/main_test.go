@@ -90,7 +90,45 @@ func TestWrite(t *testing.T) {
 			require.Positive(t, num(t, s, "tx_per_s"), side)
 		}
 		require.Positive(t, num(t, m, "outbox_vs_baseline"))
+		require.Equal(t, "*", m["writer_grants"])
 	}
+}
+
+// With -grants the writer role holds its projects one by one, not '*', and every delete of
+// the outbox side still records its event.
+func TestWriteWithProjectsGrantedOneByOne(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	env := testEnv(t)
+	r, err := runWrite(ctx, env, writeOpts{writers: 2, events: 40, projects: 2, mailbox: mailboxExcluded, notify: true, grants: 50})
+	require.NoError(t, err)
+	m := line(t, r, "write")
+	require.Equal(t, "50", m["writer_grants"])
+	for _, side := range []string{"baseline", "outbox"} {
+		s := m[side].(map[string]any)
+		require.EqualValues(t, 40, num(t, s, "tx"), side)
+		require.Zero(t, num(t, s, "errors"), side)
+	}
+	for _, bad := range []int{-1, 1} {
+		_, err := runWrite(ctx, env, writeOpts{writers: 2, events: 40, projects: 2, mailbox: mailboxExcluded, grants: bad})
+		require.Error(t, err, "grants %d", bad)
+	}
+
+	// What the role holds afterwards: the 50 projects, not '*'.
+	db, err := env.NewDB(ctx, "grants")
+	require.NoError(t, err)
+	admin, err := db.Pool(ctx, 1, nil)
+	require.NoError(t, err)
+	defer admin.Close()
+	writer, err := db.WriterPool(ctx, 1, nil)
+	require.NoError(t, err)
+	defer writer.Close()
+	require.NoError(t, grantOneByOne(ctx, admin, writer, 2, 50))
+	var n, every int
+	require.NoError(t, writer.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE project_id = '*') FROM lifecycle_project_access
+		WHERE role_name = current_user`).Scan(&n, &every))
+	require.Equal(t, 50, n)
+	require.Zero(t, every)
 }
 
 // The host's deletes and the consumers run as the roles the README prescribes, which row-level

@@ -89,7 +89,7 @@ CREATE TRIGGER bench_skip_mailbox BEFORE INSERT ON mailbox_notices FOR EACH ROW 
 func runWrite(ctx context.Context, env *Env, o writeOpts) (writeResult, error) {
 	res := writeResult{Header: env.Header("write"), Writers: o.writers, Projects: o.projects, Events: o.events, Mailbox: o.mailbox, Notify: o.notify,
 		WriterGrants: "*"}
-	if o.writers < 1 || o.events < 2 || o.projects < 1 || (o.grants != 0 && o.grants < o.projects) {
+	if o.writers < 1 || o.events < 2 || o.projects < 1 || o.grants < 0 || (o.grants > 0 && o.grants < o.projects) {
 		return res, fmt.Errorf("write: need writers >= 1, events >= 2, projects >= 1, and grants 0 or at least projects")
 	}
 	if o.grants > 0 {
