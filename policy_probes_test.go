@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"testing"
@@ -31,13 +32,38 @@ func grantRowsRead(t *testing.T, pool *pgxpool.Pool, stmt string, args ...any) m
 	var plans []explainedPlan
 	require.NoError(t, json.Unmarshal(out, &plans))
 	require.Len(t, plans, 1)
-	read := map[string]int{}
-	plans[0].Plan.walk(func(n planNode) { read[n.Relation] += int(n.Rows * n.Loops) })
 	got := map[string]int{}
 	for _, tab := range grantTables {
-		got[tab] = read[tab]
+		got[tab], _ = grantReads(plans, tab)
 	}
 	return got
+}
+
+// grantReads sums, over the nodes of plans that scan table, each node's rows times its loops
+// and the pages it touched (known when buffers were logged).
+func grantReads(plans []explainedPlan, table string) (rows, pages int) {
+	for _, p := range plans {
+		p.Plan.walk(func(n planNode) {
+			if n.Relation == table {
+				rows += int(n.Rows * n.Loops)
+				pages += int(n.SharedHit + n.SharedRead)
+			}
+		})
+	}
+	return rows, pages
+}
+
+// explainedSessionAs is an explained session, buffers logged, whose session user is role:
+// auto_explain needs a superuser to load and set, and SET SESSION AUTHORIZATION then makes the
+// session the role's, as its login is, so that the sequencer sees that role as its caller.
+func explainedSessionAs(t *testing.T, ctx context.Context, lp *leastPrivilege, role string) *explainedSession {
+	t.Helper()
+	s := newExplainedSession(t, ctx, lp.db.URL)
+	for _, stmt := range []string{"SET auto_explain.log_buffers = on", "SET SESSION AUTHORIZATION " + pgx.Identifier{role}.Sanitize()} {
+		_, err := s.conn.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	return s
 }
 
 // manyNames returns prefix-0001 .. prefix-n.
@@ -113,25 +139,15 @@ func TestSequencerCallDoesNotReadOtherRolesGrants(t *testing.T) {
 	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	deleteTasksAs(t, lp, writer, "proj-a", 1)
 
-	// auto_explain shows the statements inside the function; it needs a superuser to load and
-	// set, and SET SESSION AUTHORIZATION then makes the session the consumer's, as its login is.
-	s := newExplainedSession(t, ctx, lp.db.URL)
-	_, err := s.conn.Exec(ctx, "SET SESSION AUTHORIZATION "+pgx.Identifier{role}.Sanitize())
-	require.NoError(t, err)
+	// auto_explain shows the statements inside the function.
+	s := explainedSessionAs(t, ctx, lp, role)
 	grantsRead := func(sql string, args ...any) int {
-		n := 0
-		for _, p := range s.plans(t, ctx, sql, args...) {
-			p.Plan.walk(func(node planNode) {
-				if node.Relation == "lifecycle_project_access" {
-					n += int(node.Rows * node.Loops)
-				}
-			})
-		}
-		return n
+		rows, _ := grantReads(s.plans(t, ctx, sql, args...), "lifecycle_project_access")
+		return rows
 	}
 	release := `SELECT lifecycle_outbox_release_sequencer('engine@0123456789abcdef')`
 	// Statistics as autovacuum would keep them: the plans are made on the first call.
-	_, err = lp.owner.Exec(ctx, `ANALYZE lifecycle_project_access`)
+	_, err := lp.owner.Exec(ctx, `ANALYZE lifecycle_project_access`)
 	require.NoError(t, err)
 	first := grantsRead(sequencerCall, []string{"proj-a"})
 	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE project_id = 'proj-a'`), "the call numbered the event")
@@ -155,22 +171,11 @@ func TestSequencerCallOfManyProjectsReadsOneGrantForEveryProject(t *testing.T) {
 	ctx := ctxT(t)
 	lp := newLeastPrivilege(t)
 	_, role := lp.component(t, "engine", consumerGrant("engine", "*"))
-	s := newExplainedSession(t, ctx, lp.db.URL)
-	_, err := s.conn.Exec(ctx, "SET auto_explain.log_buffers = on")
-	require.NoError(t, err)
-	_, err = s.conn.Exec(ctx, "SET SESSION AUTHORIZATION "+pgx.Identifier{role}.Sanitize())
-	require.NoError(t, err)
+	s := explainedSessionAs(t, ctx, lp, role)
 	// Pages of the grant table and its key that the call's statements touched: a probe per
 	// project of the call would touch thousands.
 	pages := func(projects []string) int {
-		n := 0
-		for _, p := range s.plans(t, ctx, sequencerCall, projects) {
-			p.Plan.walk(func(node planNode) {
-				if node.Relation == "lifecycle_project_access" {
-					n += int(node.SharedHit + node.SharedRead)
-				}
-			})
-		}
+		_, n := grantReads(s.plans(t, ctx, sequencerCall, projects), "lifecycle_project_access")
 		return n
 	}
 	one := pages([]string{"proj-0001"})
