@@ -336,13 +336,18 @@ func createDB(ctx context.Context, dsn string, admin *pgx.ConnConfig, name strin
 	return db, nil
 }
 
-// newLoginRole creates a login role named outbox_bench_<kind>_<database oid> with a random
-// password, as the connection's user.
-func newLoginRole(ctx context.Context, conn *pgx.Conn, kind string) (loginRole, error) {
-	var suffix int64
-	if err := conn.QueryRow(ctx, "SELECT oid::bigint FROM pg_database WHERE datname = current_database()").Scan(&suffix); err != nil {
-		return loginRole{}, fmt.Errorf("read database oid: %w", err)
+// databaseOID is the connection's database's oid, which names the bench's roles for it.
+func databaseOID(ctx context.Context, conn *pgx.Conn) (int64, error) {
+	var oid int64
+	if err := conn.QueryRow(ctx, "SELECT oid::bigint FROM pg_database WHERE datname = current_database()").Scan(&oid); err != nil {
+		return 0, fmt.Errorf("read database oid: %w", err)
 	}
+	return oid, nil
+}
+
+// newLoginRole creates a login role named outbox_bench_<kind>_<suffix> with a random
+// password, as the connection's user.
+func newLoginRole(ctx context.Context, conn *pgx.Conn, kind string, suffix int64) (loginRole, error) {
 	key := make([]byte, 16)
 	if _, err := rand.Read(key); err != nil {
 		return loginRole{}, fmt.Errorf("role password: %w", err)
@@ -366,7 +371,11 @@ func (d *DB) createOwner(ctx context.Context) error {
 		return fmt.Errorf("connect to %s: %w", d.Name, err)
 	}
 	defer conn.Close(ctx)
-	if d.owner, err = newLoginRole(ctx, conn, "owner"); err != nil {
+	oid, err := databaseOID(ctx, conn)
+	if err != nil {
+		return err
+	}
+	if d.owner, err = newLoginRole(ctx, conn, "owner", oid); err != nil {
 		return err
 	}
 	owner := pgx.Identifier{d.owner.name}.Sanitize()
@@ -395,8 +404,12 @@ func (d *DB) createRoles(ctx context.Context) error {
 		return fmt.Errorf("connect to %s: %w", d.Name, err)
 	}
 	defer conn.Close(ctx)
+	oid, err := databaseOID(ctx, conn)
+	if err != nil {
+		return err
+	}
 	for kind, r := range map[string]*loginRole{"writer": &d.writer, "consumer": &d.consumer, "operator": &d.operator} {
-		if *r, err = newLoginRole(ctx, conn, kind); err != nil {
+		if *r, err = newLoginRole(ctx, conn, kind, oid); err != nil {
 			return err
 		}
 	}
