@@ -186,6 +186,8 @@ func TestSequence(t *testing.T) {
 		m := line(t, r, "sequence")
 		require.EqualValues(t, 601, num(t, m, "assigned"))
 		requireBacklog(t, m, backlogUnsequenced, perTx)
+		require.Positive(t, num(t, m, "copy_floor_rows_per_s"))
+		require.InDelta(t, num(t, m, "rows_per_s")/num(t, m, "copy_floor_rows_per_s"), num(t, m, "vs_copy_floor"), 0.01)
 	}
 }
 
