@@ -212,6 +212,13 @@ type fanoutResult struct {
 	DeliveriesPerS float64 `json:"deliveries_per_s"`
 	// ClientCPUSeconds is the CPU this process (all K consumers) used until the last event.
 	ClientCPUSeconds float64 `json:"client_cpu_seconds"`
+	// ServerCPUSeconds is the CPU the database server's processes used meanwhile (-1 when the
+	// server does not run on this machine). CPUUSPerDelivery is both together per delivery and
+	// CPUsBusy both over the elapsed time: near the machine's core count, the run was bound by
+	// CPU, and a rate of R deliveries/s would need at most cores/R of CPU per delivery.
+	ServerCPUSeconds float64 `json:"server_cpu_seconds"`
+	CPUUSPerDelivery float64 `json:"cpu_us_per_delivery"`
+	CPUsBusy         float64 `json:"cpus_busy"`
 	TimedOut         bool    `json:"timed_out,omitempty"`
 }
 
@@ -245,9 +252,15 @@ func runFanout(ctx context.Context, env *Env, o fanoutOpts) (fanoutResult, error
 			}
 		}
 	}()
+	admin, err := db.Pool(ctx, 1, nil)
+	if err != nil {
+		return res, err
+	}
+	server := findServer(ctx, admin)
+	admin.Close()
 	env.Logf("fanout: %d consumers x %d events", o.consumers, o.events)
 	var wg sync.WaitGroup
-	cpu0, started := processCPU(), time.Now()
+	meter, started := startCPU(server), time.Now()
 	for i := range o.consumers {
 		trackers[i] = newIndexTracker("f", o.events)
 		wg.Add(1)
@@ -269,8 +282,16 @@ func runFanout(ctx context.Context, env *Env, o fanoutOpts) (fanoutResult, error
 			break
 		}
 	}
-	elapsed, cpu := time.Since(started), processCPU()-cpu0
-	res.ClientCPUSeconds = seconds(cpu)
+	elapsed := time.Since(started)
+	client, srv := meter.Stop()
+	res.ClientCPUSeconds, res.ServerCPUSeconds = seconds(client), -1
+	if server != nil {
+		res.ServerCPUSeconds = seconds(srv)
+		if n := o.consumers * o.events; n > 0 {
+			res.CPUUSPerDelivery = round1(float64(client+srv) / float64(time.Microsecond) / float64(n))
+		}
+		res.CPUsBusy = round3(float64(client+srv) / float64(elapsed))
+	}
 	for _, tr := range trackers {
 		r, d, m, _ := tr.Counts()
 		res.ReceivedTotal += r

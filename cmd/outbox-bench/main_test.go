@@ -227,6 +227,11 @@ func TestFanout(t *testing.T) {
 		require.EqualValues(t, 1500, num(t, m, "received_total"), kind)
 		require.Zero(t, num(t, m, "duplicates"), kind)
 		require.Zero(t, num(t, m, "missing"), kind)
+		// The test's server runs on this machine, so its CPU is measured.
+		client, server := num(t, m, "client_cpu_seconds"), num(t, m, "server_cpu_seconds")
+		require.Positive(t, server, kind)
+		require.InDelta(t, (client+server)*1e6/1500, num(t, m, "cpu_us_per_delivery"), 0.05*(client+server)*1e6/1500+1, kind)
+		require.InDelta(t, (client+server)/num(t, m, "seconds"), num(t, m, "cpus_busy"), 0.05*(client+server)/num(t, m, "seconds")+0.01, kind)
 	}
 }
 
