@@ -40,6 +40,17 @@ type latencyResult struct {
 	Latencies
 	// AchievedRate is sent over the sending time: below Rate, the writers could not keep up.
 	AchievedRate float64 `json:"achieved_rate"`
+	// The consumer's cycle while the writers sent: its scans per second (Consumer.Stats), the
+	// mean time between two (scan_period_ms) and the events each delivered on average. An
+	// event waits for the scan after its commit, then for that scan's work.
+	ScansPerS     float64 `json:"scans_per_s"`
+	ScanPeriodMS  float64 `json:"scan_period_ms"`
+	EventsPerScan float64 `json:"events_per_scan"`
+	// The sequencer's share of each scan, from pg_stat_statements over the same phase: its
+	// calls and their mean executor time (the commit after it is not in it); -1 without the
+	// extension.
+	SequencerCalls      int64   `json:"sequencer_calls"`
+	SequencerExecMeanMS float64 `json:"sequencer_exec_mean_ms"`
 }
 
 // runLatency commits deletes at a fixed rate through the reference host with the writer hook
@@ -83,6 +94,12 @@ func runLatency(ctx context.Context, env *Env, o latencyOpts) (latencyResult, er
 		return res, errors.New("latency: the consumer never positioned its cursor")
 	}
 
+	stats := openStatStatements(ctx, admin)
+	if !stats.ok {
+		res.SequencerCalls, res.SequencerExecMeanMS = -1, -1
+		env.Logf("latency: no sequencer figures: %s", stats.why)
+	}
+	before := c.Stats()
 	env.Logf("latency: %d deletes/s for %.1fs on %d writers", o.rate, o.seconds, o.writers)
 	jobs := make(chan int, total)
 	var mu sync.Mutex
@@ -122,6 +139,22 @@ func runLatency(ctx context.Context, env *Env, o latencyOpts) (latencyResult, er
 	close(jobs)
 	wg.Wait()
 	sending := time.Since(started)
+	after := c.Stats()
+	if scans := after.Scans - before.Scans; scans > 0 {
+		res.ScansPerS = perSecond(scans, sending)
+		res.ScanPeriodMS = round3(float64(sending) / float64(time.Millisecond) / float64(scans))
+		res.EventsPerScan = round1(float64(after.Delivered-before.Delivered) / float64(scans))
+	}
+	if stats.ok {
+		st, err := stats.sequencer(ctx)
+		if err != nil {
+			return res, err
+		}
+		res.SequencerCalls = st.calls
+		if st.calls > 0 {
+			res.SequencerExecMeanMS = round3(st.execMS / float64(st.calls))
+		}
+	}
 	if firstErr != nil {
 		env.Logf("latency: first error: %v", firstErr)
 	}

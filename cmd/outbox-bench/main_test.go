@@ -368,6 +368,23 @@ func TestLatency(t *testing.T) {
 	require.Zero(t, num(t, m, "duplicates"))
 	require.Zero(t, num(t, m, "missing"))
 	require.Positive(t, num(t, m, "p50_ms"))
+	// The cycle: scans happened, and their period is the sending time over their count.
+	scans := num(t, m, "scans_per_s")
+	require.Positive(t, scans)
+	require.InDelta(t, 1000/scans, num(t, m, "scan_period_ms"), 0.01*1000/scans+0.01)
+	require.Positive(t, num(t, m, "events_per_scan"))
+}
+
+// TestLatencySequencerFigures: on a server with pg_stat_statements the line says what the
+// consumer's sequencer calls cost while the writers sent.
+func TestLatencySequencerFigures(t *testing.T) {
+	t.Parallel()
+	r, err := runLatency(ctxT(t), statsEnv(t), latencyOpts{rate: 200, seconds: 0.5, writers: 2})
+	require.NoError(t, err)
+	m := line(t, r, "latency")
+	require.EqualValues(t, 100, num(t, m, "received"))
+	require.Positive(t, num(t, m, "sequencer_calls"))
+	require.Positive(t, num(t, m, "sequencer_exec_mean_ms"))
 }
 
 // TestOOO: whichever transaction is held open, every event committed meanwhile is delivered,
