@@ -136,9 +136,10 @@ type drainResult struct {
 	// ClientCPUSeconds is the CPU this process used from Start to the last event: the
 	// consumer's own cost, which the database's share of the 2 cores does not blur.
 	ClientCPUSeconds float64 `json:"client_cpu_seconds"`
-	RSSBeforeMB      float64 `json:"rss_before_mb"`
-	PeakRSSMB        float64 `json:"peak_rss_mb"`
-	TimedOut         bool    `json:"timed_out,omitempty"`
+	PhaseCPU
+	RSSBeforeMB float64 `json:"rss_before_mb"`
+	PeakRSSMB   float64 `json:"peak_rss_mb"`
+	TimedOut    bool    `json:"timed_out,omitempty"`
 }
 
 // drainTimeout leaves a slow machine room while still ending a run that lost events.
@@ -170,10 +171,14 @@ func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
 		return res, err
 	}
 
+	server, err := localServer(ctx, db)
+	if err != nil {
+		return res, err
+	}
 	tr := newIndexTracker("d", o.events)
 	rss := startPeakRSS()
 	env.Logf("drain: consuming")
-	cpu0, started := processCPU(), time.Now()
+	meter, started := startCPU(server), time.Now()
 	c, err := startConsumer(ctx, db, consumerSpec{id: consumer, projects: []string{project},
 		cfg:       outbox.Config{NewCursor: outbox.NewCursorOldest, BatchSize: o.batch, PollInterval: o.poll},
 		listeners: []outbox.Listener{tr.listener()}})
@@ -183,7 +188,9 @@ func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
 	}
 	defer c.Close()
 	complete := tr.wait(ctx, drainTimeout(o.events))
-	drained, cpu := time.Since(started), processCPU()-cpu0
+	drained := time.Since(started)
+	cpu, srv := meter.Stop()
+	res.PhaseCPU = phaseCPU(server, cpu, srv, drained, o.events)
 	durableAt, durable := waitCursor(ctx, admin, consumer, project, int64(o.events), 30*time.Second)
 	res.RSSBeforeMB, res.PeakRSSMB = rss.Stop()
 	res.Received, res.Duplicates, res.Missing, _ = tr.Counts()
@@ -212,14 +219,40 @@ type fanoutResult struct {
 	DeliveriesPerS float64 `json:"deliveries_per_s"`
 	// ClientCPUSeconds is the CPU this process (all K consumers) used until the last event.
 	ClientCPUSeconds float64 `json:"client_cpu_seconds"`
-	// ServerCPUSeconds is the CPU the database server's processes used meanwhile (-1 when the
-	// server does not run on this machine). CPUUSPerDelivery is both together per delivery and
-	// CPUsBusy both over the elapsed time: near the machine's core count, the run was bound by
-	// CPU, and a rate of R deliveries/s would need at most cores/R of CPU per delivery.
+	PhaseCPU
+	TimedOut bool `json:"timed_out,omitempty"`
+}
+
+// PhaseCPU is what a drain or fanout cost the machine besides the client: ServerCPUSeconds
+// is the CPU the database server's processes used meanwhile (-1 when the server does not run
+// on this machine), CPUUSPerDelivery the client's and the server's CPU together per delivery,
+// and CPUsBusy both over the elapsed time. Near the machine's core count, the run was bound by
+// CPU, and a rate of R deliveries/s would need at most cores/R of CPU per delivery.
+type PhaseCPU struct {
 	ServerCPUSeconds float64 `json:"server_cpu_seconds"`
 	CPUUSPerDelivery float64 `json:"cpu_us_per_delivery"`
 	CPUsBusy         float64 `json:"cpus_busy"`
-	TimedOut         bool    `json:"timed_out,omitempty"`
+}
+
+// phaseCPU fills a PhaseCPU from a meter's figures; server is nil when the server's CPU
+// cannot be read.
+func phaseCPU(server *serverCPU, client, srv, elapsed time.Duration, deliveries int) PhaseCPU {
+	if server == nil || deliveries < 1 || elapsed <= 0 {
+		return PhaseCPU{ServerCPUSeconds: -1}
+	}
+	return PhaseCPU{ServerCPUSeconds: seconds(srv),
+		CPUUSPerDelivery: round1(float64(client+srv) / float64(time.Microsecond) / float64(deliveries)),
+		CPUsBusy:         round3(float64(client+srv) / float64(elapsed))}
+}
+
+// localServer finds the CPU of db's server (nil when it does not run on this machine).
+func localServer(ctx context.Context, db *DB) (*serverCPU, error) {
+	admin, err := db.Pool(ctx, 1, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer admin.Close()
+	return findServer(ctx, admin), nil
 }
 
 // runFanout starts K consumers with distinct identities (each with its own pool, as separate
@@ -252,12 +285,10 @@ func runFanout(ctx context.Context, env *Env, o fanoutOpts) (fanoutResult, error
 			}
 		}
 	}()
-	admin, err := db.Pool(ctx, 1, nil)
+	server, err := localServer(ctx, db)
 	if err != nil {
 		return res, err
 	}
-	server := findServer(ctx, admin)
-	admin.Close()
 	env.Logf("fanout: %d consumers x %d events", o.consumers, o.events)
 	var wg sync.WaitGroup
 	meter, started := startCPU(server), time.Now()
@@ -284,14 +315,7 @@ func runFanout(ctx context.Context, env *Env, o fanoutOpts) (fanoutResult, error
 	}
 	elapsed := time.Since(started)
 	client, srv := meter.Stop()
-	res.ClientCPUSeconds, res.ServerCPUSeconds = seconds(client), -1
-	if server != nil {
-		res.ServerCPUSeconds = seconds(srv)
-		if n := o.consumers * o.events; n > 0 {
-			res.CPUUSPerDelivery = round1(float64(client+srv) / float64(time.Microsecond) / float64(n))
-		}
-		res.CPUsBusy = round3(float64(client+srv) / float64(elapsed))
-	}
+	res.ClientCPUSeconds, res.PhaseCPU = seconds(client), phaseCPU(server, client, srv, elapsed, o.consumers*o.events)
 	for _, tr := range trackers {
 		r, d, m, _ := tr.Counts()
 		res.ReceivedTotal += r
