@@ -35,9 +35,11 @@ type planNode struct {
 	Rows     float64 `json:"Actual Rows"`
 	Loops    float64 `json:"Actual Loops"`
 	// Buffers the node and its children touched; present only when buffers are logged.
-	SharedHit  float64    `json:"Shared Hit Blocks"`
-	SharedRead float64    `json:"Shared Read Blocks"`
-	Plans      []planNode `json:"Plans"`
+	SharedHit  float64 `json:"Shared Hit Blocks"`
+	SharedRead float64 `json:"Shared Read Blocks"`
+	// Rows a scan read and its filter dropped, over all its runs divided by Loops, as Rows.
+	RemovedByFilter float64    `json:"Rows Removed by Filter"`
+	Plans           []planNode `json:"Plans"`
 }
 
 // work is the node's and its children's output rows over all their runs, a run that produced
@@ -183,4 +185,41 @@ func TestSequencerMoveKeepsOnePlanWhateverTheBacklog(t *testing.T) {
 	// The first call had 6,000 rows behind its batch and the last none; a plan that read the
 	// backlog would cost the first call several times the last.
 	require.Less(t, works[0], 1.5*works[len(works)-1], "a call cost more with more rows behind its batch")
+}
+
+// TestSequencerCallDoesNotReadTheStreamWhateverItsStatistics: a deployment that installed the
+// schema analyzed an empty stream, and a first consumer then drains a large backlog in one
+// session, whose plans were made on those statistics. Each call looked for unnumbered rows of
+// older writers by a plan that could walk the stream's key from end to end (a 1M backlog in
+// one project took 66ms a call for it by the end, measured): the drain's cost grew with the
+// square of the backlog. The look is now answered by the partial index of such rows alone.
+func TestSequencerCallDoesNotReadTheStreamWhateverItsStatistics(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	s := newExplainedSession(t, ctx, pgtest.NewDB(t).URL)
+	_, err := s.conn.Exec(ctx, `VACUUM ANALYZE lifecycle_outbox`)
+	require.NoError(t, err)
+	project := []string{"p"}
+	_, err = s.conn.Exec(ctx, insertPendingPerProject, project, "first")
+	require.NoError(t, err)
+	s.plans(t, ctx, sequencerCall, project) // the session's plans, made on those statistics
+	_, err = s.conn.Exec(ctx, insertPendingRows, "p", "t", 5000)
+	require.NoError(t, err)
+	for range 5 {
+		s.plans(t, ctx, sequencerCall, project)
+	}
+	require.Equal(t, 5001, pgtest.QueryInt(t, s.conn, `SELECT count(*) FROM lifecycle_outbox WHERE project_id = 'p'`))
+	_, err = s.conn.Exec(ctx, insertPendingRows, "p", "u", 1000)
+	require.NoError(t, err)
+
+	read := 0.0
+	for _, p := range s.plans(t, ctx, sequencerCall, project) {
+		p.Plan.walk(func(n planNode) {
+			if n.Relation == "lifecycle_outbox" && n.Type != "ModifyTable" {
+				read += (n.Rows + n.RemovedByFilter) * n.Loops
+			}
+		})
+	}
+	require.Equal(t, 6001, pgtest.QueryInt(t, s.conn, `SELECT count(*) FROM lifecycle_outbox WHERE project_id = 'p'`), "the call numbered its batch")
+	require.Less(t, read, 100.0, "the call read the stream's rows, not only the partial index of unnumbered ones")
 }
