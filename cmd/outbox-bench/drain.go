@@ -223,10 +223,10 @@ type fanoutResult struct {
 	TimedOut bool `json:"timed_out,omitempty"`
 }
 
-// PhaseCPU is what a drain or fanout cost the machine besides the client: ServerCPUSeconds
-// is the CPU the database server's processes used meanwhile (-1 when the server does not run
-// on this machine), CPUUSPerDelivery the client's and the server's CPU together per delivery,
-// and CPUsBusy both over the elapsed time. Near the machine's core count, the run was bound by
+// PhaseCPU is what a drain or fanout cost the machine: ServerCPUSeconds is the CPU the
+// database server's processes used meanwhile (-1 when the server does not run on this
+// machine), CPUUSPerDelivery the client's and the server's CPU together per delivery, and
+// CPUsBusy both over the elapsed time. Near the machine's core count, the run was bound by
 // CPU, and a rate of R deliveries/s would need at most cores/R of CPU per delivery.
 type PhaseCPU struct {
 	ServerCPUSeconds float64 `json:"server_cpu_seconds"`
