@@ -55,7 +55,8 @@ type sequenceResult struct {
 	RowsPerS  float64 `json:"rows_per_s"`
 	// The copy floor, measured just before on the same backlog: its rows copied once, in the
 	// same batches, into a table with the stream's columns, indexes and checks, without
-	// removing them from the pending table, locks or row-level security (see copyFloor).
+	// removing them from the pending table, locks or row-level security (see copyFloor). -1
+	// for a backlog in several projects.
 	CopyFloorSeconds  float64 `json:"copy_floor_seconds"`
 	CopyFloorRowsPerS float64 `json:"copy_floor_rows_per_s"`
 	VsCopyFloor       float64 `json:"vs_copy_floor"`
@@ -90,14 +91,19 @@ func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult,
 		return res, err
 	}
 	env.Logf("sequence: %d unsequenced events in %d project(s): the copy floor, then the sequencer", o.events, o.projects)
-	floor, copied, err := copyFloor(ctx, pool, projects, batch)
-	if err != nil {
-		return res, err
+	// The copy floor takes one statement per batch of one project, where one sequencer call
+	// serves every project: it bounds a backlog in one project only.
+	res.CopyFloorSeconds, res.CopyFloorRowsPerS, res.VsCopyFloor = -1, -1, -1
+	if o.projects == 1 {
+		floor, copied, err := copyFloor(ctx, pool, projects, batch)
+		if err != nil {
+			return res, err
+		}
+		if copied != int64(o.events) {
+			return res, fmt.Errorf("sequence: the copy floor copied %d of %d events", copied, o.events)
+		}
+		res.CopyFloorSeconds, res.CopyFloorRowsPerS = seconds(floor), perSecond(copied, floor)
 	}
-	if copied != int64(o.events) {
-		return res, fmt.Errorf("sequence: the copy floor copied %d of %d events", copied, o.events)
-	}
-	res.CopyFloorSeconds, res.CopyFloorRowsPerS = seconds(floor), perSecond(copied, floor)
 	started := time.Now()
 	heads, err := outbox.Sequence(ctx, pool, projects, batch)
 	elapsed := time.Since(started)
@@ -108,7 +114,9 @@ func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult,
 		res.Assigned += h.Assigned
 	}
 	res.Seconds, res.RowsPerS = seconds(elapsed), perSecond(int64(res.Assigned), elapsed)
-	res.VsCopyFloor = ratio(res.RowsPerS, res.CopyFloorRowsPerS)
+	if res.CopyFloorRowsPerS > 0 {
+		res.VsCopyFloor = ratio(res.RowsPerS, res.CopyFloorRowsPerS)
+	}
 	if res.Assigned != o.events {
 		return res, fmt.Errorf("sequence: assigned %d of %d events", res.Assigned, o.events)
 	}

@@ -186,9 +186,14 @@ func TestSequence(t *testing.T) {
 		m := line(t, r, "sequence")
 		require.EqualValues(t, 601, num(t, m, "assigned"))
 		requireBacklog(t, m, backlogUnsequenced, perTx)
-		require.Positive(t, num(t, m, "copy_floor_rows_per_s"))
-		require.InDelta(t, num(t, m, "rows_per_s")/num(t, m, "copy_floor_rows_per_s"), num(t, m, "vs_copy_floor"), 0.01)
+		require.EqualValues(t, -1, num(t, m, "copy_floor_rows_per_s"), "no floor for a backlog in several projects")
 	}
+	r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 601, projects: 1, backlog: defaultBacklog()})
+	require.NoError(t, err)
+	m := line(t, r, "sequence")
+	require.EqualValues(t, 601, num(t, m, "assigned"))
+	require.Positive(t, num(t, m, "copy_floor_rows_per_s"))
+	require.InDelta(t, num(t, m, "rows_per_s")/num(t, m, "copy_floor_rows_per_s"), num(t, m, "vs_copy_floor"), 0.01)
 }
 
 func TestDrain(t *testing.T) {
