@@ -371,34 +371,37 @@ func TestScaleWithoutStatStatements(t *testing.T) {
 	require.Positive(t, num(t, m, "client_statements_per_s"))
 }
 
+// TestLatency runs on the harness's server and on one with pg_stat_statements, where the line
+// also says what the consumer's sequencer calls cost while the writers sent.
 func TestLatency(t *testing.T) {
 	t.Parallel()
-	r, err := runLatency(ctxT(t), testEnv(t), latencyOpts{rate: 200, seconds: 0.5, writers: 2})
-	require.NoError(t, err)
-	m := line(t, r, "latency")
-	require.EqualValues(t, 100, num(t, m, "sent"))
-	require.EqualValues(t, 100, num(t, m, "received"))
-	require.Zero(t, num(t, m, "errors"))
-	require.Zero(t, num(t, m, "duplicates"))
-	require.Zero(t, num(t, m, "missing"))
-	require.Positive(t, num(t, m, "p50_ms"))
-	// The cycle: scans happened, and their period is the sending time over their count.
-	scans := num(t, m, "scans_per_s")
-	require.Positive(t, scans)
-	require.InDelta(t, 1000/scans, num(t, m, "scan_period_ms"), 0.01*1000/scans+0.01)
-	require.Positive(t, num(t, m, "events_per_scan"))
-}
-
-// TestLatencySequencerFigures: on a server with pg_stat_statements the line says what the
-// consumer's sequencer calls cost while the writers sent.
-func TestLatencySequencerFigures(t *testing.T) {
-	t.Parallel()
-	r, err := runLatency(ctxT(t), statsEnv(t), latencyOpts{rate: 200, seconds: 0.5, writers: 2})
-	require.NoError(t, err)
-	m := line(t, r, "latency")
-	require.EqualValues(t, 100, num(t, m, "received"))
-	require.Positive(t, num(t, m, "sequencer_calls"))
-	require.Positive(t, num(t, m, "sequencer_exec_mean_ms"))
+	for _, c := range []struct {
+		name  string
+		env   func(*testing.T) *Env
+		stats bool
+	}{{"harness", testEnv, false}, {"pg_stat_statements", statsEnv, true}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			r, err := runLatency(ctxT(t), c.env(t), latencyOpts{rate: 200, seconds: 0.5, writers: 2})
+			require.NoError(t, err)
+			m := line(t, r, "latency")
+			require.EqualValues(t, 100, num(t, m, "sent"))
+			require.EqualValues(t, 100, num(t, m, "received"))
+			require.Zero(t, num(t, m, "errors"))
+			require.Zero(t, num(t, m, "duplicates"))
+			require.Zero(t, num(t, m, "missing"))
+			require.Positive(t, num(t, m, "p50_ms"))
+			// The cycle: scans happened, and their period is the sending time over their count.
+			scans := num(t, m, "scans_per_s")
+			require.Positive(t, scans)
+			require.InDelta(t, 1000/scans, num(t, m, "scan_period_ms"), 0.01*1000/scans+0.01)
+			require.Positive(t, num(t, m, "events_per_scan"))
+			if c.stats {
+				require.Positive(t, num(t, m, "sequencer_calls"))
+				require.Positive(t, num(t, m, "sequencer_exec_mean_ms"))
+			}
+		})
+	}
 }
 
 // TestOOO: whichever transaction is held open, every event committed meanwhile is delivered,
