@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
 
 	"fusion/outbox"
 	"fusion/outbox/internal/testhost"
@@ -250,6 +251,10 @@ func (r *runningConsumer) Close() {
 	r.pool.Close()
 }
 
+// consumerLog is the consumers' logger: nothing in tests, their warnings on stderr in a run
+// (see run), where a failing step or a lock that timed out explains a stall in the figures.
+var consumerLog = zap.NewNop()
+
 func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsumer, error) {
 	// Two pool connections at most, plus the hijacked LISTEN connection.
 	pool, err := db.ConsumerPool(ctx, 4, s.tracer)
@@ -260,7 +265,7 @@ func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsume
 		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
 		// A separate process that records no events.
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache, NoLocalWriter: true}),
-		LiveTasks:  s.live, Cache: s.cache,
+		LiveTasks:  s.live, Cache: s.cache, Logger: consumerLog.With(zap.String("consumer_id", s.id)),
 	})
 	if err != nil {
 		pool.Close()

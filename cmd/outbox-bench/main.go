@@ -29,6 +29,9 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // runner runs a case and hands each result to emit, which prints it as one JSON line.
@@ -111,6 +114,8 @@ func run(args []string, stdout, stderr io.Writer) error {
 	logf := func(format string, a ...any) {
 		fmt.Fprintf(stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05.000")}, a...)...)
 	}
+	consumerLog = warningsTo(stderr)
+	defer func() { _ = consumerLog.Sync() }()
 	env, err := NewServerEnv(ctx, g.dsn, logf)
 	if err != nil {
 		return err
@@ -172,4 +177,11 @@ func splitList(s string) []string {
 		}
 	}
 	return out
+}
+
+// warningsTo is a logger of warnings and errors, with their time, on w.
+func warningsTo(w io.Writer) *zap.Logger {
+	enc := zap.NewDevelopmentEncoderConfig()
+	enc.EncodeTime = zapcore.TimeEncoderOfLayout("15:04:05.000")
+	return zap.New(zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.AddSync(w), zap.WarnLevel))
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
 
 	"fusion/outbox/internal/pgcluster"
 	"fusion/outbox/internal/pgtest"
@@ -511,4 +512,17 @@ func TestServerEnvDatabasesHaveAnOwnerThatIsNotASuperuser(t *testing.T) {
 	db.Drop()
 	require.NoError(t, admin.QueryRow(ctx, count, roles).Scan(&n))
 	require.Zero(t, n, "the database's roles were dropped with it")
+}
+
+// TestWarningsTo: a run's consumers report warnings on stderr, and nothing below them.
+func TestWarningsTo(t *testing.T) {
+	var buf bytes.Buffer
+	log := warningsTo(&buf)
+	log.Info("scan done")
+	log.Warn("consumer step failed; retrying on the next scan", zap.String("step", "sequence"))
+	require.NoError(t, log.Sync())
+	out := buf.String()
+	require.NotContains(t, out, "scan done")
+	require.Contains(t, out, "consumer step failed")
+	require.Contains(t, out, `"step": "sequence"`)
 }
