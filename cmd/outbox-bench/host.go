@@ -125,7 +125,7 @@ func newHost(pool *pgxpool.Pool, withOutbox, notify bool) (*testhost.Store, *out
 	if !withOutbox {
 		return testhost.New(pool, testhost.Options{}), nil, nil
 	}
-	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, nil)
+	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, moduleLog.With(zap.String("component", "writer")))
 	if err != nil {
 		return nil, nil, fmt.Errorf("new writer: %w", err)
 	}
@@ -251,9 +251,10 @@ func (r *runningConsumer) Close() {
 	r.pool.Close()
 }
 
-// consumerLog is the consumers' logger: nothing in tests, their warnings on stderr in a run
-// (see run), where a failing step or a lock that timed out explains a stall in the figures.
-var consumerLog = zap.NewNop()
+// moduleLog is the writers' and consumers' logger: nothing in tests, their warnings on stderr
+// in a run (see run), where a failing step, a lock that timed out or a wake-up that was not
+// sent explains a stall in the figures.
+var moduleLog = zap.NewNop()
 
 func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsumer, error) {
 	// Two pool connections at most, plus the hijacked LISTEN connection.
@@ -265,7 +266,7 @@ func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsume
 		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
 		// A separate process that records no events.
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache, NoLocalWriter: true}),
-		LiveTasks:  s.live, Cache: s.cache, Logger: consumerLog.With(zap.String("consumer_id", s.id)),
+		LiveTasks:  s.live, Cache: s.cache, Logger: moduleLog.With(zap.String("consumer_id", s.id)),
 	})
 	if err != nil {
 		pool.Close()

@@ -114,8 +114,8 @@ func run(args []string, stdout, stderr io.Writer) error {
 	logf := func(format string, a ...any) {
 		fmt.Fprintf(stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05.000")}, a...)...)
 	}
-	consumerLog = warningsTo(stderr)
-	defer func() { _ = consumerLog.Sync() }()
+	moduleLog = warningsTo(stderr)
+	defer func() { _ = moduleLog.Sync() }()
 	env, err := NewServerEnv(ctx, g.dsn, logf)
 	if err != nil {
 		return err

@@ -514,7 +514,7 @@ func TestServerEnvDatabasesHaveAnOwnerThatIsNotASuperuser(t *testing.T) {
 	require.Zero(t, n, "the database's roles were dropped with it")
 }
 
-// TestWarningsTo: a run's consumers report warnings on stderr, and nothing below them.
+// TestWarningsTo: a run's writers and consumers report warnings on stderr, and nothing below them.
 func TestWarningsTo(t *testing.T) {
 	var buf bytes.Buffer
 	log := warningsTo(&buf)
