@@ -266,7 +266,7 @@ func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsume
 		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
 		// A separate process that records no events.
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache, NoLocalWriter: true}),
-		LiveTasks:  s.live, Cache: s.cache, Logger: moduleLog.With(zap.String("consumer_id", s.id)),
+		LiveTasks:  s.live, Cache: s.cache, Logger: moduleLog,
 	})
 	if err != nil {
 		pool.Close()
