@@ -125,7 +125,7 @@ func newHost(pool *pgxpool.Pool, withOutbox, notify bool) (*testhost.Store, *out
 	if !withOutbox {
 		return testhost.New(pool, testhost.Options{}), nil, nil
 	}
-	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, moduleLog.With(zap.String("component", "writer")))
+	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, moduleLog)
 	if err != nil {
 		return nil, nil, fmt.Errorf("new writer: %w", err)
 	}
