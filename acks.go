@@ -20,11 +20,15 @@ type ack struct {
 	sequence int64
 }
 
-// ROWS FROM spells out the multi-argument unnest, whose shorthand exists only unqualified.
+// ROWS FROM spells out the multi-argument unnest, whose shorthand exists only unqualified. The
+// rows are locked first, in project order, as the lease heartbeat locks them (see
+// lockedCursors): the two run at once on two connections.
 const ackSQL = `
+WITH ` + lockedCursors + `$3::text[]` + lockedCursorsEnd + `
 UPDATE lifecycle_consumer_cursors c
 SET last_acked_sequence = a.sequence, acked_at = pg_catalog.now()
 FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[]), pg_catalog.unnest($5::bigint[])) AS a(project_id, epoch, sequence)
+JOIN locked l ON l.project_id = a.project_id
 WHERE c.consumer_id = $1 AND c.lease_owner = $2
   AND c.project_id = a.project_id AND c.lease_epoch = a.epoch
   AND c.lease_expires_at > pg_catalog.now() + $6::interval AND c.retired_at IS NULL

@@ -110,18 +110,39 @@ WHERE c.consumer_id = $1 AND c.project_id = ANY ($2::text[]) AND c.retired_at IS
   AND (c.lease_owner IS NULL OR c.lease_expires_at IS NULL OR c.lease_expires_at <= pg_catalog.now() + $5::interval)
 RETURNING c.project_id, c.lease_epoch, coalesce(c.last_acked_sequence, -1)`
 
+// lockedCursors locks the cursor rows that a statement writing several of them will write, in
+// project order, before it writes any: a CTE named locked, between lockedCursors and
+// lockedCursorsEnd with the statement's text[] parameter of projects. A consumer's
+// acknowledgement and its heartbeat each write several of its rows, at once on two
+// connections; taking them in the order their arguments came, each could hold a row the other
+// waits for, a deadlock that PostgreSQL breaks only after deadlock_timeout (a second by
+// default), while the consumer's scans wait. $1 is the consumer and $2 its instance.
+const (
+	lockedCursors = `locked AS (
+    SELECT k.project_id FROM lifecycle_consumer_cursors k
+    WHERE k.consumer_id = $1 AND k.lease_owner = $2 AND k.project_id = ANY (`
+	lockedCursorsEnd = `)
+    ORDER BY k.project_id
+    FOR NO KEY UPDATE
+)`
+)
+
 const renewSQL = `
+WITH ` + lockedCursors + `$5::text[]` + lockedCursorsEnd + `
 UPDATE lifecycle_consumer_cursors c
 SET lease_expires_at = pg_catalog.now() + $4::interval + $3::interval, heartbeat_at = pg_catalog.now() + $4::interval
 FROM ROWS FROM (pg_catalog.unnest($5::text[]), pg_catalog.unnest($6::bigint[])) AS h(project_id, epoch)
+JOIN locked l ON l.project_id = h.project_id
 WHERE c.consumer_id = $1 AND c.lease_owner = $2 AND c.project_id = h.project_id AND c.lease_epoch = h.epoch
   AND c.lease_expires_at > pg_catalog.now() + $4::interval AND c.retired_at IS NULL
 RETURNING c.project_id`
 
 const releaseSQL = `
+WITH ` + lockedCursors + `$3::text[]` + lockedCursorsEnd + `
 UPDATE lifecycle_consumer_cursors c
 SET lease_owner = NULL, lease_expires_at = NULL
 FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[])) AS h(project_id, epoch)
+JOIN locked l ON l.project_id = h.project_id
 WHERE c.consumer_id = $1 AND c.lease_owner = $2 AND c.project_id = h.project_id AND c.lease_epoch = h.epoch`
 
 // leaseKeeper holds the consumer's leases: it creates the cursors, acquires, renews and
