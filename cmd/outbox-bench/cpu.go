@@ -47,27 +47,41 @@ func findServer(ctx context.Context, pool *pgxpool.Pool) *serverCPU {
 	return &serverCPU{postmaster: st.ppid}
 }
 
-// Total is the CPU time the server's processes used so far (exited backends are not counted,
-// so measure over phases whose connections stay open).
-func (s *serverCPU) Total() (time.Duration, bool) {
+// ticks is the CPU time each of the server's processes has used so far, by process ID.
+func (s *serverCPU) ticks() (map[int]int64, bool) {
 	if s == nil {
-		return 0, false
+		return nil, false
 	}
 	paths, err := filepath.Glob("/proc/[0-9]*/stat")
 	if err != nil {
-		return 0, false
+		return nil, false
 	}
-	var ticks int64
+	out := map[int]int64{}
 	for _, p := range paths {
 		pid, err := strconv.Atoi(strings.TrimSuffix(strings.TrimPrefix(p, "/proc/"), "/stat"))
 		if err != nil {
 			continue
 		}
 		if st, ok := readStat(pid); ok && (pid == s.postmaster || st.ppid == s.postmaster) {
-			ticks += st.ticks
+			out[pid] = st.ticks
 		}
 	}
-	return time.Duration(ticks) * clockTick, true
+	return out, true
+}
+
+// since is the CPU time the server's processes used after before: for each process running
+// now, what it used since before (all of it if it started since). A process that exited
+// meanwhile is not counted, so measure over phases whose connections stay open; one that ended
+// just after before was taken no longer subtracts its past from the phase.
+func since(before, now map[int]int64) time.Duration {
+	var ticks int64
+	for pid, t := range now {
+		if t0, ok := before[pid]; ok && t0 <= t {
+			t -= t0
+		}
+		ticks += t
+	}
+	return time.Duration(ticks) * clockTick
 }
 
 type procStat struct {
@@ -99,21 +113,22 @@ func readStat(pid int) (procStat, bool) {
 // cpuMeter measures client and server CPU over a phase.
 type cpuMeter struct {
 	server         *serverCPU
-	client0, srv0  time.Duration
+	client0        time.Duration
+	srv0           map[int]int64
 	serverMeasured bool
 }
 
 func startCPU(server *serverCPU) cpuMeter {
 	m := cpuMeter{server: server, client0: processCPU()}
-	m.srv0, m.serverMeasured = server.Total()
+	m.srv0, m.serverMeasured = server.ticks()
 	return m
 }
 
 // Stop returns the client's and the server's CPU over the phase; server is 0 when unknown.
 func (m cpuMeter) Stop() (client, server time.Duration) {
 	client = processCPU() - m.client0
-	if s, ok := m.server.Total(); ok && m.serverMeasured {
-		server = s - m.srv0
+	if now, ok := m.server.ticks(); ok && m.serverMeasured {
+		server = since(m.srv0, now)
 	}
 	return client, server
 }
