@@ -360,21 +360,32 @@ func newLoginRole(ctx context.Context, conn *pgx.Conn, kind string, suffix int64
 	return r, nil
 }
 
+// connectWithOID connects to the database as the superuser and reads its oid, which names the
+// login roles made for it.
+func (d *DB) connectWithOID(ctx context.Context) (*pgx.Conn, int64, error) {
+	conn, err := pgx.ConnectConfig(ctx, d.cfg.ConnConfig)
+	if err != nil {
+		return nil, 0, fmt.Errorf("connect to %s: %w", d.Name, err)
+	}
+	oid, err := databaseOID(ctx, conn)
+	if err != nil {
+		conn.Close(ctx)
+		return nil, 0, err
+	}
+	return conn, oid, nil
+}
+
 // createOwner makes a role that is not a superuser the owner of the database, and so of
 // its public schema and of everything the migrations create there, as a deployment's schema
 // owner is. The sequencer runs as that owner (SECURITY DEFINER), and the tables force
 // row-level security on it: owned by the superuser, its statements would skip the policies
 // that a deployment's sequencer pays for.
 func (d *DB) createOwner(ctx context.Context) error {
-	conn, err := pgx.ConnectConfig(ctx, d.cfg.ConnConfig)
-	if err != nil {
-		return fmt.Errorf("connect to %s: %w", d.Name, err)
-	}
-	defer conn.Close(ctx)
-	oid, err := databaseOID(ctx, conn)
+	conn, oid, err := d.connectWithOID(ctx)
 	if err != nil {
 		return err
 	}
+	defer conn.Close(ctx)
 	if d.owner, err = newLoginRole(ctx, conn, "owner", oid); err != nil {
 		return err
 	}
@@ -399,15 +410,11 @@ const hostTables = "tasks, run_audit, mailbox_notices, settings"
 // what the README tells a host to grant, in every project, and on the host's tables what the
 // host needs.
 func (d *DB) createRoles(ctx context.Context) error {
-	conn, err := pgx.ConnectConfig(ctx, d.cfg.ConnConfig)
-	if err != nil {
-		return fmt.Errorf("connect to %s: %w", d.Name, err)
-	}
-	defer conn.Close(ctx)
-	oid, err := databaseOID(ctx, conn)
+	conn, oid, err := d.connectWithOID(ctx)
 	if err != nil {
 		return err
 	}
+	defer conn.Close(ctx)
 	for kind, r := range map[string]*loginRole{"writer": &d.writer, "consumer": &d.consumer, "operator": &d.operator} {
 		if *r, err = newLoginRole(ctx, conn, kind, oid); err != nil {
 			return err
