@@ -70,7 +70,7 @@ func TestCursorWritesLockInProjectOrder(t *testing.T) {
 			_, err = tx.Exec(ctx, `SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = $1 AND project_id = 'p15' FOR NO KEY UPDATE`, id)
 			require.NoError(t, err)
 
-			var writerPID uint32 = writer.PgConn().PID()
+			writerPID := writer.PgConn().PID()
 			done := make(chan error, 1)
 			go func() {
 				rows, err := writer.Query(ctx, outbox.Statements[c.name], c.args...)
