@@ -11,12 +11,9 @@ func PauseHeartbeat(c *Consumer, paused bool) { c.leases.paused.Store(paused) }
 // HeartbeatNow runs one heartbeat round synchronously.
 func HeartbeatNow(ctx context.Context, c *Consumer) { c.leases.heartbeat(ctx) }
 
-// The retention batch's statements, so a test can hold one batch open and show that a delete
+// The retention batch's statement, so a test can hold one batch open and show that a delete
 // transaction does not wait for it.
-const (
-	PruneBatchSQL  = pruneBatchSQL
-	RecordFloorSQL = recordFloorSQL
-)
+const PruneBatchSQL = pruneBatchSQL
 
 // ValidateEvent exposes the check the consumer applies to every row it decodes.
 func ValidateEvent(e Event) error { return e.validate() }
@@ -52,7 +49,6 @@ var Statements = map[string]string{
 	"readEventsSQL":           readEventsSQL,
 	"readFirstEventsSQL":      readFirstEventsSQL,
 	"reconcileCursorSQL":      reconcileCursorSQL,
-	"recordFloorSQL":          recordFloorSQL,
 	"reinstateSQL":            reinstateSQL,
 	"releaseSQL":              releaseSQL,
 	"releaseHoldsSQL":         releaseHoldsSQL,
@@ -72,7 +68,6 @@ var Statements = map[string]string{
 	"sequencedProjectsSQL":    sequencedProjectsSQL,
 	"sequenceSQL":             sequenceSQL,
 	"sequenceHeldSQL":         sequenceHeldSQL,
-	"slowestCursorSQL":        slowestCursorSQL,
 	"statusProjectsSQL":       statusProjectsSQL,
 	"statusSQL":               statusSQL,
 	"supersedeRetriesSQL":     supersedeRetriesSQL,

@@ -8,13 +8,15 @@ import (
 )
 
 // One component, one role. Each role gets only the privileges its component uses, column by
-// column where a table-level grant would give more: no role below holds table-level UPDATE or
-// TRUNCATE, and only the operator holds DELETE, so a writer or consumer role can take no lock
-// that blocks another project (LOCK TABLE in any mode stronger than ROW EXCLUSIVE needs one of
-// those three). Row-level security then limits a role to the projects granted in
-// lifecycle_project_access and, for cursors, deliveries and audit rows, to the consumer
-// identities granted in lifecycle_consumer_access. None of the roles needs DDL, ownership or
-// BYPASSRLS. docs/operations.md ("Roles and grants") has the table and the threat model.
+// column where a table-level grant would give more: no role below holds table-level UPDATE,
+// DELETE or TRUNCATE, so none can take a lock that blocks another project (LOCK TABLE in any
+// mode stronger than ROW EXCLUSIVE needs one of those three). What needs to delete (the
+// sequencer's move, pruning) runs in functions owned by the schema owner (SECURITY DEFINER)
+// that decide themselves what the caller may touch. Row-level security then limits a role to
+// the projects granted in lifecycle_project_access and, for cursors, deliveries and audit rows,
+// to the consumer identities granted in lifecycle_consumer_access. None of the roles needs DDL,
+// ownership or BYPASSRLS. docs/operations.md ("Roles and grants") has the table and the threat
+// model.
 
 type grant struct{ privileges, object string }
 
@@ -23,14 +25,19 @@ const pendingColumns = "project_id, task_id, deleted_at, event_type, archived, p
 
 // writerGrants: the writer hook inserts one pending row per first deletion and reads it back on
 // a repeat, wherever it is by then. It cannot number, change or delete a row, or touch any
-// other table. (INSERT on lifecycle_outbox is for writers of schema 6 and earlier during a
-// rolling deploy: the sequencer numbers their unnumbered rows too.)
+// other table. Of the stream it reads only what its repeat reads (writerOutboxColumns), not
+// the events' contents. (INSERT on lifecycle_outbox is for writers of schema 6 and earlier
+// during a rolling deploy: the sequencer numbers their unnumbered rows too.)
 var writerGrants = []grant{
 	{"SELECT, INSERT (" + pendingColumns + ")", "TABLE lifecycle_outbox_pending"},
-	{"SELECT, INSERT (" + pendingColumns + ")", "TABLE lifecycle_outbox"},
+	{"SELECT (" + writerOutboxColumns + "), INSERT (" + pendingColumns + ")", "TABLE lifecycle_outbox"},
 	{"SELECT", "TABLE lifecycle_project_access"},
 	{"SELECT", "TABLE " + schemaTable},
 }
+
+// writerOutboxColumns are what the writer's repeat (selectEventByIDSQL) reads of the stream:
+// which deletion an event is, who wrote it, when, and its sequence.
+const writerOutboxColumns = "project_id, task_id, deleted_at, writer_process_id, occurred_at, sequence"
 
 // consumerGrants: the consumer sequences (the function moves pending rows into the stream as
 // its owner, for the projects the role is granted; see migration 0007), reads events, and writes its own cursors, leases and delivery attempts, and the
@@ -57,17 +64,26 @@ const sequenceHeldSignature = "lifecycle_outbox_sequence(text[], integer, text, 
 
 // operatorGrants: outboxctl and the retention sweep read status, request replays, retire and
 // reinstate consumers, prune acknowledged events and resolved dead letters, and audit it all.
-// DELETE, which pruning needs, is the one table-level write privilege any role holds.
+// Pruning runs in the owner's functions (migration 0017): the role deletes nothing itself and
+// cannot move the pruned floor, which only follows what those functions deleted.
 var operatorGrants = []grant{
-	{"SELECT, DELETE", "TABLE lifecycle_outbox"},
+	{"SELECT", "TABLE lifecycle_outbox"},
 	{"SELECT", "TABLE lifecycle_outbox_pending"},
-	{"SELECT, UPDATE (pruned_through, pruned_at)", "TABLE lifecycle_outbox_heads"},
+	{"SELECT", "TABLE lifecycle_outbox_heads"},
 	{"SELECT, UPDATE (retired_at, retired_by, retired_reason, lease_owner, lease_expires_at)", "TABLE lifecycle_consumer_cursors"},
-	{"SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason), DELETE", "TABLE lifecycle_consumer_deliveries"},
+	{"SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason)", "TABLE lifecycle_consumer_deliveries"},
 	{"SELECT, INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)", "TABLE lifecycle_audit"},
 	{"SELECT", "TABLE lifecycle_project_access"},
 	{"SELECT", "TABLE " + schemaTable},
+	{"EXECUTE", "FUNCTION " + pruneSignature},
+	{"EXECUTE", "FUNCTION " + pruneDeadLettersSignature},
 }
+
+// The pruning functions (migration 0017).
+const (
+	pruneSignature            = "lifecycle_outbox_prune(text, integer, bigint, interval, interval)"
+	pruneDeadLettersSignature = "lifecycle_outbox_prune_dead_letters(integer, interval, interval)"
+)
 
 // moduleObjects is everything the grants above name, for RevokeModulePrivileges.
 var moduleObjects = []string{
@@ -75,6 +91,7 @@ var moduleObjects = []string{
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE " + schemaTable, "FUNCTION lifecycle_outbox_sequence(text[], integer)",
 	"FUNCTION " + sequenceHeldSignature, "FUNCTION lifecycle_outbox_release_sequencer(text)",
+	"FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
 }
 
 // GrantWriterRole gives role what the writer hook needs (see writerGrants) in the given

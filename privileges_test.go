@@ -216,8 +216,6 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 		for _, stmt := range []string{
 			`UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 99 WHERE project_id = 'proj-b'`,
 			`UPDATE lifecycle_consumer_deliveries SET state = 'resolved', resolved_at = now() WHERE project_id = 'proj-b'`,
-			`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-b'`,
-			`UPDATE lifecycle_outbox_heads SET pruned_through = 1 WHERE project_id = 'proj-b'`,
 		} {
 			tag, err := rtA.Exec(ctx, stmt)
 			require.NoError(t, err)
@@ -227,6 +225,9 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 			`INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('proj-b', 'intruder')`,
 			`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at) VALUES ('proj-b', 'dash', 9, 'x', 'dead', 1, now())`,
 			`INSERT INTO lifecycle_project_access (role_name, project_id) VALUES (current_user, 'proj-b')`,
+			`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-b'`, // no role but the owner deletes
+			`UPDATE lifecycle_outbox_heads SET pruned_through = 1 WHERE project_id = 'proj-b'`,
+			`SELECT * FROM lifecycle_outbox_prune('proj-b', 100, 0, interval '0', interval '1 hour')`,
 		} {
 			_, err := rtA.Exec(ctx, stmt)
 			requireSQLState(t, err, "42501")

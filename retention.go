@@ -101,17 +101,9 @@ LEFT JOIN lifecycle_consumer_cursors c ON c.project_id = h.project_id AND c.reti
 GROUP BY h.project_id, h.last_sequence, h.pruned_through
 ORDER BY h.project_id`
 
-// slowestCursorSQL is planSQL's "through" for one project, read again inside each batch's
-// transaction: a cursor created or reinstated since the plan was made holds rows back too.
-const slowestCursorSQL = `
-SELECT coalesce(
-    (SELECT pg_catalog.min(coalesce(last_acked_sequence, 0)) FROM lifecycle_consumer_cursors
-     WHERE project_id = $1 AND retired_at IS NULL),
-    (SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1),
-    0)`
-
 // prunableWhere selects the rows of project $1 that may go: at or below $2, older than the
 // window ($4 before now shifted by $3), not pointed at by an open delivery of a live consumer.
+// Plan counts them; lifecycle_outbox_prune deletes by the same rule.
 const prunableWhere = `
 o.project_id = $1 AND o.sequence IS NOT NULL AND o.sequence <= $2
 AND o.occurred_at < pg_catalog.now() + $3::interval - $4::interval
@@ -123,36 +115,18 @@ AND NOT EXISTS (
 
 const countPrunableSQL = `SELECT pg_catalog.count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
 
-// pruneBatchSQL deletes the first $5 prunable rows above $6, the highest sequence this sweep
-// pruned in the project before: a batch that started from the bottom again would step over
-// the index entries of every row the sweep deleted so far, which cannot be marked dead while
-// a snapshot from before their deletion lives.
-const pruneBatchSQL = `
-WITH doomed AS (
-    SELECT o.ctid AS row_id FROM lifecycle_outbox o WHERE ` + prunableWhere + `
-      AND o.sequence > $6
-    ORDER BY o.sequence
-    LIMIT $5
-), gone AS (
-    DELETE FROM lifecycle_outbox o USING doomed WHERE o.ctid = doomed.row_id
-    RETURNING o.sequence
-)
-SELECT pg_catalog.count(*), coalesce(pg_catalog.max(sequence), 0) FROM gone`
+// pruneBatchSQL deletes, as the schema owner (migration 0017), up to $2 rows of project $1
+// above $3, the highest sequence this sweep pruned in the project before, that every live
+// cursor acknowledged (read again inside the call: a cursor created or reinstated since the
+// plan holds its rows back too) and that are older than the window $5 on the clock shifted by
+// $4; it raises the project's floor to the highest sequence it deleted. Starting above $3
+// keeps a batch from stepping over the index entries of every row the sweep deleted so far,
+// which cannot be marked dead while a snapshot from before their deletion lives.
+const pruneBatchSQL = `SELECT pruned, max_sequence FROM lifecycle_outbox_prune($1, $2, $3, $4::interval, $5::interval)`
 
-const recordFloorSQL = `
-UPDATE lifecycle_outbox_heads
-SET pruned_through = greatest(pruned_through, $2), pruned_at = pg_catalog.now() + $3::interval
-WHERE project_id = $1`
-
-const pruneDeadLettersSQL = `
-WITH doomed AS (
-    SELECT d.ctid AS row_id FROM lifecycle_consumer_deliveries d
-    JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
-    WHERE (d.state = 'resolved' AND d.resolved_at < pg_catalog.now() + $1::interval - $2::interval)
-       OR (d.state <> 'resolved' AND c.retired_at IS NOT NULL)
-    LIMIT $3
-)
-DELETE FROM lifecycle_consumer_deliveries d USING doomed WHERE d.ctid = doomed.row_id`
+// pruneDeadLettersSQL deletes, as the schema owner, up to $1 deliveries of the caller's
+// projects resolved more than $3 ago on the clock shifted by $2, or left by a retired consumer.
+const pruneDeadLettersSQL = `SELECT lifecycle_outbox_prune_dead_letters($1, $2::interval, $3::interval)`
 
 // Plan reports, per project, what a sweep would prune now: a dry run that changes nothing.
 func (r *Retention) Plan(ctx context.Context) ([]PrunePlan, error) {
@@ -238,11 +212,11 @@ func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 		}
 	}
 	for budget > 0 {
-		tag, err := r.pool.Exec(ctx, pruneDeadLettersSQL, r.cfg.Clock.Offset(), r.cfg.DeadLetterRetention, min(int64(r.cfg.RetentionBatchSize), budget))
+		var n int64
+		err := r.pool.QueryRow(ctx, pruneDeadLettersSQL, min(int64(r.cfg.RetentionBatchSize), budget), r.cfg.Clock.Offset(), r.cfg.DeadLetterRetention).Scan(&n)
 		if err != nil {
 			return res, fmt.Errorf("prune dead letters: %w", err)
 		}
-		n := tag.RowsAffected()
 		res.DeadLettersPruned += n
 		budget -= n
 		if n < int64(r.cfg.RetentionBatchSize) {
@@ -265,7 +239,7 @@ func (r *Retention) sweep(ctx context.Context) (RetentionResult, error) {
 }
 
 // pruneBatch deletes up to limit rows of one project above *after and raises its floor, in one
-// transaction; *after becomes the highest sequence it deleted.
+// call of the owner's prune function; *after becomes the highest sequence it deleted.
 // The plan is a sweep's starting point; each batch re-reads the slowest live cursor, so that
 // one created or reinstated since holds its rows back. (One that appears between that read
 // and the commit finds the raised floor and reconciles.)
@@ -279,21 +253,7 @@ func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, af
 	started := time.Now()
 	var n, maxSeq int64
 	err := pgx.BeginTxFunc(ctx, r.pool, r.cfg.txOptions("", ""), func(tx pgx.Tx) error {
-		var through int64
-		if err := tx.QueryRow(ctx, slowestCursorSQL, p.ProjectID).Scan(&through); err != nil {
-			return err
-		}
-		if through <= 0 {
-			return nil
-		}
-		if err := tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, through, r.cfg.Clock.Offset(), r.cfg.RetentionWindow, limit, *after).Scan(&n, &maxSeq); err != nil {
-			return err
-		}
-		if n == 0 {
-			return nil
-		}
-		_, err := tx.Exec(ctx, recordFloorSQL, p.ProjectID, maxSeq, r.cfg.Clock.Offset())
-		return err
+		return tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, limit, *after, r.cfg.Clock.Offset(), r.cfg.RetentionWindow).Scan(&n, &maxSeq)
 	})
 	if err != nil {
 		return 0, fmt.Errorf("prune project %s: %w", p.ProjectID, err)

@@ -14,7 +14,7 @@ import (
 
 // SchemaVersion is the migration version this build needs. VerifySchema fails unless the
 // database is at exactly this version with unchanged migration checksums.
-const SchemaVersion = 16
+const SchemaVersion = 17
 
 // schemaTable records the module's applied migrations.
 const schemaTable = "lifecycle_outbox_schema"
@@ -121,14 +121,17 @@ WITH tables(name, forced) AS (VALUES
     ('lifecycle_consumer_deliveries', 'lifecycle_consumer_deliveries_consumer_delete'),
     ('lifecycle_audit', 'lifecycle_audit_project_scope'),
     ('lifecycle_audit', 'lifecycle_audit_consumer_insert'),
+    ('lifecycle_audit', 'lifecycle_audit_action_insert'),
     ('lifecycle_project_access', 'lifecycle_project_access_own'),
     ('lifecycle_consumer_access', 'lifecycle_consumer_access_own')
 ), functions(signature) AS (VALUES
     ('lifecycle_outbox_sequence(text[], integer)'), ('lifecycle_event_id(text, timestamp with time zone)'),
-    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)')
+    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)'),
+    ('lifecycle_outbox_prune(text, integer, bigint, interval, interval)'), ('lifecycle_outbox_prune_dead_letters(integer, interval, interval)')
 ), definers(signature) AS (VALUES
     ('lifecycle_outbox_sequence(text[], integer)'),
-    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)')
+    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)'),
+    ('lifecycle_outbox_prune(text, integer, bigint, interval, interval)'), ('lifecycle_outbox_prune_dead_letters(integer, interval, interval)')
 ), problems(ord, problem) AS (
     SELECT 1, 'table ' || t.name || ' is missing' FROM tables t WHERE pg_catalog.to_regclass(t.name) IS NULL
     UNION ALL
