@@ -20,7 +20,8 @@ type Deps struct {
 	ConsumerPool *pgxpool.Pool
 	// OperatorPool is the pool of the retention sweep and the admin calls, logged in as a role
 	// granted with GrantOperatorRole. Defaults to the main pool; without these two, the main
-	// pool's role needs the privileges of all three (GrantRuntimeRole).
+	// pool's role needs the grants of all three components, and with the operator's it acts for
+	// every consumer identity: give each component its own role and pool instead.
 	OperatorPool *pgxpool.Pool
 	// Logger defaults to a no-op logger.
 	Logger *zap.Logger

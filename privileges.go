@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -131,21 +132,18 @@ func GrantOperatorRole(ctx context.Context, db DBTX, role string, projects ...st
 	return GrantProjectAccess(ctx, db, role, projects...)
 }
 
-// GrantRuntimeRole gives role the writer's, the consumer's and the operator's privileges
-// together, acting for every consumer identity, in the given projects. It is for a host that
-// runs every component on one pool; such a role can take the blocking locks, move any
-// consumer's cursor and request replays, which the per-component roles cannot. Prefer
-// GrantWriterRole, GrantConsumerRole and GrantOperatorRole, one role per component.
+// ErrRuntimeRoleRetired is what GrantRuntimeRole returns.
+var ErrRuntimeRoleRetired = errors.New("outbox: GrantRuntimeRole is retired: grant GrantWriterRole, GrantConsumerRole and GrantOperatorRole to one role each")
+
+// GrantRuntimeRole is retired: it grants nothing and returns ErrRuntimeRoleRetired. It gave one
+// role the writer's, the consumer's and the operator's privileges for every consumer identity,
+// so that any process of that role could move any consumer's cursor past events it never
+// delivered. Use GrantWriterRole, GrantConsumerRole and GrantOperatorRole, one role per
+// component; a role granted with it before is moved with RevokeModulePrivileges.
+//
+// Deprecated: use the per-component grants.
 func GrantRuntimeRole(ctx context.Context, db DBTX, role string, projects ...string) error {
-	for _, gs := range [][]grant{writerGrants, consumerGrants, operatorGrants} {
-		if err := grantAll(ctx, db, role, gs); err != nil {
-			return err
-		}
-	}
-	if err := GrantConsumerAccess(ctx, db, role, "*"); err != nil {
-		return err
-	}
-	return GrantProjectAccess(ctx, db, role, projects...)
+	return ErrRuntimeRoleRetired
 }
 
 // RevokeModulePrivileges takes from role every privilege on the module's objects and every row

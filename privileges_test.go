@@ -114,7 +114,8 @@ func dropRole(admin *pgxpool.Pool, role string) {
 	_, _ = admin.Exec(ctx, `DROP OWNED BY `+pgx.Identifier{role}.Sanitize())
 }
 
-// runtime creates a runtime role scoped to projects and returns a pool logged in as it.
+// runtime creates a role with every component's grants (consumer identity "dash") scoped to
+// projects, as a host running every component on one pool, and returns a pool logged in as it.
 func (lp *leastPrivilege) runtime(t *testing.T, suffix string, projects ...string) *pgxpool.Pool {
 	t.Helper()
 	ctx := ctxT(t)
@@ -123,7 +124,7 @@ func (lp *leastPrivilege) runtime(t *testing.T, suffix string, projects ...strin
 	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
 	require.NoError(t, err)
 	t.Cleanup(func() { dropRole(admin, role) })
-	require.NoError(t, outbox.GrantRuntimeRole(ctx, lp.owner, role, projects...))
+	require.NoError(t, grantEveryComponent(ctx, lp.owner, role, "dash", projects...))
 	// The reference host's own tables: its business, granted by its owner.
 	_, err = lp.owner.Exec(ctx, `GRANT SELECT, INSERT, UPDATE ON tasks, run_audit, mailbox_notices, settings TO `+pgx.Identifier{role}.Sanitize())
 	require.NoError(t, err)

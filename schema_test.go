@@ -197,8 +197,20 @@ func requireSQLState(t *testing.T, err error, code string) {
 
 var roleCounter atomic.Int64
 
-// runtimeRole creates a login role with only the module's runtime grants, scoped to projects,
-// and returns a connection string for it on db.
+// grantEveryComponent gives role the writer's, the consumer's (as consumer) and the
+// operator's grants in projects, as a host running every component on one pool does.
+func grantEveryComponent(ctx context.Context, db outbox.DBTX, role string, consumer outbox.ConsumerID, projects ...string) error {
+	if err := outbox.GrantWriterRole(ctx, db, role, projects...); err != nil {
+		return err
+	}
+	if err := outbox.GrantConsumerRole(ctx, db, role, consumer, projects...); err != nil {
+		return err
+	}
+	return outbox.GrantOperatorRole(ctx, db, role, projects...)
+}
+
+// runtimeRole creates a login role with every component's grants (consumer identity "dash"),
+// scoped to projects, and returns a connection string for it on db.
 func runtimeRole(t *testing.T, db pgtest.DB, projects ...string) string {
 	t.Helper()
 	ctx := ctxT(t)
@@ -212,7 +224,7 @@ func runtimeRole(t *testing.T, db pgtest.DB, projects ...string) string {
 		// The database is dropped first (cleanups run last-in first-out); then the role.
 		_, _ = admin.Exec(ctx, `DROP OWNED BY `+pgx.Identifier{role}.Sanitize())
 	})
-	require.NoError(t, outbox.GrantRuntimeRole(ctx, admin, role, projects...))
+	require.NoError(t, grantEveryComponent(ctx, admin, role, "dash", projects...))
 	return db.As(role)
 }
 
