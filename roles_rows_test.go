@@ -1,7 +1,10 @@
 package outbox_test
 
 import (
+	"context"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -304,3 +307,114 @@ func pgtestInt(v int64) string {
 	}
 	return strconv.FormatInt(v, 10)
 }
+
+// TestConsumerRoleAuditsItsPoisonAndReplay: the consumer itself, as a consumer role writing to
+// lifecycle_audit, still records the event it parked and the replay an operator asked for.
+func TestConsumerRoleAuditsItsPoisonAndReplay(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilege(t)
+	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
+	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
+	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
+	deleteTasksAs(t, lp, writer, "proj-a", 2)
+
+	cfg := fastConfig()
+	cfg.MaxAttempts = 1 // park at the first failure
+	var fixed atomic.Bool
+	rec := newRecorder()
+	rec.setFail(func(ev outbox.ObservedEvent) error {
+		if ev.Sequence == 1 && !fixed.Load() {
+			return errListener
+		}
+		return nil
+	})
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: dash, Config: cfg, Projects: outbox.StaticProjects{"proj-a"},
+		Dispatcher: d, Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	t.Cleanup(func() { stopConsumer(t, c) })
+	waitCursor(t, ctx, lp.owner, "proj-a", "dash", 2)
+	require.Equal(t, "dead", deliveryOf(t, lp.owner, "dash", 1).State)
+
+	fixed.Store(true)
+	_, err = outbox.NewAdmin(operator, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "proj-a",
+		ConsumerID: "dash", Sequence: 1, Operator: outbox.Operator{Actor: "oncall@corp", Reason: "FN-4"}})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return deliveryOf(t, lp.owner, "dash", 1).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+
+	rows, err := lp.owner.Query(ctx, `SELECT action || ' ' || coalesce(actor, '-') || ' ' || coalesce(reason, '-') FROM lifecycle_audit ORDER BY id`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{
+		string(outbox.AuditConsumerPoisoned) + " - -",
+		string(outbox.AuditConsumerReplayed) + " oncall@corp FN-4",
+	}, got)
+}
+
+// TestSchema17TakesBackWhatOldGrantsGave: roles granted under schema 16 lose, at the upgrade,
+// DELETE and the floor (the operator), and every column of the stream but what the repeat
+// reads (the writer); the operator prunes through the functions from then on.
+func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	lp := newLeastPrivilegeWith(t, lpOptions{through: 16})
+	grantAsSchema16 := func(statements ...string) func(context.Context, outbox.DBTX, string) error {
+		return func(ctx context.Context, db outbox.DBTX, role string) error {
+			ident := pgx.Identifier{role}.Sanitize()
+			for _, s := range statements {
+				if _, err := db.Exec(ctx, strings.ReplaceAll(s, "ROLE", ident)); err != nil {
+					return err
+				}
+			}
+			if err := outbox.GrantProjectAccess(ctx, db, role, "proj-a"); err != nil {
+				return err
+			}
+			return outbox.GrantConsumerAccess(ctx, db, role, "*")
+		}
+	}
+	// The grants GrantWriterRole and GrantOperatorRole gave at schema 16.
+	writer, _ := lp.component(t, "writer", grantAsSchema16(
+		`GRANT SELECT, INSERT (`+pendingCols+`) ON lifecycle_outbox_pending TO ROLE`,
+		`GRANT SELECT, INSERT (`+pendingCols+`) ON lifecycle_outbox TO ROLE`,
+		`GRANT SELECT ON lifecycle_project_access, lifecycle_outbox_schema TO ROLE`))
+	operator, _ := lp.component(t, "operator", grantAsSchema16(
+		`GRANT SELECT, DELETE ON lifecycle_outbox TO ROLE`,
+		`GRANT SELECT ON lifecycle_outbox_pending TO ROLE`,
+		`GRANT SELECT, UPDATE (pruned_through, pruned_at) ON lifecycle_outbox_heads TO ROLE`,
+		`GRANT SELECT, UPDATE (retired_at, retired_by, retired_reason, lease_owner, lease_expires_at) ON lifecycle_consumer_cursors TO ROLE`,
+		`GRANT SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason), DELETE ON lifecycle_consumer_deliveries TO ROLE`,
+		`GRANT SELECT, INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason) ON lifecycle_audit TO ROLE`,
+		`GRANT SELECT ON lifecycle_project_access, lifecycle_outbox_schema TO ROLE`))
+	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
+	deleteTasksAs(t, lp, writer, "proj-a", 3)
+	_, err := outbox.Sequence(ctx, consumer, []string{"proj-a"}, 100)
+	require.NoError(t, err)
+	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_outbox`)
+	require.NoError(t, err, "schema 16 let the writer read the events")
+
+	lp.finishMigration(t)
+	for _, stmt := range []string{
+		`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-a'`,
+		`DELETE FROM lifecycle_consumer_deliveries WHERE project_id = 'proj-a'`,
+		`UPDATE lifecycle_outbox_heads SET pruned_through = 3 WHERE project_id = 'proj-a'`,
+	} {
+		_, err := operator.Exec(ctx, stmt)
+		require.Error(t, err, stmt)
+		requireSQLState(t, err, "42501")
+	}
+	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_outbox`)
+	requireSQLState(t, err, "42501")
+	_, err = writer.Exec(ctx, `SELECT task_id, sequence FROM lifecycle_outbox`)
+	require.NoError(t, err, "the writer's repeat still reads what it needs")
+
+	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
+	require.NoError(t, err)
+	res, err := newRetention(t, operator, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int64{"proj-a": 3}, res.PrunedByProject, "the upgraded operator prunes through the functions")
+}
+
+const pendingCols = "project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context"
