@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -132,23 +131,10 @@ func GrantOperatorRole(ctx context.Context, db DBTX, role string, projects ...st
 	return GrantProjectAccess(ctx, db, role, projects...)
 }
 
-// ErrRuntimeRoleRetired is what GrantRuntimeRole returns.
-var ErrRuntimeRoleRetired = errors.New("outbox: GrantRuntimeRole is retired: grant GrantWriterRole, GrantConsumerRole and GrantOperatorRole to one role each")
-
-// GrantRuntimeRole is retired: it grants nothing and returns ErrRuntimeRoleRetired. It gave one
-// role the writer's, the consumer's and the operator's privileges for every consumer identity,
-// so that any process of that role could move any consumer's cursor past events it never
-// delivered. Use GrantWriterRole, GrantConsumerRole and GrantOperatorRole, one role per
-// component; a role granted with it before is moved with RevokeModulePrivileges.
-//
-// Deprecated: use the per-component grants.
-func GrantRuntimeRole(ctx context.Context, db DBTX, role string, projects ...string) error {
-	return ErrRuntimeRoleRetired
-}
-
 // RevokeModulePrivileges takes from role every privilege on the module's objects and every row
 // of lifecycle_project_access and lifecycle_consumer_access naming it, for moving a role
-// granted with GrantRuntimeRole to per-component grants.
+// granted the union of the component grants (or, before schema 17, GrantRuntimeRole) to
+// per-component grants.
 func RevokeModulePrivileges(ctx context.Context, db DBTX, role string) error {
 	ident := pgx.Identifier{role}.Sanitize()
 	for _, o := range moduleObjects {

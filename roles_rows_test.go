@@ -222,28 +222,6 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 	require.Equal(t, int64(3), floorOf(t, lp.owner, "proj-a"))
 }
 
-// TestGrantRuntimeRoleIsRetired: GrantRuntimeRole no longer gives one role every component's
-// privileges for every consumer identity; it grants nothing and says so.
-func TestGrantRuntimeRoleIsRetired(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	role := lp.name + "_runtime"
-	admin := pgtest.Pool(t, lp.db.URL)
-	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
-	require.NoError(t, err)
-	t.Cleanup(func() { dropRole(admin, role) })
-
-	err = outbox.GrantRuntimeRole(ctx, lp.owner, role, "proj-a")
-	require.Error(t, err, "GrantRuntimeRole granted a role every consumer identity")
-	require.ErrorContains(t, err, "GrantRuntimeRole is retired")
-	require.Zero(t, pgtestQueryInt(t, lp, `SELECT count(*) FROM lifecycle_consumer_access WHERE role_name = $1`, role))
-	require.Zero(t, pgtestQueryInt(t, lp, `SELECT count(*) FROM lifecycle_project_access WHERE role_name = $1`, role))
-	var has bool
-	require.NoError(t, lp.owner.QueryRow(ctx, `SELECT has_column_privilege($1, 'lifecycle_consumer_cursors', 'last_acked_sequence', 'UPDATE')`, role).Scan(&has))
-	require.False(t, has)
-}
-
 // TestWriterReadsOnlyWhatItsRepeatReads: the writer role reads of the stream only which
 // deletion an event is, who wrote it, when, and its sequence (what its repeat reads), not the
 // events' contents; its repeat still works.
