@@ -7,3 +7,7 @@ import "context"
 // HoldRunnerStart has r's Start call hold, with Start's context, just before it starts the
 // consumer.
 func HoldRunnerStart(r *Runner, hold func(ctx context.Context)) { r.beforeConsumerStart = hold }
+
+// OnLoopRest has c's scan loop call fn each time it waits with nothing armed but the poll
+// interval. Set it before Start.
+func OnLoopRest(c *Consumer, fn func()) { c.loop.rest = fn }

@@ -47,6 +47,9 @@ type scanLoop struct {
 	// prefetched is the sequencer call in flight while the loop reads (see prefetch).
 	prefetched *prefetch
 	skipLog    logEvery // owned by the loop goroutine
+	// rest, when set (by tests), is called each time the loop waits with nothing armed but the
+	// poll interval: what one poll costs is the scans between two rests.
+	rest func()
 }
 
 // streamState is the loop's view of one project stream.
@@ -71,14 +74,14 @@ type streamState struct {
 	// progressed: the last scan numbered events or moved the stream forward. A project waiting
 	// on a retry makes no progress, so it gets no follow-up scans.
 	progressed bool
-	busyScans  int // consecutive scans without progress that found another sequencer numbering the project
+	busyScans  int // consecutive scans without progress that found another sequencer's call numbering the project
 	// heldElsewhere is when another instance's hold on the project as its sequencer runs out:
 	// until then the scan reads the project's head instead of calling the sequencer.
 	heldElsewhere time.Time
 }
 
-// maxBusyFollowUps bounds the follow-up scans a project gets for finding another sequencer at
-// work, one after the other: about 50ms at the default FollowUpInterval.
+// maxBusyFollowUps bounds the follow-up scans a project gets for finding another sequencer's
+// call at work (Head.Busy), one after the other: about 50ms at the default FollowUpInterval.
 const maxBusyFollowUps = 25
 
 // run scans on a notification (the notified projects), on the poll interval (every project),
@@ -162,6 +165,9 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 		if busy.pending(time.Now()) {
 			next = time.NewTimer(busy.interval) // a busy project's follow-up scan
 			nextC = next.C
+		}
+		if l.rest != nil && retry == nil && held == nil && next == nil {
+			l.rest()
 		}
 		select {
 		case <-ctx.Done():
@@ -546,18 +552,23 @@ func (l *scanLoop) unblock(project string) {
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery, first *firstBatch) error {
 	st.blocked = false
 	start := st.position
-	// A project another sequencer numbers (one holding its lock, or another instance holding
-	// it as its sequencer) counts as progress, so that it is scanned again soon for what that
-	// sequencer commits; but only for a while without progress, in case the other stalls.
-	elsewhere := head.Busy || head.heldFor > 0
+	// A project whose heads row another sequencer's call holds locked right now counts as
+	// progress, so that it is scanned again soon for what that call commits; but only for a
+	// while without progress, in case the other stalls. Another instance merely holding the
+	// project as its sequencer (heldFor) does not: the hold outlives its numbering by up to
+	// sequencerHold, and counting it had every scan of an idle project in that time start
+	// maxBusyFollowUps empty scans. What the holder numbers is announced, and found by the
+	// next scan; a scan that then reads it makes progress and is followed up as usual.
+	busy := head.Busy
+	elsewhere := busy || head.heldFor > 0
 	defer func() {
 		moved := head.Assigned > 0 || st.position > start
-		if moved || !elsewhere {
+		if moved || !busy {
 			st.busyScans = 0
 		} else {
 			st.busyScans++
 		}
-		st.progressed = moved || (elsewhere && st.busyScans <= maxBusyFollowUps)
+		st.progressed = moved || (busy && st.busyScans <= maxBusyFollowUps)
 	}()
 	// Whether this scan had anything to do: the wake limiter holds back notifications only for
 	// projects whose last notified scan found nothing, and a project another sequencer numbers
