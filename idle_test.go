@@ -72,4 +72,3 @@ func TestIdleConsumerScansOncePerPoll(t *testing.T) {
 		})
 	}
 }
-
