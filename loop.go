@@ -65,6 +65,10 @@ type streamState struct {
 	// the history was rewritten (a restored database) and nothing is suppressed.
 	deliveredID    string
 	checkDelivered bool
+	// rewound: a head read after the stream reached its position stood below it, which only a
+	// restored database does. The position and acked are then stale: the stream restarts
+	// from its durable cursor before it is read again.
+	rewound bool
 	// retryAt is when the blocked head-of-line event falls due, on the consumer's shifted
 	// clock (see shiftedNow). An absolute time, so a timer re-armed later waits only what is
 	// left.
@@ -423,6 +427,11 @@ func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]
 		if !ok {
 			read = now
 		}
+		if !ok && h.LastSequence-int64(h.Assigned) < st.position {
+			// The head before this call (or this read) is below what the stream reached. Not
+			// checked on a prefetched head: the stream may have read past it since.
+			st.rewound = true
+		}
 		if h.heldFor > 0 {
 			st.heldElsewhere = read.Add(h.heldFor)
 		} else if h.Assigned > 0 {
@@ -574,6 +583,11 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 	// projects whose last notified scan found nothing, and a project another sequencer numbers
 	// has its announcement coming.
 	st.found = head.Assigned > 0 || elsewhere || head.LastSequence > st.position || len(open) > 0
+	if st.rewound {
+		if err := l.restartFromCursor(ctx, st, head); err != nil {
+			return err
+		}
+	}
 	for _, d := range open {
 		if d.state == DeliveryReplayRequested {
 			if err := l.replay(ctx, s, st, d); err != nil {
@@ -680,6 +694,25 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 		}
 	}
 	return false, nil
+}
+
+// restartFromCursor drops the stream's in-memory position after its head went back below it
+// (rewound) and restarts from the durable cursor, as a new lease does: the cursor is what the
+// restored history says this consumer acknowledged. A cursor still above the head is
+// reconciled next (checkPosition); events this instance delivered under sequences the restore
+// reuses are suppressed only if they are still the ones stored (verifyDelivered).
+func (l *scanLoop) restartFromCursor(ctx context.Context, st *streamState, head Head) error {
+	cursor, err := l.leases.cursor(ctx, st.project, st.epoch)
+	if err != nil {
+		return fmt.Errorf("re-read cursor: %w", err)
+	}
+	l.log.Warn("the project's head went back below this instance's position (a restored database?): the stream restarts from its durable cursor",
+		zap.String("project_id", st.project), zap.Int64("position", st.position), zap.Int64("head", head.LastSequence),
+		zap.Int64("cursor", cursor))
+	st.rewound, st.blocked = false, false
+	st.acked, st.position = cursor, max(cursor, 0)
+	st.checkDelivered = st.delivered > st.position
+	return nil
 }
 
 // checkPosition positions a never-read cursor and reconciles one whose history is gone.
