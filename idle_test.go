@@ -72,3 +72,22 @@ func TestIdleConsumerScansOncePerPoll(t *testing.T) {
 		})
 	}
 }
+
+// TestOneScanDrainsAProjectPastBatchSize pins what Config.BatchSize says: it bounds a read,
+// not a scan. One scan reads a project batch after batch up to the head it found, so a
+// backlog of several batches is delivered by the scan that found it, not one batch per poll.
+func TestOneScanDrainsAProjectPastBatchSize(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	_, err := pool.Exec(ctx, insertPendingRows, "p", "t", 35)
+	require.NoError(t, err)
+	cfg := fastConfig()
+	cfg.BatchSize, cfg.NotifyDisabled, cfg.PollInterval = 10, true, time.Hour
+	cfg.FollowUpInterval, cfg.FollowUpWindow = time.Hour, time.Hour // no follow-up scan within the test
+	cfg.LeaseTTL, cfg.HeartbeatInterval = time.Hour, 20*time.Minute
+	c, rec := startConsumer(t, pool, "drain", []string{"p"}, cfg, nil)
+	rec.waitCount(t, ctx, 35)
+	require.Equal(t, int64(1), c.Stats().Scans, "four batches of 10, one scan")
+	waitCursor(t, ctx, pool, "p", "drain", 35)
+}
