@@ -40,8 +40,13 @@ type Config struct {
 	// arrives. Notifications only shorten it. Defaults to 1s; must be at least 10ms.
 	PollInterval time.Duration `yaml:"poll_interval" json:"poll_interval"`
 
-	// BatchSize is how many events a consumer reads per project per scan, and how many it
-	// acknowledges in one cursor write at most. Defaults to 1000; 1 to 10000.
+	// BatchSize is how many events of one project a consumer reads in one statement, and how
+	// many it dispatches at most before it writes that project's cursor. It does not bound a
+	// scan: a scan reads a project batch after batch until it reaches the head it found at
+	// the scan's start (or an event waiting for a retry, a lost lease, a stop), so a project
+	// far behind is drained in one scan while the scan's other projects wait their turn. What
+	// a scan finds beyond what was numbered before is bounded by SequenceBatchSize per
+	// project. Defaults to 1000; 1 to 10000.
 	BatchSize int `yaml:"batch_size" json:"batch_size"`
 
 	// SequenceBatchSize is how many events the sequencer numbers per project per call.

@@ -422,6 +422,22 @@ WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch 
   AND lease_expires_at > pg_catalog.now() + $5::interval AND retired_at IS NULL
 FOR UPDATE`
 
+// cursorSQL reads the durable cursor of a lease this instance holds.
+const cursorSQL = `
+SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
+WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch = $4 AND retired_at IS NULL`
+
+// cursor reads the durable cursor of project under the lease epoch (-1 when never
+// positioned); ErrLeaseLost when the lease is no longer this instance's.
+func (k *leaseKeeper) cursor(ctx context.Context, project string, epoch int64) (int64, error) {
+	var cursor int64
+	err := k.pool.QueryRow(ctx, cursorSQL, project, k.id, k.owner, epoch).Scan(&cursor)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, ErrLeaseLost
+	}
+	return cursor, err
+}
+
 // fencedTx runs fn in a transaction that first locks the cursor row of project under the
 // lease epoch. When the lease no longer matches it returns ErrLeaseLost and fn never runs.
 // Holding the row lock until commit keeps a takeover from slipping in between the check and

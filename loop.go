@@ -47,6 +47,9 @@ type scanLoop struct {
 	// prefetched is the sequencer call in flight while the loop reads (see prefetch).
 	prefetched *prefetch
 	skipLog    logEvery // owned by the loop goroutine
+	// rest, when set (by tests), is called each time the loop waits with nothing armed but the
+	// poll interval: what one poll costs is the scans between two rests.
+	rest func()
 }
 
 // streamState is the loop's view of one project stream.
@@ -62,6 +65,10 @@ type streamState struct {
 	// the history was rewritten (a restored database) and nothing is suppressed.
 	deliveredID    string
 	checkDelivered bool
+	// rewound: a head read after the stream reached its position stood below it, which only a
+	// restored database does. The position and acked are then stale: the stream restarts
+	// from its durable cursor before it is read again.
+	rewound bool
 	// retryAt is when the blocked head-of-line event falls due, on the consumer's shifted
 	// clock (see shiftedNow). An absolute time, so a timer re-armed later waits only what is
 	// left.
@@ -71,14 +78,14 @@ type streamState struct {
 	// progressed: the last scan numbered events or moved the stream forward. A project waiting
 	// on a retry makes no progress, so it gets no follow-up scans.
 	progressed bool
-	busyScans  int // consecutive scans without progress that found another sequencer numbering the project
+	busyScans  int // consecutive scans without progress that found another sequencer's call numbering the project
 	// heldElsewhere is when another instance's hold on the project as its sequencer runs out:
 	// until then the scan reads the project's head instead of calling the sequencer.
 	heldElsewhere time.Time
 }
 
-// maxBusyFollowUps bounds the follow-up scans a project gets for finding another sequencer at
-// work, one after the other: about 50ms at the default FollowUpInterval.
+// maxBusyFollowUps bounds the follow-up scans a project gets for finding another sequencer's
+// call at work (Head.Busy), one after the other: about 50ms at the default FollowUpInterval.
 const maxBusyFollowUps = 25
 
 // run scans on a notification (the notified projects), on the poll interval (every project),
@@ -162,6 +169,9 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 		if busy.pending(time.Now()) {
 			next = time.NewTimer(busy.interval) // a busy project's follow-up scan
 			nextC = next.C
+		}
+		if l.rest != nil && retry == nil && held == nil && next == nil {
+			l.rest()
 		}
 		select {
 		case <-ctx.Done():
@@ -417,6 +427,11 @@ func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]
 		if !ok {
 			read = now
 		}
+		if !ok && h.LastSequence-int64(h.Assigned) < st.position {
+			// The head before this call (or this read) is below what the stream reached. Not
+			// checked on a prefetched head: the stream may have read past it since.
+			st.rewound = true
+		}
 		if h.heldFor > 0 {
 			st.heldElsewhere = read.Add(h.heldFor)
 		} else if h.Assigned > 0 {
@@ -546,23 +561,33 @@ func (l *scanLoop) unblock(project string) {
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery, first *firstBatch) error {
 	st.blocked = false
 	start := st.position
-	// A project another sequencer numbers (one holding its lock, or another instance holding
-	// it as its sequencer) counts as progress, so that it is scanned again soon for what that
-	// sequencer commits; but only for a while without progress, in case the other stalls.
-	elsewhere := head.Busy || head.heldFor > 0
+	// A project whose heads row another sequencer's call holds locked right now counts as
+	// progress, so that it is scanned again soon for what that call commits; but only for a
+	// while without progress, in case the other stalls. Another instance merely holding the
+	// project as its sequencer (heldFor) does not: the hold outlives its numbering by up to
+	// sequencerHold, and counting it had every scan of an idle project in that time start
+	// maxBusyFollowUps empty scans. What the holder numbers is announced, and found by the
+	// next scan; a scan that then reads it makes progress and is followed up as usual.
+	busy := head.Busy
+	elsewhere := busy || head.heldFor > 0
 	defer func() {
 		moved := head.Assigned > 0 || st.position > start
-		if moved || !elsewhere {
+		if moved || !busy {
 			st.busyScans = 0
 		} else {
 			st.busyScans++
 		}
-		st.progressed = moved || (elsewhere && st.busyScans <= maxBusyFollowUps)
+		st.progressed = moved || (busy && st.busyScans <= maxBusyFollowUps)
 	}()
 	// Whether this scan had anything to do: the wake limiter holds back notifications only for
 	// projects whose last notified scan found nothing, and a project another sequencer numbers
 	// has its announcement coming.
 	st.found = head.Assigned > 0 || elsewhere || head.LastSequence > st.position || len(open) > 0
+	if st.rewound {
+		if err := l.restartFromCursor(ctx, st, head); err != nil {
+			return err
+		}
+	}
 	for _, d := range open {
 		if d.state == DeliveryReplayRequested {
 			if err := l.replay(ctx, s, st, d); err != nil {
@@ -669,6 +694,25 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 		}
 	}
 	return false, nil
+}
+
+// restartFromCursor drops the stream's in-memory position after its head went back below it
+// (rewound) and restarts from the durable cursor, as a new lease does: the cursor is what the
+// restored history says this consumer acknowledged. A cursor still above the head is
+// reconciled next (checkPosition); events this instance delivered under sequences the restore
+// reuses are suppressed only if they are still the ones stored (verifyDelivered).
+func (l *scanLoop) restartFromCursor(ctx context.Context, st *streamState, head Head) error {
+	cursor, err := l.leases.cursor(ctx, st.project, st.epoch)
+	if err != nil {
+		return fmt.Errorf("re-read cursor: %w", err)
+	}
+	l.log.Warn("the project's head went back below this instance's position (a restored database?): the stream restarts from its durable cursor",
+		zap.String("project_id", st.project), zap.Int64("position", st.position), zap.Int64("head", head.LastSequence),
+		zap.Int64("cursor", cursor))
+	st.rewound, st.blocked = false, false
+	st.acked, st.position = cursor, max(cursor, 0)
+	st.checkDelivered = st.delivered > st.position
+	return nil
 }
 
 // checkPosition positions a never-read cursor and reconciles one whose history is gone.

@@ -9,6 +9,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+
+	"fusion/outbox/startstop"
 )
 
 // Deps are what a host gives the composition root besides its pool and Config: its seams
@@ -191,10 +193,18 @@ type Runner struct {
 	projects Projects
 	opts     ConsumerOptions
 
-	mu       sync.Mutex // guards state, stopped and consumer: health handlers read them
+	// lifecycle is the runner's start-up: a Stop cancels a Start in flight and waits for it
+	// (bounded by the Stop's context), so that nothing Start began outlives the Stop.
+	lifecycle startstop.Base
+	// beforeConsumerStart, when set (by tests), runs just before Start starts the consumer,
+	// with Start's context: it holds a Start in the middle.
+	beforeConsumerStart func(ctx context.Context)
+
+	mu       sync.Mutex // guards state, stopped, consumer and starting: health handlers read them
 	state    RunnerState
 	stopped  bool
-	consumer *Consumer
+	consumer *Consumer // the consumer once started
+	starting *Consumer // the consumer from just before its start: what Stop stops
 }
 
 // State is the runner's decision.
@@ -215,28 +225,73 @@ func (r *Runner) Consumer() *Consumer {
 }
 
 // set records a decision, unless Stop came first (ok is false then).
-func (r *Runner) set(state RunnerState, c *Consumer) (ok bool) {
+func (r *Runner) set(state RunnerState) (ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopped {
 		return false
 	}
-	r.state, r.consumer = state, c
+	r.state = state
+	if state == StateRunning {
+		r.consumer = r.starting
+	}
 	return true
 }
 
-// Start verifies (or, with AutoMigrate, applies) the schema, resolves the identity and starts
-// the consumer. It returns quickly: delivery runs on the consumer's own goroutines. After Stop
-// it refuses with ErrConsumerStopped.
-func (r *Runner) Start(ctx context.Context) error {
+// record notes the consumer Start is about to start, unless Stop came first (ok is false
+// then, and the consumer must not start). From then on a Stop stops it, whether or not its
+// start-up has finished.
+func (r *Runner) record(c *Consumer) (ok bool) {
 	r.mu.Lock()
-	stopped := r.stopped
-	r.mu.Unlock()
-	if stopped {
-		return ErrConsumerStopped
+	defer r.mu.Unlock()
+	if r.stopped {
+		return false
 	}
+	r.starting = c
+	return true
+}
+
+// forget drops a consumer whose start failed, so that a later Start builds a new one.
+func (r *Runner) forget(c *Consumer) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.starting == c && !r.stopped {
+		r.starting = nil
+	}
+}
+
+// Start verifies (or, with AutoMigrate, applies) the schema, resolves the identity and starts
+// the consumer. It returns quickly: delivery runs on the consumer's own goroutines. A Stop while
+// it runs makes it give up (ErrConsumerStopped) and leaves nothing running; after Stop it
+// refuses with ErrConsumerStopped. A Start that failed may be tried again.
+func (r *Runner) Start(ctx context.Context) error {
+	run, err := r.lifecycle.Begin()
+	switch {
+	case errors.Is(err, startstop.ErrStopped):
+		return ErrConsumerStopped
+	case err != nil:
+		return errors.New("runner already started")
+	}
+	// Every step talks to the database; a Stop meanwhile cancels it and waits for this Start.
+	startCtx, release := run.StartContext(ctx)
+	err = r.start(startCtx)
+	release()
+	switch {
+	case run.Stopping():
+		// The Stop stops the consumer if one was recorded; none starts after it.
+		run.Finished()
+		return ErrConsumerStopped
+	case err != nil:
+		run.Failed()
+		return err
+	}
+	run.Finished() // the start-up is over: the consumer runs on a lifecycle of its own
+	return nil
+}
+
+func (r *Runner) start(ctx context.Context) error {
 	if r.cfg.Disabled {
-		r.set(StateDisabled, nil)
+		r.set(StateDisabled)
 		r.log.Info("outbox disabled by configuration: the writer hook records nothing and no consumer runs")
 		return nil
 	}
@@ -253,11 +308,11 @@ func (r *Runner) Start(ctx context.Context) error {
 	}
 	switch {
 	case r.cfg.ConsumerDisabled:
-		r.set(StateConsumerDisabled, nil)
+		r.set(StateConsumerDisabled)
 		r.log.Info("outbox consumer disabled by configuration; the writer hook records events")
 		return nil
 	case r.projects == nil:
-		r.set(StateNoProjects, nil)
+		r.set(StateNoProjects)
 		r.log.Info("observation disabled: the host provides no project set to observe")
 		return nil
 	}
@@ -266,7 +321,7 @@ func (r *Runner) Start(ctx context.Context) error {
 		return err
 	}
 	if !ok {
-		r.set(StateNoIdentity, nil)
+		r.set(StateNoIdentity)
 		r.log.Info("observation disabled: no durable consumer identity; set the persisted setting to enable it",
 			zap.String("setting", r.cfg.IdentityField))
 		return nil
@@ -277,28 +332,41 @@ func (r *Runner) Start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if !r.record(c) {
+		return ErrConsumerStopped
+	}
+	if r.beforeConsumerStart != nil {
+		r.beforeConsumerStart(ctx)
+	}
 	if err := c.Start(ctx); err != nil {
+		r.forget(c)
 		return err
 	}
-	if !r.set(StateRunning, c) {
-		// Stop ran while the consumer started: it must not be left running.
-		return errors.Join(ErrConsumerStopped, c.Stop(ctx))
+	if !r.set(StateRunning) {
+		return ErrConsumerStopped // the Stop that came meanwhile stops it
 	}
 	return nil
 }
 
-// Stop stops the consumer, bounded by ctx. It is idempotent and safe before Start; after it,
-// Start refuses.
+// Stop stops the consumer and waits for a Start in flight, both bounded by ctx: once it has
+// returned nil, no consumer of this runner runs and no event reaches a listener. It is
+// idempotent and safe before Start; after it, Start refuses.
 func (r *Runner) Stop(ctx context.Context) error {
 	r.mu.Lock()
 	r.stopped = true
-	c := r.consumer
+	c := r.starting
 	if c != nil {
 		r.state = StateStopped
 	}
 	r.mu.Unlock()
-	if c == nil {
-		return nil
+	var errs []error
+	if c != nil {
+		// First, so that no event is handed over once Stop is called; a consumer still
+		// starting gives up its start-up, and Stop waits for it.
+		errs = append(errs, c.Stop(ctx))
 	}
-	return c.Stop(ctx)
+	if err := r.lifecycle.Stop(ctx); err != nil {
+		errs = append(errs, fmt.Errorf("stop runner: wait for its start: %w", err))
+	}
+	return errors.Join(errs...)
 }

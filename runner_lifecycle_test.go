@@ -3,10 +3,13 @@ package outbox_test
 import (
 	"context"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/fx"
 	"go.uber.org/fx/fxtest"
+	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
@@ -45,4 +48,78 @@ func TestRunnerStartAfterStopRefuses(t *testing.T) {
 	}
 	require.ErrorIs(t, err, outbox.ErrConsumerStopped, "Start after Stop must refuse")
 	require.Equal(t, outbox.StateStopped, runner.State(), "and leave nothing running")
+}
+
+// runnerWithHeldStart builds an Outbox whose runner's Start holds in hold just before it starts
+// the consumer; the recorder is its listener.
+func runnerWithHeldStart(t *testing.T, hold func(ctx context.Context)) (*outbox.Outbox, *recorder, *pgxpool.Pool) {
+	t.Helper()
+	pool := pgtest.NewPool(t)
+	rec := newRecorder()
+	ob, err := outbox.New(pool, fastConfig(), outbox.Deps{Logger: zaptest.NewLogger(t),
+		Settings: fixedSettings{"outbox.consumer_id": "c1"}, Projects: outbox.StaticProjects{"p"}, Listeners: []outbox.Listener{rec}})
+	require.NoError(t, err)
+	outbox.HoldRunnerStart(ob.Runner(), hold)
+	return ob, rec, pool
+}
+
+// TestRunnerStopWaitsForAStartInFlight: a Stop that arrives while Start is in the middle of
+// its start-up cancels it and returns only once Start has returned, with no consumer running
+// and no lease held: nothing Start began can reach a listener or the pool after Stop.
+func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	held := make(chan struct{})
+	ob, rec, pool := runnerWithHeldStart(t, func(ctx context.Context) {
+		close(held)
+		<-ctx.Done() // a start-up step waiting on the database, until Stop cancels it
+	})
+	startCtx, cancelStart := context.WithCancel(ctx)
+	defer cancelStart() // the code before the fix waits here, on Start's own context
+	started := make(chan error, 1)
+	go func() { started <- ob.Start(startCtx) }()
+	<-held
+
+	stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, ob.Stop(stopCtx))
+	select {
+	case err := <-started:
+		require.ErrorIs(t, err, outbox.ErrConsumerStopped)
+	default:
+		t.Fatal("Stop returned while Start was still in flight")
+	}
+	require.Nil(t, ob.Runner().Consumer(), "no consumer runs")
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE lease_owner IS NOT NULL`), "nothing holds a lease")
+
+	// An event written now reaches no listener: the full scan ScanNow would ask for has no
+	// consumer to run it, and the recorder stays empty.
+	_, err := pool.Exec(ctx, insertPendingRow, "p", "t0")
+	require.NoError(t, err)
+	require.Empty(t, rec.snapshot())
+	require.ErrorIs(t, ob.Start(ctx), outbox.ErrConsumerStopped, "and Start after Stop refuses")
+}
+
+// TestRunnerStopBoundedWhileStartIgnoresIt: when the start-up step in flight does not give up,
+// Stop returns its context's error in time; the Start, once let go, starts no consumer.
+func TestRunnerStopBoundedWhileStartIgnoresIt(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	held, release := make(chan struct{}), make(chan struct{})
+	ob, _, pool := runnerWithHeldStart(t, func(context.Context) {
+		close(held)
+		<-release // ignores its context
+	})
+	started := make(chan error, 1)
+	go func() { started <- ob.Start(ctx) }()
+	<-held
+
+	stopCtx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, ob.Stop(stopCtx), context.DeadlineExceeded, "Stop is bounded by its context")
+	close(release)
+	require.ErrorIs(t, <-started, outbox.ErrConsumerStopped, "the Start let go after Stop starts nothing")
+	require.Nil(t, ob.Runner().Consumer())
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE lease_owner IS NOT NULL`), "nothing holds a lease")
+	require.NoError(t, ob.Stop(ctx))
 }

@@ -1,0 +1,16 @@
+package outbox
+
+import "context"
+
+// Test hooks of the consumer's lifecycle and scan loop, compiled only into this package's tests.
+
+// The lifecycle work's statements join Statements here, in a file of their own.
+func init() { Statements["cursorSQL"] = cursorSQL }
+
+// HoldRunnerStart has r's Start call hold, with Start's context, just before it starts the
+// consumer.
+func HoldRunnerStart(r *Runner, hold func(ctx context.Context)) { r.beforeConsumerStart = hold }
+
+// OnLoopRest has c's scan loop call fn each time it waits with nothing armed but the poll
+// interval. Set it before Start.
+func OnLoopRest(c *Consumer, fn func()) { c.loop.rest = fn }
