@@ -66,6 +66,12 @@ func (h *SSEHandler) next(ctx context.Context, c *sseClient, i int) (frames []ss
 		return frames, "", false, nil
 	}
 	h.mu.Unlock()
+	if c.reads >= h.cfg.MaxReplayReads {
+		// The connection spent its budget of outbox reads: a reset, never a silent skip.
+		c.pos[i] = hi
+		return nil, ResetReplayBudget, false, nil
+	}
+	c.reads++
 	frames, err = h.replay.events(ctx, c.projects[i], pos, lo)
 	if errors.Is(err, errBelowFloor) {
 		c.pos[i] = hi
@@ -138,6 +144,7 @@ type sseClient struct {
 	logs        []*projectLog // per project, in projects' order
 	pos         []int64       // the last sequence sent, per project
 	replayTo    []int64       // frames at or below this were missed while disconnected
+	reads       int           // outbox page reads this connection made, against MaxReplayReads
 	wake        chan struct{}
 }
 
