@@ -633,3 +633,93 @@ func TestSSEBoundsTheReplayReadsOfAConnection(t *testing.T) {
 	require.Equal(t, int64(8), after.OutboxReads-before.OutboxReads, "four pages of p and of q")
 	require.Equal(t, int64(1), after.Resets-before.Resets)
 }
+
+// TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind: the replay budget is the connection's,
+// not only its resume's: a client that falls behind the ring while connected reads the outbox
+// until the budget is spent, and is then reset, never silently moved past what it missed.
+func TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+		o.RingSize = 16
+		o.MaxReplayReads = 1
+		o.WriteTimeout = time.Hour // the gated writer below blocks for as long as the test needs
+	})
+	w := newGatedWriter()
+	sctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer w.pw.Close() // the test's reader sees the stream end
+		sse.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/?project=p", nil).WithContext(sctx))
+	}()
+	defer func() {
+		cancel()
+		select {
+		case <-w.gate:
+		default:
+			close(w.gate)
+		}
+		w.pr.Close()
+		<-done
+	}()
+	<-w.blocked // attached at p's head, 0; its opening frame waits
+
+	// 600 deletions arrive while the client does not read: the ring keeps the last 16.
+	seedEvents(t, pool, "p", 600)
+	for seq := int64(1); seq <= 600; seq++ {
+		require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: seq,
+			EventType: outbox.EventTypeTaskDeleted, TaskID: fmt.Sprintf("seed-%d", seq), DeletedAt: time.Now()}}))
+	}
+	close(w.gate)
+
+	// One outbox read (sequences 1 to 500), then the budget is spent: a reset, not 501 on.
+	sc := bufio.NewScanner(w.pr)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	var want int64 = 1
+	event := ""
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "event: "):
+			event = strings.TrimPrefix(line, "event: ")
+		case strings.HasPrefix(line, "data: ") && event == outbox.EventTypeTaskDeleted:
+			var d deletion
+			require.NoError(t, json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &d))
+			require.Equal(t, want, d.Sequence, "after sequence %d", want-1)
+			require.LessOrEqual(t, d.Sequence, int64(500), "an event beyond the one page the budget allows, and no reset")
+			want++
+		case strings.HasPrefix(line, "data: ") && event == outbox.SSEResetEvent:
+			require.Equal(t, int64(501), want, "the reset comes after the one page the budget allows")
+			require.JSONEq(t, `{"projects":["p"],"reason":"replay_budget"}`, strings.TrimPrefix(line, "data: "))
+			return
+		}
+	}
+	t.Fatalf("the stream ended without a reset: %v", sc.Err())
+}
+
+// gatedWriter is a ResponseWriter whose writes wait until the gate opens and then go to a
+// pipe the test reads.
+type gatedWriter struct {
+	header  http.Header
+	gate    chan struct{}
+	blocked chan struct{}
+	once    sync.Once
+	pr      *io.PipeReader
+	pw      *io.PipeWriter
+}
+
+func newGatedWriter() *gatedWriter {
+	pr, pw := io.Pipe()
+	return &gatedWriter{header: http.Header{}, gate: make(chan struct{}), blocked: make(chan struct{}), pr: pr, pw: pw}
+}
+
+func (w *gatedWriter) Header() http.Header { return w.header }
+func (w *gatedWriter) WriteHeader(int)     {}
+func (w *gatedWriter) Flush()              {}
+func (w *gatedWriter) Write(b []byte) (int, error) {
+	w.once.Do(func() { close(w.blocked) })
+	<-w.gate
+	return w.pw.Write(b)
+}
