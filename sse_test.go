@@ -540,14 +540,11 @@ func TestSSEEndsAStreamWhoseAccessIsRevoked(t *testing.T) {
 
 	revoked.Store(true)
 	clock.Advance(time.Minute)
-	for {
-		select {
-		case f, ok := <-s.frames:
-			require.False(t, ok, "the revoked stream sent %+v", f)
-		case <-wait.Done():
-			t.Fatal("the stream is still open after its access was revoked")
-		}
-		break
+	select {
+	case f, ok := <-s.frames:
+		require.False(t, ok, "the revoked stream sent %+v", f)
+	case <-wait.Done():
+		t.Fatal("the stream is still open after its access was revoked")
 	}
 	_, status = openStream(t, ctx, srv.URL+"?project=p", "")
 	require.Equal(t, http.StatusForbidden, status, "the reconnect is refused")
