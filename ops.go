@@ -220,9 +220,6 @@ func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string)
 		v.Error = "status unavailable: the database did not answer (see the host's log)"
 	}
 	v.Projects = projects
-	if len(v.Projects) == 0 && v.Error == "" && h.opts.Authorize != nil {
-		v.Error = "no project of this page is open to you"
-	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	if err := opsTemplates.ExecuteTemplate(w, name, v); err != nil {
 		h.log.Warn("ops page: render", zap.Error(err))

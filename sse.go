@@ -198,13 +198,13 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		from, _ = parseStreamID(lastEventID, fingerprint, len(projects)) // nil: not this stream's
 	}
 	resumed := from != nil
-	ahead, err := h.beyondHead(ctx, projects, from)
+	ahead, headReads, err := h.beyondHead(ctx, projects, from)
 	if err != nil {
 		h.log.Warn("event stream: could not read a project's head", zap.Error(err))
 		http.Error(w, "event stream unavailable", http.StatusServiceUnavailable)
 		return
 	}
-	c, resets, ok := h.attach(projects, fingerprint, from, ahead)
+	c, resets, ok := h.attach(projects, fingerprint, from, ahead, headReads)
 	if !ok {
 		h.closing(w)
 		return
@@ -293,12 +293,14 @@ func (h *SSEHandler) stillAuthorized(r *http.Request, c *sseClient) (string, boo
 // beyondHead reports, per project, whether a resuming client's position is beyond the
 // project's head: not a position this stream ever sent, so the client would silently skip
 // every event until the head passed it. A position beyond the ring's newest event is checked
-// against the outbox, since another process serving the stream may be further ahead.
-func (h *SSEHandler) beyondHead(ctx context.Context, projects []string, from []int64) ([]bool, error) {
+// against the outbox, since another process serving the stream may be further ahead; each
+// such read counts against the connection's MaxReplayReads, and past it the position is
+// taken as beyond the head (a reset costs the client a refetch, never an event).
+func (h *SSEHandler) beyondHead(ctx context.Context, projects []string, from []int64) (ahead []bool, reads int, err error) {
 	if from == nil {
-		return nil, nil
+		return nil, 0, nil
 	}
-	ahead := make([]bool, len(projects))
+	ahead = make([]bool, len(projects))
 	for i, p := range projects {
 		h.mu.Lock()
 		hi := h.logLocked(p).hi
@@ -306,13 +308,18 @@ func (h *SSEHandler) beyondHead(ctx context.Context, projects []string, from []i
 		if from[i] <= hi {
 			continue
 		}
+		if reads >= h.cfg.MaxReplayReads {
+			ahead[i] = true
+			continue
+		}
+		reads++
 		head, err := h.replay.head(ctx, p)
 		if err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		ahead[i] = from[i] > head
 	}
-	return ahead, nil
+	return ahead, reads, nil
 }
 
 func (h *SSEHandler) isClosed() bool {
@@ -405,10 +412,11 @@ func (h *SSEHandler) ensureKnown(ctx context.Context, project string) error {
 // when it is set, else each project's newest event. A project whose position is beyond its
 // head (ahead) starts at its newest event with an unknown_position reset, and the projects
 // whose replay does not fit in MaxReplayReads with a replay_budget reset: resets lists them
-// by reason. ok is false once the handler is closed.
-func (h *SSEHandler) attach(projects []string, fingerprint string, from []int64, ahead []bool) (c *sseClient, resets map[string][]int, ok bool) {
+// by reason. headReads is what checking ahead already cost, against MaxReplayReads. ok is
+// false once the handler is closed.
+func (h *SSEHandler) attach(projects []string, fingerprint string, from []int64, ahead []bool, headReads int) (c *sseClient, resets map[string][]int, ok bool) {
 	c = &sseClient{projects: projects, fingerprint: fingerprint, wake: make(chan struct{}, 1),
-		logs: make([]*projectLog, len(projects)), replayTo: make([]int64, len(projects))}
+		logs: make([]*projectLog, len(projects)), replayTo: make([]int64, len(projects)), reads: headReads}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.closed {
@@ -417,7 +425,7 @@ func (h *SSEHandler) attach(projects []string, fingerprint string, from []int64,
 	h.streams.Add(1) // under mu, before Stop can start waiting
 	c.pos = make([]int64, len(projects))
 	resets = map[string][]int{}
-	planned := 0 // outbox reads the replay is expected to cost
+	planned := headReads // outbox reads the resume is expected to cost
 	for i, p := range projects {
 		lg := h.logLocked(p)
 		lg.subs[c] = struct{}{}

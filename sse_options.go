@@ -49,11 +49,14 @@ type SSEOptions struct {
 	// most 1000000.
 	MaxReplay int
 	// MaxReplayReads bounds the outbox reads one connection may cost: each read of a page of
-	// replayPageSize (500) sequences of one project counts, whether the database or the cache
-	// served it (replays from the ring cost nothing). A resuming client whose projects need
-	// more is sent a reset, with reason replay_budget, for the projects that do not fit; it
-	// then continues from their newest events, as after any reset. Defaults to two projects
-	// MaxReplay behind (42 reads at the default MaxReplay); 1 to 1000000.
+	// 500 sequences of one project counts, whether the database or the cache served it
+	// (replays from the ring cost nothing), and so does each head read that checks a resumed
+	// position beyond the handler's newest event. A resuming client whose projects need more
+	// is sent a reset, with reason replay_budget, for the projects that do not fit (a
+	// position that could not be checked is reset as unknown_position); it then continues
+	// from their newest events, as after any reset. A connected client that falls behind the
+	// ring once the budget is spent is reset likewise. Defaults to two projects MaxReplay
+	// behind (42 reads at the default MaxReplay); 1 to 1000000.
 	MaxReplayReads int
 	// Heartbeat is how often an idle stream gets a comment line, which keeps proxies from
 	// closing it. Defaults to 15s; at least 10ms.

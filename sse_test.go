@@ -577,13 +577,7 @@ func TestSSEResetsAPositionBeyondTheHead(t *testing.T) {
 
 	// The outbox moves on to 162 while this handler has seen 152: a client at 160 (from a
 	// process further ahead) keeps its position and gets 161 on.
-	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT 'p', 'more-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM generate_series(1, 10) g`)
-	require.NoError(t, err)
-	_, err = outbox.Sequence(ctx, pool, []string{"p"}, 10000)
-	require.NoError(t, err)
+	seedMore(t, pool, "p", "more", 10)
 	before := sse.Stats().Resets
 	s, _ = openStream(t, ctx, srv.URL+"?project=p,q", id(160, 5))
 	defer s.close()
@@ -593,6 +587,37 @@ FROM generate_series(1, 10) g`)
 	}
 	s.expectDeletions(t, ctx, "p", 161, 162)
 	require.Equal(t, before, sse.Stats().Resets)
+}
+
+// TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing: checking a resumed position beyond the
+// handler's newest event costs a head read, so a client naming many such positions would cost
+// one read per project; the reads count against MaxReplayReads, and a position left unchecked
+// is reset as unknown.
+func TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	seedEvents(t, pool, "p", 5)
+	seedEvents(t, pool, "q", 5)
+	sse := newSSE(t, pool, []string{"p", "q"}, func(o *outbox.SSEOptions) { o.MaxReplayReads = 1 })
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	probe, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
+	fp := strings.Split(probe.position(t, ctx), ".")[1] // the handler has seen 5 of each
+	seedMore(t, pool, "p", "more", 5)
+	seedMore(t, pool, "q", "more", 5) // the outbox is at 10 in both
+
+	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", "1."+fp+".8.8")
+	defer s.close()
+	f := s.next(t, ctx, "the reset")
+	require.Equal(t, outbox.SSEResetEvent, f.Event, "q's position was taken unchecked: %+v", f)
+	require.JSONEq(t, `{"projects":["q"],"reason":"unknown_position"}`, f.Data)
+	require.Equal(t, "1."+fp+".8.5", f.ID, "p's position, checked with the one read, is kept")
+	for seq := int64(6); seq <= 10; seq++ {
+		require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: seq,
+			EventType: outbox.EventTypeTaskDeleted, TaskID: fmt.Sprintf("more-%d", seq-5), DeletedAt: time.Now()}}))
+	}
+	s.expectDeletions(t, ctx, "p", 9, 10)
 }
 
 // TestSSEBoundsTheReplayReadsOfAConnection: a client naming many projects, each up to
