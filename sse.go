@@ -21,8 +21,8 @@ import (
 //
 // It is fed by the process's durable consumer, as one of its observed listeners, which also
 // hands it the process's own deletions (OwnWritesListener); browser clients are ephemeral and
-// own no cursor. Per project it keeps a ring of the most recent
-// events, contiguous in sequence order. Every event a client is sent carries an ID holding
+// own no cursor. Per project it keeps a ring of the most recent events, contiguous in
+// sequence order. Every event a client is sent carries an ID holding
 // the client's position in every project of its stream (see sse_id.go), which a browser's
 // EventSource sends back as Last-Event-ID when it reconnects. The handler then sends what the
 // client missed, per project in sequence order, from the ring or, further back, from the

@@ -251,7 +251,7 @@ type SSEStats struct {
 	ReplayedFromRing   int64 // events sent to resumed clients that they had missed, from memory
 	ReplayedFromOutbox int64 // the same, read from the outbox
 	Resets             int64 // project resets sent
-	Refused            int64 // requests refused (limits, authorization, bad filters)
+	Refused            int64 // requests refused (limits, authorization, bad filters), and open streams ended on a revoked authorization
 	Stalled            int64 // clients disconnected for not taking a write in time
 	OutboxReads        int64 // outbox page reads (shared by every client that needed the page)
 	HeadReads          int64 // project head reads (shared likewise)
