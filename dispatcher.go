@@ -186,12 +186,42 @@ func (s *session) dispatch(ctx context.Context, ev ObservedEvent) (Outcome, Fail
 		}
 	}
 	if ev.WriterProcessID == d.self && d.self != "" && !ev.Replay {
+		d.handOwn(octx, ev)
 		return Own, "" // its local emitter told this process's listeners already
 	}
 	if len(d.listeners) > 0 {
 		return s.runListeners(ctx, ev)
 	}
 	return Delivered, ""
+}
+
+// OwnWritesListener is a Listener that also takes the events this process wrote itself,
+// which the dispatcher otherwise keeps from its listeners because the process's local path
+// told them already. It is for a listener no local path feeds, such as the event stream
+// (SSEHandler), which must show the process's own deletions in sequence order with the others
+// as soon as they are numbered. HandleOwn runs on the consumer's goroutine before the event is
+// acknowledged; it must return at once, and it cannot fail the event.
+type OwnWritesListener interface {
+	Listener
+	HandleOwn(ctx context.Context, ev ObservedEvent)
+}
+
+// handOwn gives one of this process's own events to the listeners that take them. A panic is
+// logged and contained: the event is the process's own, already applied, and is not retried.
+func (d *Dispatcher) handOwn(ctx context.Context, ev ObservedEvent) {
+	for _, l := range d.listeners {
+		if o, ok := l.(OwnWritesListener); ok {
+			func() {
+				defer func() {
+					if r := recover(); r != nil {
+						d.log.Error("own-writes listener panicked", zap.String("listener", l.Name()),
+							zap.String("event_id", ev.EventID), zap.Any("panic", r))
+					}
+				}()
+				o.HandleOwn(ctx, ev)
+			}()
+		}
+	}
 }
 
 // applyToCache records a parked event's deletion in the cache: the task is gone even though

@@ -44,10 +44,23 @@ type OpsOptions struct {
 	// own origin, where the host mounts its SSEHandler (for example "/events"). Empty: no
 	// live feed.
 	EventsURL string
+	// Authorize, when set, is asked for every project on every request whether r may see it:
+	// the page, its refreshed fragment and the actions show and touch only the projects it
+	// allows (pass the event stream's SSEOptions.Authorize). Without it every project is
+	// shown to anyone who reaches the page: the host owns authentication.
+	Authorize func(r *http.Request, projectID string) bool
 	// AuthorizeAction enables the replay and retire buttons: each action is carried out only
-	// when it returns true for the request. Nil (the default) makes the page read-only. The
-	// host owns authentication; this decides what an authenticated operator may do.
-	AuthorizeAction func(r *http.Request, a OpsAction) bool
+	// when it returns ok for the request, and is audited under the actor it returns, the
+	// signed-in operator as the host's authentication knows them (an identifier: a user name,
+	// e-mail or service account). The page has no actor field: an operator cannot act, or
+	// be audited, under another name. Nil (the default) makes the page read-only. The host
+	// owns authentication; this decides what an authenticated operator may do.
+	AuthorizeAction func(r *http.Request, a OpsAction) (actor string, ok bool)
+	// BehindTLS says the page is served over HTTPS by a proxy that terminates TLS in front of
+	// the host, so that its CSRF cookie is marked Secure even though the request reaching the
+	// handler is plain HTTP. Without it the cookie is Secure only when the handler itself
+	// serves TLS. Set it for every deployment a browser reaches over HTTPS.
+	BehindTLS bool
 	// Filter narrows the page to one project or consumer. Defaults to everything.
 	Filter StatusFilter
 	// Refresh is how often the page reloads its consumer tables. Defaults to 5s; 1s to 1h.
@@ -64,8 +77,8 @@ type OpsAction struct {
 	Kind       string // OpsReplay or OpsRetire
 	ProjectID  string
 	ConsumerID string
-	Sequence   int64 // the dead letter's sequence, for a replay
-	Operator         // as the operator typed it; Admin validates it
+	Sequence   int64  // the dead letter's sequence, for a replay
+	Reason     string // as the operator typed it; Admin validates it
 }
 
 // The operations page's actions.
@@ -213,8 +226,9 @@ func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string)
 	}
 }
 
-// load reads the status and the dead letters and groups them per project and consumer. When
-// some projects' status cannot be read it returns the others with a *ProjectErrors.
+// load reads the status and the dead letters of the projects r may see and groups them per
+// project and consumer. When some projects' status cannot be read it returns the others with a
+// *ProjectErrors naming the unreadable ones r may see.
 func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 	status, statusErr := h.admin.Status(r.Context(), h.opts.Filter)
 	var partial *ProjectErrors
@@ -224,6 +238,31 @@ func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 	letters, err := h.admin.DeadLetters(r.Context(), h.opts.Filter)
 	if err != nil {
 		return nil, err
+	}
+	// Every read asks the host, project by project, once per project per request.
+	allowed := map[string]bool{}
+	allow := func(p string) bool {
+		if h.opts.Authorize == nil {
+			return true
+		}
+		ok, asked := allowed[p]
+		if !asked {
+			ok = h.opts.Authorize(r, p)
+			allowed[p] = ok
+		}
+		return ok
+	}
+	if partial != nil {
+		visible := &ProjectErrors{Op: partial.Op, Failed: map[string]error{}}
+		for p, err := range partial.Failed {
+			if allow(p) {
+				visible.Failed[p] = err
+			}
+		}
+		statusErr = nil
+		if len(visible.Failed) > 0 {
+			statusErr = visible
+		}
 	}
 	var out []opsProject
 	index := map[string]int{}
@@ -237,11 +276,17 @@ func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 		return &out[i]
 	}
 	for _, s := range status {
+		if !allow(s.ProjectID) {
+			continue
+		}
 		p := project(s.ProjectID)
 		p.Head, p.PrunedThrough = max(p.Head, s.Head), max(p.PrunedThrough, s.PrunedThrough)
 		p.Consumers = append(p.Consumers, s)
 	}
 	for _, d := range letters {
+		if !allow(d.ProjectID) {
+			continue
+		}
 		p := project(d.ProjectID)
 		if n := len(p.DeadLetters); n == 0 || p.DeadLetters[n-1].ConsumerID != d.ConsumerID {
 			p.DeadLetters = append(p.DeadLetters, opsConsumerLetters{ConsumerID: d.ConsumerID})
@@ -260,7 +305,7 @@ func (h *opsHandler) cookie(w http.ResponseWriter, r *http.Request) string {
 	var b [32]byte
 	_, _ = rand.Read(b[:]) // never fails (crypto/rand panics rather than return short)
 	v := base64.RawURLEncoding.EncodeToString(b[:])
-	http.SetCookie(w, &http.Cookie{Name: csrfCookie, Value: v, Path: "/", HttpOnly: true, Secure: r.TLS != nil,
+	http.SetCookie(w, &http.Cookie{Name: csrfCookie, Value: v, Path: "/", HttpOnly: true, Secure: r.TLS != nil || h.opts.BehindTLS,
 		SameSite: http.SameSiteStrictMode})
 	return v
 }
@@ -301,7 +346,7 @@ func (h *opsHandler) act(kind string) http.HandlerFunc {
 			return
 		}
 		a := OpsAction{Kind: kind, ProjectID: r.PostForm.Get("project"), ConsumerID: r.PostForm.Get("consumer"),
-			Operator: Operator{Actor: strings.TrimSpace(r.PostForm.Get("actor")), Reason: strings.TrimSpace(r.PostForm.Get("reason"))}}
+			Reason: strings.TrimSpace(r.PostForm.Get("reason"))}
 		if kind == OpsReplay {
 			a.Sequence, err = strconv.ParseInt(r.PostForm.Get("sequence"), 10, 64)
 			if err != nil {
@@ -309,26 +354,36 @@ func (h *opsHandler) act(kind string) http.HandlerFunc {
 				return
 			}
 		}
-		if !h.opts.AuthorizeAction(r, a) {
+		// An action touches one project the operator may see: the page posts the project of
+		// the row, and a forged post for another project (or, when Authorize is set, for
+		// every project at once) gets the same answer as an unauthorized one.
+		if h.opts.Authorize != nil && (a.ProjectID == "" || !h.opts.Authorize(r, a.ProjectID)) {
 			http.Error(w, "not authorized", http.StatusForbidden)
 			return
 		}
+		actor, ok := h.opts.AuthorizeAction(r, a)
+		if !ok {
+			http.Error(w, "not authorized", http.StatusForbidden)
+			return
+		}
+		// The audit names whom the host says is signed in, never what a form says.
+		op := Operator{Actor: actor, Reason: a.Reason}
 		q := url.Values{"action": {kind}, "project": {a.ProjectID}, "consumer": {a.ConsumerID}}
 		switch kind {
 		case OpsReplay:
 			q.Set("sequence", strconv.FormatInt(a.Sequence, 10))
-			_, err = h.admin.RequestReplay(r.Context(), ReplayRequest{ProjectID: a.ProjectID, ConsumerID: a.ConsumerID, Sequence: a.Sequence, Operator: a.Operator})
+			_, err = h.admin.RequestReplay(r.Context(), ReplayRequest{ProjectID: a.ProjectID, ConsumerID: a.ConsumerID, Sequence: a.Sequence, Operator: op})
 		case OpsRetire:
-			_, err = h.admin.RetireConsumer(r.Context(), RetireRequest{ConsumerID: a.ConsumerID, ProjectID: a.ProjectID, Operator: a.Operator})
+			_, err = h.admin.RetireConsumer(r.Context(), RetireRequest{ConsumerID: a.ConsumerID, ProjectID: a.ProjectID, Operator: op})
 		}
 		q.Set("outcome", outcomeOf(err))
-		if err != nil && outcomeOf(err) == "error" {
+		if o := outcomeOf(err); o == "error" || o == "invalid-actor" {
 			h.log.Warn("ops page: action failed", zap.String("action", kind), zap.String("project_id", a.ProjectID),
 				zap.String("consumer_id", a.ConsumerID), zap.Error(err))
 		}
 		if err == nil {
 			h.log.Info("ops page: action done", zap.String("action", kind), zap.String("project_id", a.ProjectID),
-				zap.String("consumer_id", a.ConsumerID), zap.Int64("sequence", a.Sequence), zap.String("actor", a.Actor))
+				zap.String("consumer_id", a.ConsumerID), zap.Int64("sequence", a.Sequence), zap.String("actor", op.Actor))
 		}
 		// A relative Location, resolved by the browser against the URL it posted to: the
 		// handler does not know the path it is mounted under (http.Redirect would make it
@@ -385,7 +440,7 @@ func flashFrom(q url.Values) *opsFlash {
 	case "unknown-consumer":
 		return &opsFlash{Text: what + ": no such consumer"}
 	case "invalid-actor":
-		return &opsFlash{Text: what + ": the actor must be an identifier (a user name or e-mail)"}
+		return &opsFlash{Text: what + ": the host named no valid actor for you (see the host's log)"}
 	case "invalid-reason":
 		return &opsFlash{Text: what + ": the reason must be a ticket reference or short code, not prose"}
 	case "error":

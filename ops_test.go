@@ -141,11 +141,11 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	f := newOpsFixture(t, ctx, pgtest.NewDB(t).URL)
 	var mu sync.Mutex
 	var asked []outbox.OpsAction
-	ops, err := outbox.OpsHandler(f.admin, outbox.OpsOptions{AuthorizeAction: func(r *http.Request, a outbox.OpsAction) bool {
+	ops, err := outbox.OpsHandler(f.admin, outbox.OpsOptions{AuthorizeAction: func(r *http.Request, a outbox.OpsAction) (string, bool) {
 		mu.Lock()
 		defer mu.Unlock()
 		asked = append(asked, a)
-		return r.Header.Get("X-Operator") == "yes"
+		return "oncall@example.com", r.Header.Get("X-Operator") == "yes"
 	}})
 	require.NoError(t, err)
 	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
@@ -162,8 +162,10 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	require.Contains(t, page, `action="replay"`)
 	require.Contains(t, page, `action="retire"`)
 
+	// The form names an actor of its own: the page must ignore it and audit whom the host
+	// says is signed in.
 	form := url.Values{"csrf": {token}, "project": {"p"}, "consumer": {"broken"}, "sequence": {fmt.Sprint(f.poisonQ)},
-		"actor": {"oncall@example.com"}, "reason": {"FN-18"}}
+		"actor": {"mallory@example.com"}, "reason": {"FN-18"}}
 	post := func(c *http.Client, path string, form url.Values, header ...string) *http.Response {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+path, strings.NewReader(form.Encode()))
 		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
@@ -194,7 +196,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	mu.Lock()
 	require.Len(t, asked, 1, "the authorizer is asked only once the request is known to come from the page")
 	require.Equal(t, outbox.OpsAction{Kind: outbox.OpsReplay, ProjectID: "p", ConsumerID: "broken", Sequence: f.poisonQ,
-		Operator: outbox.Operator{Actor: "oncall@example.com", Reason: "FN-18"}}, asked[0])
+		Reason: "FN-18"}, asked[0])
 	mu.Unlock()
 
 	// Prose as a reason is refused by the audited call, and the page says why.
@@ -214,10 +216,12 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	_, page = getBody(t, browser, redirected(t, srv.URL, resp))
 	require.Contains(t, page, fmt.Sprintf("replay of sequence %d of p for broken requested", f.poisonQ))
 	require.Eventually(t, func() bool { return deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Equal(t, 0, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE actor = 'mallory@example.com'`),
+		"the audit names the actor the form typed, not the signed-in operator")
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com'`, outbox.AuditConsumerReplayed))
 
 	resp = post(browser, "/ops/retire", url.Values{"csrf": {token}, "project": {"p"}, "consumer": {"laggard"},
-		"actor": {"oncall@example.com"}, "reason": {"FN-19"}}, "X-Operator", "yes")
+		"reason": {"FN-19"}}, "X-Operator", "yes")
 	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE consumer_id = 'laggard' AND retired_at IS NOT NULL`))
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerRetired))
@@ -267,4 +271,102 @@ func TestOpsPageShowsOtherProjectsWhenOneIsUnreadable(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(body), "dash", "the readable project's consumer is shown")
 	require.Contains(t, string(body), "status unavailable for proj-a")
+
+	// A reader confined to proj-b is not told that proj-a exists, unreadable or not.
+	h, err = outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{
+		Authorize: func(_ *http.Request, p string) bool { return p == "proj-b" }})
+	require.NoError(t, err)
+	confined := httptest.NewServer(h)
+	defer confined.Close()
+	status, page := getBody(t, confined.Client(), confined.URL+"/")
+	require.Equal(t, http.StatusOK, status)
+	require.Contains(t, page, "dash")
+	require.NotContains(t, page, "proj-a")
+}
+
+// TestOpsPageShowsOnlyTheProjectsTheHostAllows is issue 28's confinement: a user the host
+// confines to project a saw project p's consumers and the dead letter of p's task on the page
+// and its fragment, and could post an action for p.
+func TestOpsPageShowsOnlyTheProjectsTheHostAllows(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	f := newOpsFixture(t, ctx, pgtest.NewDB(t).URL)
+	seedEvents(t, f.writer.pool, "a", 1)
+	_, err := f.writer.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at)
+		VALUES ('a', 'dash-a', 0, NULL, 0, NULL)`)
+	require.NoError(t, err)
+	var mu sync.Mutex
+	asked := map[string]int{}
+	ops, err := outbox.OpsHandler(f.admin, outbox.OpsOptions{
+		Authorize: func(r *http.Request, p string) bool {
+			mu.Lock()
+			defer mu.Unlock()
+			asked[r.Header.Get("X-User")+"/"+p]++
+			return p == "a" || r.Header.Get("X-User") == "root"
+		},
+		AuthorizeAction: func(r *http.Request, _ outbox.OpsAction) (string, bool) { return r.Header.Get("X-User"), true },
+	})
+	require.NoError(t, err)
+	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
+	defer srv.Close()
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	client := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	get := func(user, path string) string {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+path, nil)
+		req.Header.Set("X-User", user)
+		resp, err := client.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		return string(b)
+	}
+	for _, path := range []string{"/ops/", "/ops/consumers"} {
+		page := get("alice", path)
+		require.Contains(t, page, `data-consumer="dash-a"`, path)
+		for _, hidden := range []string{"laggard", "broken", "task-deleted:", `"p"`} {
+			require.NotContains(t, page, hidden, "%s shows project p to a user confined to a", path)
+		}
+		root := get("root", path)
+		require.Contains(t, root, `data-consumer="dash-a"`, path)
+		require.Contains(t, root, `data-consumer="broken"`, path)
+	}
+	mu.Lock()
+	require.Positive(t, asked["alice/p"], "the host was asked about p for alice")
+	mu.Unlock()
+
+	// A forged post for p, with a valid token, is refused for alice as for any unauthorized one.
+	m := csrfField.FindStringSubmatch(get("alice", "/ops/"))
+	require.NotNil(t, m)
+	form := url.Values{"csrf": {m[1]}, "project": {"p"}, "consumer": {"broken"}, "sequence": {fmt.Sprint(f.poisonQ)}, "reason": {"FN-20"}}
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/ops/replay", strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("X-User", "alice")
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusForbidden, resp.StatusCode)
+	require.Equal(t, "dead", deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State)
+}
+
+// TestOpsCSRFCookieIsSecureBehindATLSProxy: behind a proxy that terminates TLS the handler
+// sees plain HTTP, and the CSRF cookie was sent without Secure, so it also travelled over
+// plain HTTP. BehindTLS marks it Secure; without it a plain request keeps it unmarked.
+func TestOpsCSRFCookieIsSecureBehindATLSProxy(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.NewPool(t)
+	authorize := func(*http.Request, outbox.OpsAction) (string, bool) { return "oncall", true }
+	for _, behind := range []bool{true, false} {
+		h, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{AuthorizeAction: authorize, BehindTLS: behind})
+		require.NoError(t, err)
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "http://ops.example/", nil))
+		require.Equal(t, http.StatusOK, rec.Code)
+		cookies := rec.Result().Cookies()
+		require.Len(t, cookies, 1)
+		require.Equal(t, behind, cookies[0].Secure, "BehindTLS=%v: the cookie's Secure flag", behind)
+		require.Equal(t, http.SameSiteStrictMode, cookies[0].SameSite)
+	}
 }

@@ -19,9 +19,10 @@ import (
 // SSEHandler streams observed task deletions to browsers as Server-Sent Events, and lets a
 // reconnecting browser resume where it left off.
 //
-// It is fed by the process's durable consumer, as one of its observed listeners; browser
-// clients are ephemeral and own no cursor. Per project it keeps a ring of the most recent
-// events, contiguous in sequence order. Every event a client is sent carries an ID holding
+// It is fed by the process's durable consumer, as one of its observed listeners, which also
+// hands it the process's own deletions (OwnWritesListener); browser clients are ephemeral and
+// own no cursor. Per project it keeps a ring of the most recent events, contiguous in
+// sequence order. Every event a client is sent carries an ID holding
 // the client's position in every project of its stream (see sse_id.go), which a browser's
 // EventSource sends back as Last-Event-ID when it reconnects. The handler then sends what the
 // client missed, per project in sequence order, from the ring or, further back, from the
@@ -77,9 +78,9 @@ func (h *SSEHandler) Name() string { return "sse" }
 // HandleObserved records the event in its project's ring and wakes that project's clients.
 // It never blocks on a client and never fails for one. An event at or below the ring's
 // newest (a retry, or a replayed dead letter) was already streamed in order and is ignored;
-// one beyond the next (the consumer skipped events this process wrote, or moved on after a
-// lease change or a reconciliation) starts the ring afresh, and clients read the events in
-// between from the outbox.
+// one beyond the next (the consumer moved on after a lease change or a reconciliation, or a
+// process whose dispatcher does not hand it its own events skipped them) starts the ring
+// afresh, and clients read the events in between from the outbox.
 func (h *SSEHandler) HandleObserved(_ context.Context, ev ObservedEvent) error {
 	if ev.Replay {
 		return nil
@@ -106,6 +107,17 @@ func (h *SSEHandler) HandleObserved(_ context.Context, ev ObservedEvent) error {
 		}
 	}
 	return nil
+}
+
+// HandleOwn implements OwnWritesListener: the process's own deletions reach its stream as
+// soon as its consumer reads them, in sequence order with everyone else's, rather than when
+// the next observed event reveals the gap. No local path feeds the stream, so nothing is
+// streamed twice.
+func (h *SSEHandler) HandleOwn(ctx context.Context, ev ObservedEvent) {
+	if err := h.HandleObserved(ctx, ev); err != nil {
+		h.log.Warn("event stream: own event not streamed", zap.String("project_id", ev.ProjectID),
+			zap.Int64("sequence", ev.Sequence), zap.Error(err))
+	}
 }
 
 func (h *SSEHandler) logLocked(project string) *projectLog {
@@ -179,7 +191,20 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	c, resumed, ok := h.attach(projects, r.Header.Get("Last-Event-ID"))
+	fingerprint := streamFingerprint(projects)
+	lastEventID := r.Header.Get("Last-Event-ID")
+	var from []int64
+	if lastEventID != "" {
+		from, _ = parseStreamID(lastEventID, fingerprint, len(projects)) // nil: not this stream's
+	}
+	resumed := from != nil
+	ahead, headReads, err := h.beyondHead(ctx, projects, from)
+	if err != nil {
+		h.log.Warn("event stream: could not read a project's head", zap.Error(err))
+		http.Error(w, "event stream unavailable", http.StatusServiceUnavailable)
+		return
+	}
+	c, resets, ok := h.attach(projects, fingerprint, from, ahead, headReads)
 	if !ok {
 		h.closing(w)
 		return
@@ -200,14 +225,28 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// its first event still resumes from here.
 	open := fmt.Appendf(nil, "retry: %d\n: observing task:deleted\n\nid: ", h.cfg.Retry.Milliseconds())
 	open = append(appendStreamID(open, c.fingerprint, c.pos), "\n\n"...)
-	if !resumed && r.Header.Get("Last-Event-ID") != "" {
+	if !resumed && lastEventID != "" {
 		open = h.appendReset(open, c, allIndexes(len(projects)), ResetUnknownPosition)
+	}
+	for _, reason := range []string{ResetUnknownPosition, ResetReplayBudget} {
+		if len(resets[reason]) > 0 {
+			open = h.appendReset(open, c, resets[reason], reason)
+		}
 	}
 	if s.send(open) != nil {
 		return
 	}
 	tick := time.NewTicker(h.cfg.Heartbeat)
 	defer tick.Stop()
+	// Access is checked again while the stream is open: a user whose access was revoked
+	// must stop receiving events, not keep them until the connection happens to drop.
+	var recheck Timer
+	var recheckC <-chan time.Time
+	if h.cfg.Authorize != nil {
+		recheck = h.cfg.Clock.NewTimer(h.cfg.ReauthorizeInterval)
+		recheckC = recheck.C()
+		defer func() { recheck.Stop() }()
+	}
 	for {
 		if err := h.catchUp(ctx, c, s); err != nil {
 			if !errors.Is(err, context.Canceled) && !errors.Is(err, errClientGone) {
@@ -225,8 +264,62 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			if s.send([]byte(": keep-alive\n\n")) != nil {
 				return
 			}
+		case <-recheckC:
+			if p, ok := h.stillAuthorized(r, c); !ok {
+				// End the stream: the browser reconnects, and that request is refused (or,
+				// without ?project=, carries only what the client may still see).
+				h.stats.refused.Add(1)
+				h.log.Info("event stream ended: access revoked", zap.String("project_id", p))
+				_ = s.send([]byte(": access revoked\n\n"))
+				return
+			}
+			recheck = h.cfg.Clock.NewTimer(h.cfg.ReauthorizeInterval)
+			recheckC = recheck.C()
 		}
 	}
+}
+
+// stillAuthorized asks Authorize again about every project of an open stream; it returns the
+// first refused project.
+func (h *SSEHandler) stillAuthorized(r *http.Request, c *sseClient) (string, bool) {
+	for _, p := range c.projects {
+		if !h.cfg.Authorize(r, p) {
+			return p, false
+		}
+	}
+	return "", true
+}
+
+// beyondHead reports, per project, whether a resuming client's position is beyond the
+// project's head: not a position this stream ever sent, so the client would silently skip
+// every event until the head passed it. A position beyond the ring's newest event is checked
+// against the outbox, since another process serving the stream may be further ahead; each
+// such read counts against the connection's MaxReplayReads, and past it the position is
+// taken as beyond the head (a reset costs the client a refetch, never an event).
+func (h *SSEHandler) beyondHead(ctx context.Context, projects []string, from []int64) (ahead []bool, reads int, err error) {
+	if from == nil {
+		return nil, 0, nil
+	}
+	ahead = make([]bool, len(projects))
+	for i, p := range projects {
+		h.mu.Lock()
+		hi := h.logLocked(p).hi
+		h.mu.Unlock()
+		if from[i] <= hi {
+			continue
+		}
+		if reads >= h.cfg.MaxReplayReads {
+			ahead[i] = true
+			continue
+		}
+		reads++
+		head, err := h.replay.head(ctx, p)
+		if err != nil {
+			return nil, 0, err
+		}
+		ahead[i] = from[i] > head
+	}
+	return ahead, reads, nil
 }
 
 func (h *SSEHandler) isClosed() bool {
@@ -281,13 +374,16 @@ func (h *SSEHandler) streamProjects(r *http.Request) (projects []string, status 
 	}
 	slices.Sort(names)
 	names = slices.Compact(names)
+	// A project the stream does not serve and one the client may not see get the same answer,
+	// and Authorize is asked about both: a different status, message or cost would tell a
+	// prober which project IDs exist.
+	refused := false
 	for _, p := range names {
-		if !slices.Contains(served, p) {
-			return nil, http.StatusNotFound, fmt.Sprintf("project %q is not served by this stream", p)
-		}
-		if !allow(p) {
-			return nil, http.StatusForbidden, "forbidden"
-		}
+		ok := allow(p)
+		refused = refused || !ok || !slices.Contains(served, p)
+	}
+	if refused {
+		return nil, http.StatusForbidden, "forbidden"
 	}
 	return names, 0, ""
 }
@@ -312,36 +408,59 @@ func (h *SSEHandler) ensureKnown(ctx context.Context, project string) error {
 	return nil
 }
 
-// attach registers a client at its starting position: where Last-Event-ID says when it
-// describes this stream, else each project's newest event. ok is false once the handler is
-// closed.
-func (h *SSEHandler) attach(projects []string, lastEventID string) (c *sseClient, resumed, ok bool) {
-	c = &sseClient{projects: projects, fingerprint: streamFingerprint(projects), wake: make(chan struct{}, 1),
-		logs: make([]*projectLog, len(projects)), replayTo: make([]int64, len(projects))}
-	var from []int64
-	if lastEventID != "" {
-		if pos, err := parseStreamID(lastEventID, c.fingerprint, len(projects)); err == nil {
-			from, resumed = pos, true
-		}
-	}
+// attach registers a client at its starting position: from (a Last-Event-ID of this stream)
+// when it is set, else each project's newest event. A project whose position is beyond its
+// head (ahead) starts at its newest event with an unknown_position reset, and the projects
+// whose replay does not fit in MaxReplayReads with a replay_budget reset: resets lists them
+// by reason. headReads is what checking ahead already cost, against MaxReplayReads. ok is
+// false once the handler is closed.
+func (h *SSEHandler) attach(projects []string, fingerprint string, from []int64, ahead []bool, headReads int) (c *sseClient, resets map[string][]int, ok bool) {
+	c = &sseClient{projects: projects, fingerprint: fingerprint, wake: make(chan struct{}, 1),
+		logs: make([]*projectLog, len(projects)), replayTo: make([]int64, len(projects)), reads: headReads}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.closed {
-		return nil, false, false
+		return nil, nil, false
 	}
 	h.streams.Add(1) // under mu, before Stop can start waiting
 	c.pos = make([]int64, len(projects))
+	resets = map[string][]int{}
+	planned := headReads // outbox reads the resume is expected to cost
 	for i, p := range projects {
 		lg := h.logLocked(p)
 		lg.subs[c] = struct{}{}
 		c.logs[i] = lg
 		c.pos[i] = lg.hi
-		if resumed {
-			c.pos[i] = from[i]
-			c.replayTo[i] = lg.hi
+		if from == nil {
+			continue
 		}
+		if ahead[i] {
+			resets[ResetUnknownPosition] = append(resets[ResetUnknownPosition], i)
+			continue
+		}
+		if lg.hi-from[i] <= int64(h.cfg.MaxReplay) {
+			// A client further behind than MaxReplay is reset by next; one within it is
+			// replayed only if its share of the connection's budget fits.
+			n := replayReads(from[i], lg.lo)
+			if planned+n > h.cfg.MaxReplayReads {
+				resets[ResetReplayBudget] = append(resets[ResetReplayBudget], i)
+				continue
+			}
+			planned += n
+		}
+		c.pos[i] = from[i]
+		c.replayTo[i] = lg.hi
 	}
-	return c, resumed, true
+	return c, resets, true
+}
+
+// replayReads is how many outbox page reads replaying the events after pos up to the ring's
+// lowest, lo, takes: one per aligned page the range touches.
+func replayReads(pos, lo int64) int {
+	if pos >= lo {
+		return 0
+	}
+	return int((lo-1)/replayPageSize - pos/replayPageSize + 1)
 }
 
 func (h *SSEHandler) detach(c *sseClient) {

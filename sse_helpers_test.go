@@ -31,6 +31,19 @@ FROM generate_series(1, $2) g`, project, n)
 	require.NoError(t, err)
 }
 
+// seedMore numbers n more events of project after whatever it has, with task IDs of prefix.
+func seedMore(t *testing.T, pool *pgxpool.Pool, project, prefix string, n int) {
+	t.Helper()
+	ctx := ctxT(t)
+	_, err := pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT $1, $2 || '-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, $3) g`, project, prefix, n)
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, pool, []string{project}, 10000)
+	require.NoError(t, err)
+}
+
 // seedUndecodableAt4 stores, after a project's three seeded events, a numbered row the reader
 // cannot deliver at sequence 4 (deleted_at = 'infinity': a numbered row, which the writer's
 // checks do not cover), and then numbers two well-formed events as 5 and 6.

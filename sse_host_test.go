@@ -302,5 +302,5 @@ func TestSSEReferenceHostBoundsTheProjectFilter(t *testing.T) {
 	if s != nil {
 		s.close()
 	}
-	require.Equal(t, http.StatusNotFound, status, "a project the host does not serve")
+	require.Equal(t, http.StatusForbidden, status, "a project the host does not serve, answered as a forbidden one")
 }

@@ -21,10 +21,20 @@ type SSEOptions struct {
 	// Normally the consumer's own Projects. Required.
 	Projects Projects
 	// Authorize, when set, is asked for every project of every connection whether r may see
-	// it. A refused project named in ?project= fails the request with 403; without ?project=
-	// the stream carries only the allowed projects. Without Authorize every served project is
-	// open to anyone who reaches the handler: the host owns authentication.
+	// it, at connect and again every ReauthorizeInterval while the stream is open. A request
+	// naming in ?project= a project that is refused, or that the stream does not serve, fails
+	// with the same 403 either way, so that the answer does not tell which project IDs exist;
+	// without ?project= the stream carries only the allowed projects. An open stream one of
+	// whose projects is refused on a later check is ended; the browser's reconnect is then
+	// authorized afresh. Without Authorize every served project is open to anyone who reaches
+	// the handler: the host owns authentication.
 	Authorize func(r *http.Request, projectID string) bool
+	// ReauthorizeInterval is how often an open stream asks Authorize again about each of its
+	// projects, so that a user whose access was revoked stops receiving events within it.
+	// Defaults to 1m; 10ms to 1h. Unused without Authorize.
+	ReauthorizeInterval time.Duration
+	// Clock measures ReauthorizeInterval. Defaults to RealClock; tests pass a fake one.
+	Clock Clock
 	// MaxClients bounds the concurrent streams; a request beyond it gets 503 with
 	// Retry-After. Defaults to 1000; 1 to 1000000.
 	MaxClients int
@@ -38,6 +48,16 @@ type SSEOptions struct {
 	// resumed; further behind it is sent a reset. Defaults to 10000; at least RingSize, at
 	// most 1000000.
 	MaxReplay int
+	// MaxReplayReads bounds the outbox reads one connection may cost: each read of a page of
+	// 500 sequences of one project counts, whether the database or the cache served it
+	// (replays from the ring cost nothing), and so does each head read that checks a resumed
+	// position beyond the handler's newest event. A resuming client whose projects need more
+	// is sent a reset, with reason replay_budget, for the projects that do not fit (a
+	// position that could not be checked is reset as unknown_position); it then continues
+	// from their newest events, as after any reset. A connected client that falls behind the
+	// ring once the budget is spent is reset likewise. Defaults to two projects MaxReplay
+	// behind (42 reads at the default MaxReplay); 1 to 1000000.
+	MaxReplayReads int
 	// Heartbeat is how often an idle stream gets a comment line, which keeps proxies from
 	// closing it. Defaults to 15s; at least 10ms.
 	Heartbeat time.Duration
@@ -69,6 +89,11 @@ func (o SSEOptions) withDefaults() SSEOptions {
 	def(&o.Heartbeat, 15*time.Second)
 	def(&o.WriteTimeout, 10*time.Second)
 	def(&o.Retry, 2*time.Second)
+	def(&o.ReauthorizeInterval, time.Minute)
+	defInt(&o.MaxReplayReads, 2*(o.MaxReplay/replayPageSize+1))
+	if o.Clock == nil {
+		o.Clock = RealClock{}
+	}
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
 	}
@@ -99,6 +124,12 @@ func (o SSEOptions) validate() error {
 	if o.MaxReplay < o.RingSize || o.MaxReplay > 1_000_000 {
 		bad("MaxReplay", "must be between RingSize %d and 1000000 (got %d)", o.RingSize, o.MaxReplay)
 	}
+	if o.MaxReplayReads < 1 || o.MaxReplayReads > 1_000_000 {
+		bad("MaxReplayReads", "must be between 1 and 1000000 (got %d)", o.MaxReplayReads)
+	}
+	if o.ReauthorizeInterval < 10*time.Millisecond || o.ReauthorizeInterval > time.Hour {
+		bad("ReauthorizeInterval", "must be between 10ms and 1h (got %s)", o.ReauthorizeInterval)
+	}
 	if o.Heartbeat < 10*time.Millisecond {
 		bad("Heartbeat", "must be at least 10ms (got %s)", o.Heartbeat)
 	}
@@ -121,8 +152,11 @@ const (
 	// ResetTooFarBehind: the client is more than MaxReplay events behind.
 	ResetTooFarBehind = "too_far_behind"
 	// ResetUnknownPosition: the Last-Event-ID does not describe this stream (another
-	// project list, another format, or garbage).
+	// project list, another format, garbage, or a position beyond the project's head).
 	ResetUnknownPosition = "unknown_position"
+	// ResetReplayBudget: replaying what the client missed would cost its connection more
+	// outbox reads than MaxReplayReads allows.
+	ResetReplayBudget = "replay_budget"
 )
 
 // SSEResetEvent is the event type of a reset; its data is an SSEReset.

@@ -66,6 +66,12 @@ func (h *SSEHandler) next(ctx context.Context, c *sseClient, i int) (frames []ss
 		return frames, "", false, nil
 	}
 	h.mu.Unlock()
+	if c.reads >= h.cfg.MaxReplayReads {
+		// The connection spent its budget of outbox reads: a reset, never a silent skip.
+		c.pos[i] = hi
+		return nil, ResetReplayBudget, false, nil
+	}
+	c.reads++
 	frames, err = h.replay.events(ctx, c.projects[i], pos, lo)
 	if errors.Is(err, errBelowFloor) {
 		c.pos[i] = hi
@@ -138,6 +144,7 @@ type sseClient struct {
 	logs        []*projectLog // per project, in projects' order
 	pos         []int64       // the last sequence sent, per project
 	replayTo    []int64       // frames at or below this were missed while disconnected
+	reads       int           // outbox page reads this connection made, against MaxReplayReads
 	wake        chan struct{}
 }
 
@@ -244,7 +251,7 @@ type SSEStats struct {
 	ReplayedFromRing   int64 // events sent to resumed clients that they had missed, from memory
 	ReplayedFromOutbox int64 // the same, read from the outbox
 	Resets             int64 // project resets sent
-	Refused            int64 // requests refused (limits, authorization, bad filters)
+	Refused            int64 // requests refused (limits, authorization, bad filters), and open streams ended on a revoked authorization
 	Stalled            int64 // clients disconnected for not taking a write in time
 	OutboxReads        int64 // outbox page reads (shared by every client that needed the page)
 	HeadReads          int64 // project head reads (shared likewise)

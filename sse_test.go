@@ -5,12 +5,14 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -20,6 +22,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/outboxtest"
 )
 
 func TestSSEStreamsObservedEventsAndNeverStallsTheConsumer(t *testing.T) {
@@ -295,7 +298,7 @@ func TestSSELimitsAndAuthorize(t *testing.T) {
 	require.Equal(t, http.StatusForbidden, get("?project=open,secret"))
 	require.Equal(t, http.StatusBadRequest, get("?project=a,b,c,d"), "more than MaxProjects")
 	require.Equal(t, http.StatusRequestURITooLong, get("?project="+strings.Repeat("a,", 20000)))
-	require.Equal(t, http.StatusNotFound, get("?project=elsewhere"))
+	require.Equal(t, http.StatusForbidden, get("?project=elsewhere"), "a project not served is answered as a forbidden one")
 
 	// Without a filter the stream carries only what Authorize allows: its ID has one
 	// position, and even an ID forged to start at zero replays only "open".
@@ -434,11 +437,12 @@ func readDeletions(resp *http.Response, fn func(deletion) (done bool, err error)
 	return fmt.Errorf("stream ended: %v", sc.Err())
 }
 
-// TestSSEFillsInTheProcessOwnDeletions: a process's consumer does not hand the process's own
-// deletions to its own listeners (its local emitter already told them), so the stream never
-// sees them live; it reads them from the outbox when the next observed event shows the gap,
-// and its clients still get every deletion, in order.
-func TestSSEFillsInTheProcessOwnDeletions(t *testing.T) {
+// TestSSEStreamsTheProcessOwnDeletionsAtOnce: a process's consumer does not hand the
+// process's own deletions to its own listeners (its local emitter already told them), so the
+// stream used to learn of them only when the next observed event showed the gap: a dashboard
+// that deleted a task did not see it on its own stream. The dispatcher now hands them to the
+// stream (an OwnWritesListener), in sequence order with everyone else's.
+func TestSSEStreamsTheProcessOwnDeletionsAtOnce(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
@@ -456,8 +460,288 @@ func TestSSEFillsInTheProcessOwnDeletions(t *testing.T) {
 	deleteTasks(t, ctx, other, "p", 1, 2) // observed: 1, 2
 	client.expectDeletions(t, ctx, "p", 1, 2)
 	deleteTasks(t, ctx, self, "p", 3, 5) // this process's own: 3, 4, 5
-	waitCursor(t, ctx, pool, "p", "web", 5)
-	deleteTasks(t, ctx, other, "p", 6, 6) // observed again: the stream sees 6 after 2
-	client.expectDeletions(t, ctx, "p", 3, 6)
-	require.Equal(t, int64(3), self.consumer.Stats().Own)
+	// No other deletion follows: the stream must show 3 to 5 by itself. A bounded wait, so
+	// that a stream that waits for the next observed event fails in seconds.
+	own, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	client.expectDeletions(t, own, "p", 3, 5)
+	deleteTasks(t, ctx, other, "p", 6, 6) // observed again, right after them
+	client.expectDeletions(t, ctx, "p", 6, 6)
+	require.Equal(t, int64(3), self.consumer.Stats().Own, "the listeners that take no own writes still do not get them")
+	require.Zero(t, sse.Stats().ReplayedFromOutbox+sse.Stats().OutboxReads, "nothing was filled in from the outbox")
+}
+
+// TestSSEAnswersUnservedAndForbiddenProjectsAlike is issue 28's project-ID oracle: a project
+// the stream does not serve got 404 and a served one the client may not see 403, so anyone
+// who reached the stream could probe which project IDs exist.
+func TestSSEAnswersUnservedAndForbiddenProjectsAlike(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	seedEvents(t, pool, "open", 1)
+	seedEvents(t, pool, "secret", 1)
+	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *outbox.SSEOptions) {
+		o.Authorize = func(_ *http.Request, p string) bool { return p == "open" }
+	})
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	answer := func(query string) string {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+query, nil)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return fmt.Sprintf("%d %s", resp.StatusCode, b)
+	}
+	forbidden := answer("?project=secret")
+	require.True(t, strings.HasPrefix(forbidden, "403 "), forbidden)
+	require.Equal(t, forbidden, answer("?project=globex"), "a project that does not exist is answered as a forbidden one")
+	require.Equal(t, forbidden, answer("?project=open,globex"))
+}
+
+// TestSSEEndsAStreamWhoseAccessIsRevoked: Authorize was consulted only at connect, so a user
+// whose access was revoked kept streaming for as long as the connection lasted. The open
+// stream now asks again every ReauthorizeInterval (on the handler's clock, here a fake one)
+// and ends when a project is refused; the browser's reconnect is then refused.
+func TestSSEEndsAStreamWhoseAccessIsRevoked(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	seedEvents(t, pool, "p", 3)
+	clock := outboxtest.NewFakeClock()
+	var revoked atomic.Bool
+	var asked atomic.Int64
+	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+		o.Clock = clock
+		o.ReauthorizeInterval = time.Minute
+		o.Authorize = func(*http.Request, string) bool { asked.Add(1); return !revoked.Load() }
+	})
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	s, status := openStream(t, ctx, srv.URL+"?project=p", "")
+	require.Equal(t, http.StatusOK, status)
+	defer s.close()
+	// A bounded wait for the stream's check to be scheduled, so that a stream that never
+	// checks again fails in seconds.
+	wait, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	_, err := clock.WaitForTimer(wait, time.Minute)
+	require.NoError(t, err, "the open stream schedules no check of its access")
+
+	// Still allowed: the stream stays open and carries the next event.
+	clock.Advance(time.Minute)
+	_, err = clock.WaitForTimer(wait, time.Minute)
+	require.NoError(t, err, "the next check is scheduled")
+	require.Equal(t, int64(2), asked.Load(), "asked at connect and at the check")
+	require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: 4,
+		EventType: outbox.EventTypeTaskDeleted, TaskID: "t-4", DeletedAt: time.Now()}}))
+	s.expectDeletions(t, ctx, "p", 4, 4)
+
+	revoked.Store(true)
+	clock.Advance(time.Minute)
+	select {
+	case f, ok := <-s.frames:
+		require.False(t, ok, "the revoked stream sent %+v", f)
+	case <-wait.Done():
+		t.Fatal("the stream is still open after its access was revoked")
+	}
+	_, status = openStream(t, ctx, srv.URL+"?project=p", "")
+	require.Equal(t, http.StatusForbidden, status, "the reconnect is refused")
+}
+
+// TestSSEResetsAPositionBeyondTheHead: a well-formed Last-Event-ID at 1,295 with the head at
+// 152 was taken as a position, and the client silently skipped every event until the head
+// passed it. It is reset, as an unknown position is; a position beyond this handler's newest
+// event but within the outbox's head (another process was further ahead) is not.
+func TestSSEResetsAPositionBeyondTheHead(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	seedEvents(t, pool, "p", 152)
+	seedEvents(t, pool, "q", 5)
+	sse := newSSE(t, pool, []string{"p", "q"}, nil)
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	probe, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
+	fp := strings.Split(probe.position(t, ctx), ".")[1]
+	id := func(p, q int64) string { return "1." + fp + "." + b36(p) + "." + b36(q) }
+
+	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", id(1295, 0))
+	f := s.next(t, ctx, "the reset")
+	require.Equal(t, outbox.SSEResetEvent, f.Event, "a position beyond the head is not reset: %+v", f)
+	require.JSONEq(t, `{"projects":["p"],"reason":"unknown_position"}`, f.Data)
+	require.Equal(t, id(152, 0), f.ID)
+	s.expectDeletions(t, ctx, "q", 1, 5)
+	s.close()
+
+	// The outbox moves on to 162 while this handler has seen 152: a client at 160 (from a
+	// process further ahead) keeps its position and gets 161 on.
+	seedMore(t, pool, "p", "more", 10)
+	before := sse.Stats().Resets
+	s, _ = openStream(t, ctx, srv.URL+"?project=p,q", id(160, 5))
+	defer s.close()
+	for seq := int64(153); seq <= 162; seq++ {
+		require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: seq,
+			EventType: outbox.EventTypeTaskDeleted, TaskID: fmt.Sprintf("late-%d", seq), DeletedAt: time.Now()}}))
+	}
+	s.expectDeletions(t, ctx, "p", 161, 162)
+	require.Equal(t, before, sse.Stats().Resets)
+}
+
+// TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing: checking a resumed position beyond the
+// handler's newest event costs a head read, so a client naming many such positions would cost
+// one read per project; the reads count against MaxReplayReads, and a position left unchecked
+// is reset as unknown.
+func TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	seedEvents(t, pool, "p", 5)
+	seedEvents(t, pool, "q", 5)
+	sse := newSSE(t, pool, []string{"p", "q"}, func(o *outbox.SSEOptions) { o.MaxReplayReads = 1 })
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	probe, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
+	fp := strings.Split(probe.position(t, ctx), ".")[1] // the handler has seen 5 of each
+	seedMore(t, pool, "p", "more", 5)
+	seedMore(t, pool, "q", "more", 5) // the outbox is at 10 in both
+
+	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", "1."+fp+".8.8")
+	defer s.close()
+	f := s.next(t, ctx, "the reset")
+	require.Equal(t, outbox.SSEResetEvent, f.Event, "q's position was taken unchecked: %+v", f)
+	require.JSONEq(t, `{"projects":["q"],"reason":"unknown_position"}`, f.Data)
+	require.Equal(t, "1."+fp+".8.5", f.ID, "p's position, checked with the one read, is kept")
+	for seq := int64(6); seq <= 10; seq++ {
+		require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: seq,
+			EventType: outbox.EventTypeTaskDeleted, TaskID: fmt.Sprintf("more-%d", seq-5), DeletedAt: time.Now()}}))
+	}
+	s.expectDeletions(t, ctx, "p", 9, 10)
+}
+
+// TestSSEBoundsTheReplayReadsOfAConnection: a client naming many projects, each up to
+// MaxReplay behind, cost one outbox read per page of each (64 projects, 1,280 reads at the
+// defaults). A connection now spends at most MaxReplayReads (by default two projects'
+// worth of MaxReplay: 10 reads at MaxReplay 2000), and the projects that do not fit are reset
+// explicitly, never skipped.
+func TestSSEBoundsTheReplayReadsOfAConnection(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	projects := []string{"p", "q", "r"}
+	for _, p := range projects {
+		seedEvents(t, pool, p, 2000)
+	}
+	sse := newSSE(t, pool, projects, func(o *outbox.SSEOptions) { o.RingSize = 16; o.MaxReplay = 2000 })
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	url := srv.URL + "?project=p,q,r"
+	probe, _ := openStream(t, ctx, url, "")
+	fp := strings.Split(probe.position(t, ctx), ".")[1]
+	before := sse.Stats()
+
+	// Each project 2000 behind, within MaxReplay: four page reads each.
+	s, _ := openStream(t, ctx, url, "1."+fp+".0.0.0")
+	defer s.close()
+	f := s.next(t, ctx, "the reset")
+	require.Equal(t, outbox.SSEResetEvent, f.Event, "r replayed past the connection's budget: %.80s", f.Data)
+	require.JSONEq(t, `{"projects":["r"],"reason":"replay_budget"}`, f.Data)
+	require.Equal(t, "1."+fp+".0.0."+b36(2000), f.ID)
+	s.expectDeletions(t, ctx, "p", 1, 2000)
+	s.expectDeletions(t, ctx, "q", 1, 2000)
+	after := sse.Stats()
+	t.Logf("replay of p and q, reset of r: %s", after)
+	require.Equal(t, int64(8), after.OutboxReads-before.OutboxReads, "four pages of p and of q")
+	require.Equal(t, int64(1), after.Resets-before.Resets)
+}
+
+// TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind: the replay budget is the connection's,
+// not only its resume's: a client that falls behind the ring while connected reads the outbox
+// until the budget is spent, and is then reset, never silently moved past what it missed.
+func TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
+	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+		o.RingSize = 16
+		o.MaxReplayReads = 1
+		o.WriteTimeout = time.Hour // the gated writer below blocks for as long as the test needs
+	})
+	w := newGatedWriter()
+	sctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer w.pw.Close() // the test's reader sees the stream end
+		sse.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/?project=p", nil).WithContext(sctx))
+	}()
+	defer func() {
+		cancel()
+		select {
+		case <-w.gate:
+		default:
+			close(w.gate)
+		}
+		w.pr.Close()
+		<-done
+	}()
+	<-w.blocked // attached at p's head, 0; its opening frame waits
+
+	// 600 deletions arrive while the client does not read: the ring keeps the last 16.
+	seedEvents(t, pool, "p", 600)
+	for seq := int64(1); seq <= 600; seq++ {
+		require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: seq,
+			EventType: outbox.EventTypeTaskDeleted, TaskID: fmt.Sprintf("seed-%d", seq), DeletedAt: time.Now()}}))
+	}
+	close(w.gate)
+
+	// One outbox read (sequences 1 to 500), then the budget is spent: a reset, not 501 on.
+	sc := bufio.NewScanner(w.pr)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	var want int64 = 1
+	event := ""
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "event: "):
+			event = strings.TrimPrefix(line, "event: ")
+		case strings.HasPrefix(line, "data: ") && event == outbox.EventTypeTaskDeleted:
+			var d deletion
+			require.NoError(t, json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &d))
+			require.Equal(t, want, d.Sequence, "after sequence %d", want-1)
+			require.LessOrEqual(t, d.Sequence, int64(500), "an event beyond the one page the budget allows, and no reset")
+			want++
+		case strings.HasPrefix(line, "data: ") && event == outbox.SSEResetEvent:
+			require.Equal(t, int64(501), want, "the reset comes after the one page the budget allows")
+			require.JSONEq(t, `{"projects":["p"],"reason":"replay_budget"}`, strings.TrimPrefix(line, "data: "))
+			return
+		}
+	}
+	t.Fatalf("the stream ended without a reset: %v", sc.Err())
+}
+
+// gatedWriter is a ResponseWriter whose writes wait until the gate opens and then go to a
+// pipe the test reads.
+type gatedWriter struct {
+	header  http.Header
+	gate    chan struct{}
+	blocked chan struct{}
+	once    sync.Once
+	pr      *io.PipeReader
+	pw      *io.PipeWriter
+}
+
+func newGatedWriter() *gatedWriter {
+	pr, pw := io.Pipe()
+	return &gatedWriter{header: http.Header{}, gate: make(chan struct{}), blocked: make(chan struct{}), pr: pr, pw: pw}
+}
+
+func (w *gatedWriter) Header() http.Header { return w.header }
+func (w *gatedWriter) WriteHeader(int)     {}
+func (w *gatedWriter) Flush()              {}
+func (w *gatedWriter) Write(b []byte) (int, error) {
+	w.once.Do(func() { close(w.blocked) })
+	<-w.gate
+	return w.pw.Write(b)
 }

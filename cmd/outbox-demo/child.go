@@ -105,15 +105,16 @@ func stopApp(app *fx.App) error {
 	return app.Stop(ctx)
 }
 
-// loopbackOnly lets the operations page's buttons work for requests from this machine only:
-// the demo's stand-in for a host's own authentication, which a real host must have.
-func loopbackOnly(r *http.Request, _ outbox.OpsAction) bool {
+// loopbackOnly lets the operations page's buttons work for requests from this machine only,
+// audited as one local operator: the demo's stand-in for a host's own authentication, which a
+// real host must have (and which would name the signed-in user).
+func loopbackOnly(r *http.Request, _ outbox.OpsAction) (string, bool) {
 	host, _, err := net.SplitHostPort(r.RemoteAddr)
 	if err != nil {
-		return false
+		return "", false
 	}
 	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
+	return "demo-operator@localhost", ip != nil && ip.IsLoopback()
 }
 
 func runObserver(ctx context.Context, host testhost.HostConfig, log *zap.Logger, al *testhost.ApplyLog) error {

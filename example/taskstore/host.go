@@ -32,11 +32,13 @@ type HostConfig struct {
 	// SSE configures the event stream at /events: its limits, its Authorize hook. The host
 	// fills in the pool, the projects (Projects above, unless set) and the logger.
 	SSE outbox.SSEOptions
-	// OpsAuthorize, when set, enables the replay and retire buttons of the operations page.
-	// This reference host has no authentication of its own (nor would a real host's HTTP
-	// surface be open like this one): a real host mounts /events and /ops/ behind its own and
-	// decides here what an authenticated operator may do.
-	OpsAuthorize func(r *http.Request, a outbox.OpsAction) bool
+	// OpsAuthorize, when set, enables the replay and retire buttons of the operations page:
+	// it returns who the signed-in operator is (the actor the action is audited under) and
+	// whether they may do it. This reference host has no authentication of its own (nor would
+	// a real host's HTTP surface be open like this one): a real host mounts /events and /ops/
+	// behind its own and decides here what an authenticated operator may do. The page shows
+	// only the projects SSE.Authorize allows the request, as the stream does.
+	OpsAuthorize func(r *http.Request, a outbox.OpsAction) (actor string, ok bool)
 	// SweepInterval is the self-healing schedule. Defaults to 10m.
 	SweepInterval time.Duration
 	// Actor names this process in audit rows.
@@ -159,7 +161,8 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, admin *out
 	if c.HTTPAddr == "" {
 		return nil
 	}
-	ops, err := outbox.OpsHandler(admin, outbox.OpsOptions{EventsURL: "/events", AuthorizeAction: c.OpsAuthorize, Logger: log})
+	ops, err := outbox.OpsHandler(admin, outbox.OpsOptions{EventsURL: "/events", Authorize: c.SSE.Authorize,
+		AuthorizeAction: c.OpsAuthorize, Logger: log})
 	if err != nil {
 		return err
 	}
