@@ -373,3 +373,32 @@ func logServerState(t *testing.T, url string) {
 		t.Logf("%s:\n%v (%v)", q, all, err)
 	}
 }
+
+// TestTransactionPoolerConsumerLeavesNoListen: a consumer told that its pool goes through a
+// transaction pooler, and given no ListenDSN, sends no LISTEN through it. A LISTEN there stays
+// on a server connection, and PgBouncer 1.18 takes a notification on a server it is checking
+// for the end of the check, so clients read replies that are not theirs
+// (internal/pgbouncer's TestServerCheckIsEndedByAStrayNotification).
+func TestTransactionPoolerConsumerLeavesNoListen(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	cfg := outbox.Config{PollInterval: 100 * time.Millisecond, ListenCheckTimeout: 300 * time.Millisecond,
+		NewCursor: outbox.NewCursorOldest, TransactionPooler: true}
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}, cfg: cfg})
+	_, err := writer.store.CreateMany(ctx, "p", "t", 3)
+	require.NoError(t, err)
+	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "pooled", projects: []string{"p"}, cfg: cfg})
+	waitWakeups(t, ctx, obs.consumer, outbox.WakeupsPollingOnly)
+	for i := 1; i <= 3; i++ {
+		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		require.NoError(t, err)
+	}
+	obs.rec.waitCount(t, ctx, 3) // by polling
+	entries := obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All()
+	require.Len(t, entries, 1, "said once")
+	require.Contains(t, entries[0].ContextMap()["fix"], "ListenDSN (listen_dsn)")
+	obs.stop(t)
+	require.NoError(t, writer.writer.Close(ctx))
+	requireNoSessionState(t, db)
+}
