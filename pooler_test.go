@@ -173,15 +173,16 @@ func TestNamedStatementsBreakBehindPgBouncer(t *testing.T) {
 	require.NoError(t, run("simple_protocol"))
 }
 
-// TestPooledListenFallsBackToPollingAndSaysSo: a consumer whose pool (and so its LISTEN
-// connection) goes through PgBouncer never hears its self-test notification. It says once what
-// to set, shows it in Wakeups and the gauge, and still delivers every event by polling.
+// TestPooledListenFallsBackToPollingAndSaysSo: a consumer whose pool goes through PgBouncer,
+// with TransactionPooler and no ListenDSN, sends no LISTEN through it. It says once what to
+// set, shows it in Wakeups and the gauge, and still delivers every event by polling.
 //
 // Not parallel: in three full runs of the package (out of about a dozen) this test's consumer
 // stalled through the shared bouncer while the other pooled tests ran beside it (a lease lost
-// at its first acknowledgement, or one event of five never delivered, with nothing logged);
-// run alone it has not failed. The cause is not found yet; until it is, the test runs with
-// the bouncer to itself.
+// at its first acknowledgement, or one event of five never delivered, with nothing logged).
+// Its LISTEN then went through the bouncer and stayed on a server connection, which makes
+// PgBouncer hand out replies to the wrong statements (the runbook's pooler section); it no
+// longer does, but the test keeps the bouncer to itself until full runs have shown that.
 func TestPooledListenFallsBackToPollingAndSaysSo(t *testing.T) {
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)

@@ -40,6 +40,62 @@ import (
 const checkQuery = "select 1 from pg_sleep(0.05)"
 
 func TestServerCheckIsEndedByAStrayNotification(t *testing.T) {
+	r := startStrayListen(t)
+	const attempts = 5
+	wrong := 0
+	for i := 1; i <= attempts; i++ {
+		want := 1000 + i
+		var answer int
+		r.duringCheck(func() error { return r.client.QueryRow(r.ctx, fmt.Sprintf("SELECT %d", want)).Scan(&answer) })
+		if answer != want {
+			wrong++
+			t.Logf("attempt %d: SELECT %d was answered %d: a reply that was not its own", i, want, answer)
+		}
+	}
+	t.Logf("%d of %d statements were answered with a reply that was not theirs", wrong, attempts)
+	require.Positive(t, wrong, "a notification during the server check did not end the check early: "+
+		"this PgBouncer does not show the cause the runbook gives for the stalled check")
+}
+
+// TestServerCheckNeverFinishesAfterAStrayNotification plays the stall itself. The statement
+// that gets the server early opens a transaction, and its reply comes after the check's: the
+// bouncer hands the server back to its pool on the check's ReadyForQuery with the
+// transaction's reply still unread. The next check reads that reply, whose ReadyForQuery says
+// "in transaction", as its own, and then its own reply, also "in transaction": neither makes
+// the server ready, so the check never finishes. The server stays "tested", its backend idle in
+// transaction, and the next client waits until its deadline: what the runbook's finding saw.
+func TestServerCheckNeverFinishesAfterAStrayNotification(t *testing.T) {
+	r := startStrayListen(t)
+	// A transaction's opening that takes a moment, as a host's BEGIN followed by its first
+	// statements does, so that its reply reaches the bouncer after the check's.
+	r.duringCheck(func() error { _, err := r.client.Exec(r.ctx, "SELECT pg_sleep(0.05); BEGIN"); return err })
+
+	ctx, cancel := context.WithTimeout(r.ctx, 3*time.Second)
+	defer cancel()
+	var n int
+	err := r.client.QueryRow(ctx, "SELECT 7").Scan(&n)
+	states, serr := r.b.ServerStates(r.ctx, "postgres")
+	require.NoError(t, serr)
+	var backend string
+	require.NoError(t, r.direct.QueryRow(r.ctx, "SELECT state FROM pg_stat_activity WHERE pid = $1", r.pid).Scan(&backend))
+	t.Logf("next statement: %v; the bouncer's server: %s; its backend: %s", err, states[r.pid], backend)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "the next statement waits for a server until its deadline (answered %d)", n)
+	require.Equal(t, "tested", states[r.pid], "the check never finished")
+	require.Equal(t, "idle in transaction", backend)
+}
+
+// strayListen is a cluster, a bouncer with one server connection that checks every reuse,
+// a LISTEN left on that server connection, a direct connection and a pooled client.
+type strayListen struct {
+	t      *testing.T
+	ctx    context.Context
+	b      *pgbouncer.Bouncer
+	pid    int // the server connection's backend
+	direct *pgx.Conn
+	client *pgx.Conn
+}
+
+func startStrayListen(t *testing.T) *strayListen {
 	for _, find := range []func() (string, error){pgbouncer.FindBinary, pgcluster.FindBinDir} {
 		if _, err := find(); err != nil {
 			if os.Getenv("CI") == "true" {
@@ -49,77 +105,63 @@ func TestServerCheckIsEndedByAStrayNotification(t *testing.T) {
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	t.Cleanup(cancel)
 	c, err := pgcluster.Start(ctx, pgcluster.Options{})
 	require.NoError(t, err)
-	defer c.Stop()
+	t.Cleanup(c.Stop)
 	b, err := pgbouncer.Start(ctx, pgbouncer.Options{ServerSocketDir: c.SocketDir(), ServerPort: 5432, DefaultPoolSize: 1,
 		CheckEveryReuse: true, CheckQuery: checkQuery})
 	require.NoError(t, err)
-	defer b.Stop()
+	t.Cleanup(b.Stop)
 	pooled := b.DSN("postgres", "postgres") + " default_query_exec_mode=exec"
-
+	connect := func(dsn string) *pgx.Conn {
+		conn, err := pgx.Connect(ctx, dsn)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = conn.Close(context.Background()) })
+		return conn
+	}
+	r := &strayListen{t: t, ctx: ctx, b: b}
 	// The listener: its LISTEN stays on the pool's only server connection.
-	listener, err := pgx.Connect(ctx, pooled)
-	require.NoError(t, err)
-	defer listener.Close(ctx)
+	listener := connect(pooled)
 	_, err = listener.Exec(ctx, "LISTEN stray")
 	require.NoError(t, err)
-	var pid int
-	require.NoError(t, listener.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	require.NoError(t, listener.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&r.pid))
+	r.direct = connect(c.DSN("postgres"))
+	r.client = connect(pooled)
+	return r
+}
 
-	direct, err := pgx.Connect(ctx, c.DSN("postgres"))
-	require.NoError(t, err)
-	defer direct.Close(ctx)
-	client, err := pgx.Connect(ctx, pooled)
-	require.NoError(t, err)
-	defer client.Close(ctx)
-
-	waitState := func(want string) {
-		t.Helper()
-		for {
-			states, err := b.ServerStates(ctx, "postgres")
-			require.NoError(t, err)
-			if states[pid] == want {
-				return
-			}
-			require.Len(t, states, 1, "one server connection, the listener's: %v", states)
-			select {
-			case <-ctx.Done():
-				t.Fatalf("the server never was %q: %v%s", want, states, b.LogTail())
-			case <-time.After(5 * time.Millisecond):
-			}
+// waitState waits until the bouncer shows its server connection in the given state.
+func (r *strayListen) waitState(want string) {
+	r.t.Helper()
+	for {
+		states, err := r.b.ServerStates(r.ctx, "postgres")
+		require.NoError(r.t, err)
+		if states[r.pid] == want {
+			return
+		}
+		require.Len(r.t, states, 1, "one server connection, the listener's: %v", states)
+		select {
+		case <-r.ctx.Done():
+			r.t.Fatalf("the server never was %q: %v%s", want, states, r.b.LogTail())
+		case <-time.After(5 * time.Millisecond):
 		}
 	}
-	stopped := false
-	defer func() {
-		if stopped {
-			_ = syscall.Kill(pid, syscall.SIGCONT)
-		}
-	}()
+}
 
-	const attempts = 5
-	wrong := 0
-	for i := 1; i <= attempts; i++ {
-		waitState("used") // released after its last client; its next reuse is checked
-		require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
-		stopped = true
-		_, err := direct.Exec(ctx, "NOTIFY stray")
-		require.NoError(t, err)
-		want := 1000 + i
-		got := make(chan error, 1)
-		var answer int
-		go func() { got <- client.QueryRow(ctx, fmt.Sprintf("SELECT %d", want)).Scan(&answer) }()
-		waitState("tested") // the check is sent; the stopped backend has not read it
-		require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
-		stopped = false
-		require.NoError(t, <-got)
-		if answer != want {
-			wrong++
-			t.Logf("attempt %d: SELECT %d was answered %d: a reply that was not its own", i, want, answer)
-		}
-	}
-	t.Logf("%d of %d statements were answered with a reply that was not theirs", wrong, attempts)
-	require.Positive(t, wrong, "a notification during the server check did not end the check early: "+
-		"this PgBouncer does not show the cause the runbook gives for the stalled check")
+// duringCheck runs statement on the client so that the server connection it needs is being
+// checked when a notification reaches it: the backend is stopped, a NOTIFY commits, the
+// statement makes the bouncer send its check, and the backend continues.
+func (r *strayListen) duringCheck(statement func() error) {
+	r.t.Helper()
+	r.waitState("used") // released after its last client; its next reuse is checked
+	require.NoError(r.t, syscall.Kill(r.pid, syscall.SIGSTOP))
+	defer func() { _ = syscall.Kill(r.pid, syscall.SIGCONT) }() // also when the test fails
+	_, err := r.direct.Exec(r.ctx, "NOTIFY stray")
+	require.NoError(r.t, err)
+	done := make(chan error, 1)
+	go func() { done <- statement() }()
+	r.waitState("tested") // the check is sent; the stopped backend has not read it
+	require.NoError(r.t, syscall.Kill(r.pid, syscall.SIGCONT))
+	require.NoError(r.t, <-done)
 }

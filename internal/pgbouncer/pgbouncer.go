@@ -188,8 +188,10 @@ func (b *Bouncer) config() string {
 		// before its next client. With 0 every reuse ran it, and a check that never finished
 		// stalled the pool: a client waits while any server is being checked, and none was
 		// opened for it (seen once in a CI run: two servers, one "used", one "tested", a client
-		// waiting). A server that PostgreSQL closes (a dropped test database, a terminated
-		// backend, a restart) is found without a check: the bouncer reads its idle servers.
+		// waiting). A notification on a server with a LISTEN left on it ends a check early and
+		// can leave a later one unfinished (TestServerCheckNeverFinishesAfterAStrayNotification).
+		// A server that PostgreSQL closes (a dropped test database, a terminated backend, a
+		// restart) is found without a check.
 		{"server_check_delay", checkDelay},
 		{"server_login_retry", "1"},
 		{"log_connections", "0"},

@@ -23,8 +23,10 @@ import (
 // pool), so clients share them and session state one client left behind would reach the next.
 // With two, tests through the bouncer stalled in about half the full runs on the 2-core
 // machine (a consumer whose statements waited for a server connection until its deadline);
-// with five, in about one in three clean CI runs once consumers scanned more often; the cause
-// is not found yet, and it is recorded in the runbook's pooler section.
+// with five, in about one in three clean CI runs once consumers scanned more often. The cause
+// was a LISTEN left on a server connection by a consumer whose LISTEN went through the bouncer,
+// which PgBouncer's server check cannot cope with (the runbook's pooler section); consumers
+// with TransactionPooler no longer LISTEN through it.
 const (
 	BouncerMaxClientConn   = 60
 	BouncerDefaultPoolSize = 8
