@@ -300,6 +300,9 @@ func TestEngineAppBehindPgBouncer(t *testing.T) {
 		}
 	}
 	require.Len(t, logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All(), 1)
+	// Reconciled first, so that the deletion is an event the consumer processes (and traces),
+	// not part of what its reconciliation finds.
+	waitCursor(t, ctx, seed.pool, "p", "engine", 0)
 	_, err = seed.store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
 	waitCursor(t, ctx, seed.pool, "p", "engine", 1)

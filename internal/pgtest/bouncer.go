@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -50,10 +51,18 @@ func startBouncer() (*pgbouncer.Bouncer, error) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		bouncer, bouncerErr = pgbouncer.Start(ctx, pgbouncer.Options{
+		opts := pgbouncer.Options{
 			ServerSocketDir: srv.cluster.SocketDir(), ServerPort: 5432, PoolMode: "transaction",
 			MaxClientConn: BouncerMaxClientConn, DefaultPoolSize: BouncerDefaultPoolSize,
-		})
+		}
+		// For experiments only (the runbook's pooler section): a smaller pool, and a server
+		// check on every reuse. Tests that hold every server connection at once assume the
+		// default size.
+		if n, err := strconv.Atoi(os.Getenv("OUTBOX_TEST_BOUNCER_POOL_SIZE")); err == nil && n > 0 {
+			opts.DefaultPoolSize = n
+		}
+		opts.CheckEveryReuse = os.Getenv("OUTBOX_TEST_BOUNCER_CHECK_EVERY_REUSE") == "1"
+		bouncer, bouncerErr = pgbouncer.Start(ctx, opts)
 	})
 	return bouncer, bouncerErr
 }
