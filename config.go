@@ -17,7 +17,9 @@ import (
 //
 // Hosts load it from YAML or JSON (see LoadConfigFile and testdata/outbox.example.yaml) with
 // the keys in the field tags; durations are strings such as "1s" or "250ms", and an unknown
-// key is an error. Validate names a bad field by its Go name and its file key.
+// key is an error. A file is at most MaxConfigFileBytes (64 KiB) and a list at most
+// MaxConfigListEntries (100) entries. Validate names a bad field by its Go name and its file
+// key; no error repeats a value.
 type Config struct {
 	// Disabled turns the whole module off: the writer hook records nothing, no consumer or
 	// maintenance task starts, and one log line says so. Defaults to false.
@@ -133,7 +135,8 @@ type Config struct {
 	StatementTimeout time.Duration `yaml:"statement_timeout" json:"statement_timeout"`
 
 	// RetrySchedule is the wait before each retry of a failed event: the first entry after the
-	// first failure, and so on; the last entry repeats. Defaults to 1s, 5s, 30s, 5m, 15m.
+	// first failure, and so on; the last entry repeats. Defaults to 1s, 5s, 30s, 5m, 15m; at
+	// most MaxConfigListEntries (100) entries, each between 0 and 24h.
 	RetrySchedule []time.Duration `yaml:"retry_schedule" json:"retry_schedule"`
 
 	// MaxAttempts is how many times an event is tried before it is parked as a dead letter.
@@ -244,53 +247,54 @@ func (c Config) WithDefaults() Config {
 
 // Validate reports every invalid field of c (after WithDefaults), each error naming its field
 // by its Go field path and its file key, as in
-// "Config.PollInterval (poll_interval): must be at least 10ms".
+// "Config.PollInterval (poll_interval): must be at least 10ms". An error says what the field
+// must be, never what it is: a value in the wrong key can be a password.
 func (c Config) Validate() error {
 	var errs []error
 	bad := func(field, format string, args ...any) {
 		errs = append(errs, invalid(fieldLabel(field), format, args...))
 	}
-	if err := checkID("identity field", c.IdentityField); err != nil {
-		bad("IdentityField", "%v", err)
+	if checkID("identity field", c.IdentityField) != nil {
+		bad("IdentityField", "must be 1 to %d characters from [A-Za-z0-9._:-], starting with a letter or digit", maxIDLen)
 	}
 	if err := checkID("writer label", c.WriterLabel); err != nil || len(c.WriterLabel) > maxIDLen-17 {
 		bad("WriterLabel", "must be 1 to %d characters from [A-Za-z0-9._:-]", maxIDLen-17)
 	}
 	if c.PollInterval < 10*time.Millisecond {
-		bad("PollInterval", "must be at least 10ms (got %s)", c.PollInterval)
+		bad("PollInterval", "must be at least 10ms")
 	}
 	if c.BatchSize < 1 || c.BatchSize > 10000 {
-		bad("BatchSize", "must be between 1 and 10000 (got %d)", c.BatchSize)
+		bad("BatchSize", "must be between 1 and 10000")
 	}
 	if c.SequenceBatchSize < 1 || c.SequenceBatchSize > 100000 {
-		bad("SequenceBatchSize", "must be between 1 and 100000 (got %d)", c.SequenceBatchSize)
+		bad("SequenceBatchSize", "must be between 1 and 100000")
 	}
 	if c.LeaseTTL < time.Second {
-		bad("LeaseTTL", "must be at least 1s (got %s)", c.LeaseTTL)
+		bad("LeaseTTL", "must be at least 1s")
 	}
 	if c.HeartbeatInterval <= 0 || c.HeartbeatInterval*3 > c.LeaseTTL {
-		bad("HeartbeatInterval", "must be positive and at most a third of LeaseTTL %s (got %s)", c.LeaseTTL, c.HeartbeatInterval)
+		bad("HeartbeatInterval", "must be positive and at most a third of LeaseTTL")
 	}
 	if c.ListenerTimeout < time.Millisecond {
-		bad("ListenerTimeout", "must be at least 1ms (got %s)", c.ListenerTimeout)
+		bad("ListenerTimeout", "must be at least 1ms")
 	}
 	if !channelPattern.MatchString(c.NotifyChannel) {
-		bad("NotifyChannel", "must be a lower-case identifier of at most 63 characters (got %q)", c.NotifyChannel)
+		bad("NotifyChannel", "must be a lower-case identifier of at most 63 characters")
 	}
 	if c.NotifyGap <= 0 || c.NotifyGap > time.Second {
-		bad("NotifyGap", "must be between 0 and 1s (got %s)", c.NotifyGap)
+		bad("NotifyGap", "must be between 0 and 1s")
 	}
 	if c.ListenCheckTimeout < 10*time.Millisecond || c.ListenCheckTimeout > time.Minute {
-		bad("ListenCheckTimeout", "must be between 10ms and 1m (got %s)", c.ListenCheckTimeout)
+		bad("ListenCheckTimeout", "must be between 10ms and 1m")
 	}
 	if c.FollowUpInterval < time.Millisecond || c.FollowUpInterval > c.PollInterval {
-		bad("FollowUpInterval", "must be between 1ms and PollInterval %s (got %s)", c.PollInterval, c.FollowUpInterval)
+		bad("FollowUpInterval", "must be between 1ms and PollInterval")
 	}
 	if c.FollowUpWindow < 0 || c.FollowUpWindow > c.PollInterval {
-		bad("FollowUpWindow", "must be between 0 and PollInterval %s (got %s)", c.PollInterval, c.FollowUpWindow)
+		bad("FollowUpWindow", "must be between 0 and PollInterval")
 	}
 	if c.WakeInterval < time.Millisecond || c.WakeInterval > c.PollInterval {
-		bad("WakeInterval", "must be between 1ms and PollInterval %s (got %s)", c.PollInterval, c.WakeInterval)
+		bad("WakeInterval", "must be between 1ms and PollInterval")
 	}
 	if c.ListenDSN != "" {
 		if _, err := pgx.ParseConfig(c.ListenDSN); err != nil {
@@ -298,33 +302,37 @@ func (c Config) Validate() error {
 		}
 	}
 	if c.LockTimeout < time.Millisecond || c.LockTimeout > 10*time.Minute {
-		bad("LockTimeout", "must be between 1ms and 10m (got %s)", c.LockTimeout)
+		bad("LockTimeout", "must be between 1ms and 10m")
 	}
 	if c.StatementTimeout < time.Millisecond || c.StatementTimeout > time.Hour {
-		bad("StatementTimeout", "must be between 1ms and 1h (got %s)", c.StatementTimeout)
+		bad("StatementTimeout", "must be between 1ms and 1h")
 	}
-	for i, d := range c.RetrySchedule {
-		if d <= 0 || d > 24*time.Hour {
-			bad("RetrySchedule", "entry %d must be between 0 and 24h (got %s)", i, d)
+	if len(c.RetrySchedule) > MaxConfigListEntries {
+		bad("RetrySchedule", "has more than %d entries, the limit (MaxConfigListEntries)", MaxConfigListEntries)
+	} else {
+		for i, d := range c.RetrySchedule {
+			if d <= 0 || d > 24*time.Hour {
+				bad("RetrySchedule", "entry %d must be between 0 and 24h", i)
+			}
 		}
 	}
 	if c.MaxAttempts < 1 || c.MaxAttempts > 1000 {
-		bad("MaxAttempts", "must be between 1 and 1000 (got %d)", c.MaxAttempts)
+		bad("MaxAttempts", "must be between 1 and 1000")
 	}
 	if c.NewCursor != NewCursorReconcile && c.NewCursor != NewCursorOldest {
-		bad("NewCursor", "must be %q or %q (got %q)", NewCursorReconcile, NewCursorOldest, c.NewCursor)
+		bad("NewCursor", "must be %q or %q", NewCursorReconcile, NewCursorOldest)
 	}
 	if c.RetentionWindow < time.Hour {
-		bad("RetentionWindow", "must be at least 1h (got %s)", c.RetentionWindow)
+		bad("RetentionWindow", "must be at least 1h")
 	}
 	if c.DeadLetterRetention < time.Hour {
-		bad("DeadLetterRetention", "must be at least 1h (got %s)", c.DeadLetterRetention)
+		bad("DeadLetterRetention", "must be at least 1h")
 	}
 	if c.RetentionBatchSize < 1 || c.RetentionBatchSize > 100000 {
-		bad("RetentionBatchSize", "must be between 1 and 100000 (got %d)", c.RetentionBatchSize)
+		bad("RetentionBatchSize", "must be between 1 and 100000")
 	}
 	if c.RetentionBudget < c.RetentionBatchSize {
-		bad("RetentionBudget", "must be at least RetentionBatchSize %d (got %d)", c.RetentionBatchSize, c.RetentionBudget)
+		bad("RetentionBudget", "must be at least RetentionBatchSize")
 	}
 	if c.Clock == nil {
 		bad("Clock", "is nil; call WithDefaults first")

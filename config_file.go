@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -22,6 +23,25 @@ import (
 // "250ms", "720h"); a bare number is refused, since its unit would be a guess. Unknown keys
 // are refused too: a misspelt key would otherwise leave its setting at the default without a
 // word. TracerProvider and Clock are set in code and have no key.
+//
+// No error repeats a value from the file, nor a parser's message that could quote one: a
+// connection string under the wrong key would put its password in the logs. An error names
+// the key (and in YAML the line) and what the key wants. An unknown key is named only when it
+// looks like a key (lower case, digits and _). A file is read only up to MaxConfigFileBytes
+// and a list is refused past MaxConfigListEntries entries before its entries are decoded, so
+// a wrong or hostile file costs little memory.
+
+// Limits of a configuration file.
+const (
+	// MaxConfigFileBytes is the largest file LoadConfigFile reads: 64 KiB, twenty times the
+	// commented example (testdata/outbox.example.yaml).
+	MaxConfigFileBytes = 64 << 10
+	// MaxConfigListEntries is the most entries a list key (retry_schedule) may have, in a file,
+	// in a host's own file that embeds a Config, or set in code (Validate).
+	MaxConfigListEntries = 100
+	// maxConfigErrors is the most errors one decode reports; the rest are counted.
+	maxConfigErrors = 10
+)
 
 // configKey is one file key of Config.
 type configKey struct {
@@ -82,19 +102,89 @@ func ConfigKeys() []string {
 	return out
 }
 
-// decodeError names the file key whose value is bad.
+// decodeError names the file key whose value is bad. Its arguments never hold the value.
 func decodeError(key, format string, args ...any) error {
 	return &ValidationError{Field: key, Reason: fmt.Sprintf(format, args...)}
 }
 
 const wantDuration = `want a duration string such as "1s", "250ms" or "720h"`
 
-func parseDurationValue(key, s string) (time.Duration, error) {
-	d, err := time.ParseDuration(strings.TrimSpace(s))
-	if err != nil {
-		return 0, decodeError(key, "%s (got %q)", wantDuration, s)
+var keyLike = regexp.MustCompile(`^[a-z][a-z0-9_]{0,63}$`)
+
+// unknownKey is the error for a key Config does not have. A key that does not look like one
+// is not repeated: it may be a value written where a key belongs.
+func unknownKey(key, where string) error {
+	if !keyLike.MatchString(key) {
+		key = "(key not shown: it does not look like one)"
 	}
-	return d, nil
+	return decodeError(key, "%sis not a key of the outbox config (keys: %s)", where, strings.Join(ConfigKeys(), ", "))
+}
+
+// wantKind says what a key of type t wants, without Go's type names.
+func wantKind(t reflect.Type) string {
+	switch t.Kind() {
+	case reflect.Bool:
+		return "want true or false"
+	case reflect.Int, reflect.Int64, reflect.Int32:
+		return "want an integer"
+	case reflect.String:
+		return "want a string"
+	}
+	return "want a value of type " + t.String()
+}
+
+// errorList collects a decode's errors up to maxConfigErrors.
+type errorList struct {
+	errs    []error
+	dropped int
+}
+
+func (l *errorList) add(err error) {
+	if len(l.errs) < maxConfigErrors {
+		l.errs = append(l.errs, err)
+		return
+	}
+	l.dropped++
+}
+
+func (l *errorList) full() bool { return len(l.errs) >= maxConfigErrors }
+
+func (l *errorList) err() error {
+	if len(l.errs) == 0 {
+		return nil
+	}
+	errs := l.errs
+	if l.dropped > 0 {
+		errs = append(errs, fmt.Errorf("and %d more errors not shown", l.dropped))
+	}
+	return fmt.Errorf("outbox config: %w", errors.Join(errs...))
+}
+
+func parseDurationValue(s string) (time.Duration, bool) {
+	d, err := time.ParseDuration(strings.TrimSpace(s))
+	return d, err == nil
+}
+
+// decodeJSONStrings reads a JSON array of strings, refusing it past MaxConfigListEntries
+// entries before it decodes more.
+func decodeJSONStrings(key string, msg json.RawMessage) ([]string, error) {
+	const want = `want a list of duration strings such as ["1s", "5s"]`
+	dec := json.NewDecoder(bytes.NewReader(msg))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('[') {
+		return nil, decodeError(key, want)
+	}
+	var ss []string
+	for dec.More() {
+		if len(ss) == MaxConfigListEntries {
+			return nil, decodeError(key, "has more than %d entries, the limit (MaxConfigListEntries)", MaxConfigListEntries)
+		}
+		var s string
+		if err := dec.Decode(&s); err != nil {
+			return nil, decodeError(key, "entry %d: %s", len(ss), wantDuration)
+		}
+		ss = append(ss, s)
+	}
+	return ss, nil
 }
 
 // UnmarshalJSON decodes a JSON object with Config's keys into c, refusing unknown keys and
@@ -105,17 +195,21 @@ func (c *Config) UnmarshalJSON(b []byte) error {
 	}
 	var raw map[string]json.RawMessage
 	if err := json.Unmarshal(b, &raw); err != nil {
-		return fmt.Errorf("outbox config: want an object: %w", err)
+		return errors.New("outbox config: want an object of keys and values")
 	}
 	configKeysOnce.Do(loadConfigKeys)
 	out := *c
 	v := reflect.ValueOf(&out).Elem()
-	var errs []error
+	var errs errorList
 	for _, key := range sortedKeys(raw) {
+		if errs.full() {
+			errs.dropped++
+			continue
+		}
 		msg := raw[key]
 		k, ok := configKeys[key]
 		if !ok {
-			errs = append(errs, decodeError(key, "is not a key of the outbox config (keys: %s)", strings.Join(ConfigKeys(), ", ")))
+			errs.add(unknownKey(key, ""))
 			continue
 		}
 		fv := v.Field(k.index)
@@ -123,24 +217,24 @@ func (c *Config) UnmarshalJSON(b []byte) error {
 		case durationType:
 			var s string
 			if err := json.Unmarshal(msg, &s); err != nil {
-				errs = append(errs, decodeError(key, "%s (got %s)", wantDuration, msg))
+				errs.add(decodeError(key, wantDuration))
 				continue
 			}
-			d, err := parseDurationValue(key, s)
-			if err != nil {
-				errs = append(errs, err)
+			d, ok := parseDurationValue(s)
+			if !ok {
+				errs.add(decodeError(key, wantDuration))
 				continue
 			}
 			fv.SetInt(int64(d))
 		case durationsType:
-			var ss []string
-			if err := json.Unmarshal(msg, &ss); err != nil {
-				errs = append(errs, decodeError(key, "want a list of duration strings such as [\"1s\", \"5s\"] (got %s)", msg))
+			ss, err := decodeJSONStrings(key, msg)
+			if err != nil {
+				errs.add(err)
 				continue
 			}
 			ds, err := parseDurations(key, ss)
 			if err != nil {
-				errs = append(errs, err)
+				errs.add(err)
 				continue
 			}
 			fv.Set(reflect.ValueOf(ds))
@@ -148,12 +242,12 @@ func (c *Config) UnmarshalJSON(b []byte) error {
 			dec := json.NewDecoder(bytes.NewReader(msg))
 			dec.DisallowUnknownFields()
 			if err := dec.Decode(fv.Addr().Interface()); err != nil {
-				errs = append(errs, decodeError(key, "want a value of type %s (got %s)", k.typ, msg))
+				errs.add(decodeError(key, "%s", wantKind(k.typ)))
 			}
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("outbox config: %w", errors.Join(errs...))
+	if err := errs.err(); err != nil {
+		return err
 	}
 	*c = out
 	return nil
@@ -172,34 +266,38 @@ func (c *Config) UnmarshalYAML(node *yaml.Node) error {
 	configKeysOnce.Do(loadConfigKeys)
 	out := *c
 	v := reflect.ValueOf(&out).Elem()
-	var errs []error
+	var errs errorList
 	seen := map[string]bool{}
 	bad := func(n *yaml.Node, key, format string, args ...any) {
-		errs = append(errs, decodeError(key, "line %d: "+format, append([]any{n.Line}, args...)...))
+		errs.add(decodeError(key, "line %d: "+format, append([]any{n.Line}, args...)...))
 	}
+	isString := func(n *yaml.Node) bool { return n.Kind == yaml.ScalarNode && n.Tag == "!!str" }
 	for i := 0; i+1 < len(node.Content); i += 2 {
+		if errs.full() {
+			errs.dropped++
+			continue
+		}
 		kn, vn := node.Content[i], node.Content[i+1]
 		key := kn.Value
+		if kn.Kind != yaml.ScalarNode {
+			key = ""
+		}
+		k, ok := configKeys[key]
+		if !ok {
+			errs.add(unknownKey(key, fmt.Sprintf("line %d: ", kn.Line)))
+			continue
+		}
 		if seen[key] {
 			bad(kn, key, "is given twice")
 			continue
 		}
 		seen[key] = true
-		k, ok := configKeys[key]
-		if !ok {
-			bad(kn, key, "is not a key of the outbox config (keys: %s)", strings.Join(ConfigKeys(), ", "))
-			continue
-		}
 		fv := v.Field(k.index)
 		switch k.typ {
 		case durationType:
-			if vn.Kind != yaml.ScalarNode || vn.Tag != "!!str" {
-				bad(vn, key, "%s (got %s)", wantDuration, vn.Value)
-				continue
-			}
-			d, err := parseDurationValue(key, vn.Value)
-			if err != nil {
-				bad(vn, key, "%s (got %q)", wantDuration, vn.Value)
+			d, ok := parseDurationValue(vn.Value)
+			if !isString(vn) || !ok {
+				bad(vn, key, wantDuration)
 				continue
 			}
 			fv.SetInt(int64(d))
@@ -208,17 +306,19 @@ func (c *Config) UnmarshalYAML(node *yaml.Node) error {
 				bad(vn, key, "want a list of duration strings such as [1s, 5s]")
 				continue
 			}
+			if len(vn.Content) > MaxConfigListEntries {
+				bad(vn, key, "has more than %d entries, the limit (MaxConfigListEntries)", MaxConfigListEntries)
+				continue
+			}
 			ss := make([]string, 0, len(vn.Content))
-			ok := true
-			for _, item := range vn.Content {
-				if item.Kind != yaml.ScalarNode || item.Tag != "!!str" {
-					bad(item, key, "%s (got %s)", wantDuration, item.Value)
-					ok = false
+			for j, item := range vn.Content {
+				if !isString(item) {
+					bad(item, key, "entry %d: %s", j, wantDuration)
 					break
 				}
 				ss = append(ss, item.Value)
 			}
-			if !ok {
+			if len(ss) < len(vn.Content) {
 				continue
 			}
 			ds, err := parseDurations(key, ss)
@@ -228,17 +328,13 @@ func (c *Config) UnmarshalYAML(node *yaml.Node) error {
 			}
 			fv.Set(reflect.ValueOf(ds))
 		default:
-			if vn.Kind != yaml.ScalarNode {
-				bad(vn, key, "want a value of type %s", k.typ)
-				continue
-			}
-			if err := vn.Decode(fv.Addr().Interface()); err != nil {
-				bad(vn, key, "want a value of type %s (got %q)", k.typ, vn.Value)
+			if vn.Kind != yaml.ScalarNode || vn.Decode(fv.Addr().Interface()) != nil {
+				bad(vn, key, "%s", wantKind(k.typ))
 			}
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("outbox config: %w", errors.Join(errs...))
+	if err := errs.err(); err != nil {
+		return err
 	}
 	*c = out
 	return nil
@@ -247,9 +343,9 @@ func (c *Config) UnmarshalYAML(node *yaml.Node) error {
 func parseDurations(key string, ss []string) ([]time.Duration, error) {
 	ds := make([]time.Duration, 0, len(ss))
 	for i, s := range ss {
-		d, err := time.ParseDuration(strings.TrimSpace(s))
-		if err != nil {
-			return nil, decodeError(key, "entry %d: %s (got %q)", i, wantDuration, s)
+		d, ok := parseDurationValue(s)
+		if !ok {
+			return nil, decodeError(key, "entry %d: %s", i, wantDuration)
 		}
 		ds = append(ds, d)
 	}
@@ -265,30 +361,104 @@ func sortedKeys[V any](m map[string]V) []string {
 	return out
 }
 
-// LoadConfigFile reads a Config from a .yaml, .yml or .json file and validates it (with the
-// defaults applied), so that a bad file fails at load with the keys it uses. It returns the
-// configuration as the file gave it: the constructors apply the defaults.
+// LoadConfigFile reads a Config from a .yaml, .yml or .json file of at most
+// MaxConfigFileBytes and validates it (with the defaults applied), so that a bad file fails at
+// load with the keys it uses. It returns the configuration as the file gave it: the
+// constructors apply the defaults. Its errors name the file, the key and what the key wants,
+// never a value from the file.
 func LoadConfigFile(path string) (Config, error) {
-	b, err := os.ReadFile(path)
+	ext := strings.ToLower(filepath.Ext(path))
+	if ext != ".yaml" && ext != ".yml" && ext != ".json" {
+		return Config{}, fmt.Errorf("outbox config: %s: want a .yaml, .yml or .json file", path)
+	}
+	b, err := readConfigFile(path)
 	if err != nil {
 		return Config{}, fmt.Errorf("outbox config: %w", err)
 	}
 	var cfg Config
-	switch ext := strings.ToLower(filepath.Ext(path)); ext {
-	case ".yaml", ".yml":
+	if ext == ".json" {
+		if err := json.Unmarshal(b, &cfg); err != nil {
+			return Config{}, fmt.Errorf("%s: %w", path, jsonFileError(b, err))
+		}
+	} else {
 		dec := yaml.NewDecoder(bytes.NewReader(b))
 		if err := dec.Decode(&cfg); err != nil && !errors.Is(err, io.EOF) { // an empty file is an empty config
-			return Config{}, fmt.Errorf("%s: %w", path, err)
+			return Config{}, fmt.Errorf("%s: %w", path, yamlFileError(err))
 		}
-	case ".json":
-		if err := json.Unmarshal(b, &cfg); err != nil {
-			return Config{}, fmt.Errorf("%s: %w", path, err)
-		}
-	default:
-		return Config{}, fmt.Errorf("outbox config: %s: want a .yaml, .yml or .json file (got %q)", path, ext)
 	}
 	if err := cfg.WithDefaults().Validate(); err != nil {
 		return Config{}, fmt.Errorf("%s: %w", path, err)
 	}
 	return cfg, nil
+}
+
+// readConfigFile reads path, refusing it past MaxConfigFileBytes without reading further.
+func readConfigFile(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, MaxConfigFileBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", path, err)
+	}
+	if len(b) > MaxConfigFileBytes {
+		return nil, fmt.Errorf("%s: the file is larger than %d bytes, the limit (MaxConfigFileBytes)", path, MaxConfigFileBytes)
+	}
+	return b, nil
+}
+
+// A parser's own message is kept only when it cannot hold a piece of the file: lower-case
+// words, digits and punctuation, with nothing quoted but one punctuation mark (as in
+// "did not find expected ':'"). Anything else (a quoted anchor or character, a backquoted
+// value) gives way to a general description.
+var (
+	quotedMark   = regexp.MustCompile(`'[^A-Za-z0-9'\s]'`)
+	plainMessage = regexp.MustCompile(`^[a-z0-9 ,;:()-]*$`)
+	yamlLine     = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
+)
+
+func parserMessage(msg string) (string, bool) {
+	if len(msg) > 200 || !plainMessage.MatchString(quotedMark.ReplaceAllString(msg, "")) {
+		return "", false
+	}
+	return msg, true
+}
+
+// yamlFileError is err from decoding a YAML file, with the parser's message only if it
+// cannot quote the file. The decoder's own errors (ValidationError) pass as they are.
+func yamlFileError(err error) error {
+	var verr *ValidationError
+	if errors.As(err, &verr) || strings.HasPrefix(err.Error(), "outbox config: ") {
+		return err
+	}
+	where, msg := "", strings.TrimPrefix(err.Error(), "yaml: ")
+	if m := yamlLine.FindStringSubmatch(err.Error()); m != nil {
+		where, msg = "line "+m[1]+": ", m[2]
+	}
+	if text, ok := parserMessage(msg); ok {
+		return fmt.Errorf("outbox config: %snot valid YAML: %s", where, text)
+	}
+	return fmt.Errorf("outbox config: %snot valid YAML (the parser's message is not shown: it quotes the file)", where)
+}
+
+// jsonFileError is err from decoding a JSON file, placed by line and column, with
+// encoding/json's message only if it cannot quote the file.
+func jsonFileError(b []byte, err error) error {
+	var syn *json.SyntaxError
+	if !errors.As(err, &syn) {
+		if strings.HasPrefix(err.Error(), "outbox config: ") {
+			return err
+		}
+		return errors.New("outbox config: want an object of keys and values")
+	}
+	// Offset counts the bytes read, the offending one included.
+	off := min(max(int(syn.Offset)-1, 0), len(b))
+	line := 1 + bytes.Count(b[:off], []byte("\n"))
+	col := off - bytes.LastIndexByte(b[:off], '\n')
+	if text, ok := parserMessage(syn.Error()); ok {
+		return fmt.Errorf("outbox config: line %d, column %d: not valid JSON: %s", line, col, text)
+	}
+	return fmt.Errorf("outbox config: line %d, column %d: not valid JSON", line, col)
 }

@@ -79,7 +79,9 @@
 // QueryExecModeExec (default_query_exec_mode=exec; see CheckPoolerSafe and
 // Config.TransactionPooler), and Config.ListenDSN should reach PostgreSQL directly: each
 // consumer proves its wake-ups with a NOTIFY to itself and polls alone, saying so once, when
-// they do not arrive (Consumer.Wakeups). The module keeps no session state on pooled
+// they do not arrive (Consumer.Wakeups). With TransactionPooler and no ListenDSN it sends no
+// LISTEN through the pool at all (one left on a server connection upsets PgBouncer's server
+// check) and polls, saying so once. The module keeps no session state on pooled
 // connections. With Config.TracerProvider set the writer stores the W3C trace context of its
 // insert's span with each event, and every dispatch attempt is a consumer span linked to it
 // (tracing.go). Config decodes from YAML and JSON with the keys of its field tags

@@ -1,6 +1,8 @@
 package outbox_test
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -117,5 +119,60 @@ func FuzzDecodeEvent(f *testing.F) {
 		if outbox.TaskDeletedEventID(ev.TaskID, ev.DeletedAt) != ev.EventID {
 			t.Fatalf("accepted an event whose ID does not match its task and deletedAt: %+v", ev)
 		}
+	})
+}
+
+// FuzzLoadConfigFileNeverEchoes puts a connection string with a password (secretDSN) into a
+// configuration file under any key, in any of several shapes, with fuzzed text around it that
+// may break the syntax, and checks that no error LoadConfigFile returns holds a piece of the
+// password, whichever of the decoder, Validate or the YAML and JSON parsers reports it.
+func FuzzLoadConfigFileNeverEchoes(f *testing.F) {
+	for shape := range 8 {
+		f.Add(uint8(shape), uint8(shape*3), false, "", "")
+		f.Add(uint8(shape), uint8(shape*5), true, "", "")
+	}
+	f.Add(uint8(0), uint8(4), false, "'", "")
+	f.Add(uint8(0), uint8(1), false, "*", "")
+	f.Add(uint8(0), uint8(7), false, "!", " 1s")
+	f.Add(uint8(3), uint8(2), true, `"`, `"`)
+	f.Add(uint8(0), uint8(9), true, `\u00`, "")
+	f.Add(uint8(1), uint8(12), false, "\t", "\n\t")
+	keys := append(outbox.ConfigKeys(), "not_a_key")
+	dir := f.TempDir()
+	f.Fuzz(func(t *testing.T, shape, key uint8, asJSON bool, pre, post string) {
+		k := keys[int(key)%len(keys)]
+		v := pre + secretDSN + post
+		var doc, ext string
+		if asJSON {
+			ext = ".json"
+			doc = []string{
+				`{"` + k + `": "` + v + `"}`,
+				`{"` + k + `": ["1s", "` + v + `"]}`,
+				`{"` + k + `": {"a": "` + v + `"}}`,
+				`{"` + k + `": ` + v + `}`,
+				`{"` + v + `": 1}`,
+				`{"listen_dsn": "x", "` + k + `": "` + v + `", "batch_size": 1}`,
+				`[` + v + `]`,
+				v,
+			}[shape%8]
+		} else {
+			ext = ".yaml"
+			doc = []string{
+				k + ": " + v + "\n",
+				k + ": '" + v + "'\n",
+				k + `: "` + v + "\"\n",
+				k + ": [1s, " + v + "]\n",
+				k + ": {a: " + v + "}\n",
+				k + ":\n  - " + v + "\n",
+				v + ": " + k + "\n",
+				v,
+			}[shape%8]
+		}
+		path := filepath.Join(dir, "fuzz"+ext)
+		if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		_, err := outbox.LoadConfigFile(path)
+		requireNoSecret(t, err)
 	})
 }

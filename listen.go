@@ -48,6 +48,17 @@ func (wk *waker) listenLoop(ctx context.Context, listening chan struct{}) {
 	var once sync.Once
 	ready := func() { once.Do(func() { close(listening) }) }
 	defer ready()
+	if wk.cfg.TransactionPooler && wk.cfg.ListenDSN == "" {
+		// A LISTEN through a transaction pooler hears nothing, and it stays registered on the
+		// server connection that ran it. PgBouncer (1.18 at least) then mistakes a notification
+		// for the end of its server check and hands the server on with the check's reply still
+		// to come: a client reads another statement's answer, and a later check can wait for
+		// ever (the runbook's pooler section). So no LISTEN goes through the pool.
+		wk.pollOnly("TransactionPooler (transaction_pooler) is set and ListenDSN (listen_dsn) is not; a LISTEN through the pooler would stay behind on a server connection")
+		ready()
+		<-ctx.Done()
+		return
+	}
 	wait := 100 * time.Millisecond
 	for {
 		err := wk.listenOnce(ctx, ready)

@@ -37,8 +37,9 @@ const (
 	// WakeupsWorking: the self-test notification (or another one) arrived on the LISTEN
 	// connection.
 	WakeupsWorking WakeupState = "working"
-	// WakeupsPollingOnly: the self-test notification did not arrive in time; the consumer
-	// finds events by polling alone, every Config.PollInterval. Set Config.ListenDSN to a
+	// WakeupsPollingOnly: the self-test notification did not arrive in time, or
+	// Config.TransactionPooler is set without Config.ListenDSN (no LISTEN goes through a
+	// transaction pooler); the consumer finds events by polling alone, every Config.PollInterval. Set Config.ListenDSN to a
 	// direct connection to PostgreSQL to get wake-ups back.
 	WakeupsPollingOnly WakeupState = "polling-only"
 	// WakeupsDisabled: Config.NotifyDisabled; the consumer polls by design.
@@ -143,6 +144,20 @@ func (wk *waker) selfTestTimedOut() {
 	wk.log.Warn("LISTEN wake-ups do not arrive (is the pool behind a transaction-pooling proxy?); the consumer runs on polling alone",
 		zap.String("channel", wk.cfg.NotifyChannel), zap.Duration("self_test_timeout", wk.cfg.ListenCheckTimeout),
 		zap.Duration("poll_interval", wk.cfg.PollInterval), zap.String("fix", fix))
+}
+
+// pollOnly records, without a self-test, that the consumer runs on polling alone, and says
+// why and what to set.
+func (wk *waker) pollOnly(why string) {
+	w := &wk.check
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.state = WakeupsPollingOnly
+	w.warned = true
+	wk.metrics.wakeups(string(wk.id), false)
+	wk.log.Warn("LISTEN wake-ups do not arrive: "+why+"; the consumer runs on polling alone",
+		zap.String("channel", wk.cfg.NotifyChannel), zap.Duration("poll_interval", wk.cfg.PollInterval),
+		zap.String("fix", "set ListenDSN (listen_dsn) to a connection string that reaches PostgreSQL directly, not through the pooler, or NotifyDisabled (notify_disabled)"))
 }
 
 func newListenWakeupsGauge() *prometheus.GaugeVec {

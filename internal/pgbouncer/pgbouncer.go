@@ -49,6 +49,14 @@ type Options struct {
 	// Users may connect (auth_type trust still needs them listed). More can be added with
 	// AddUser. Defaults to the server's superuser, "postgres".
 	Users []string
+	// CheckEveryReuse sets server_check_delay = 0: every reuse of a server first runs
+	// server_check_query. Only the test that shows why the test bouncer keeps the default
+	// delay (30s) sets it (see config).
+	CheckEveryReuse bool
+	// CheckQuery replaces server_check_query (PgBouncer's default is "select 1"). Only that
+	// test sets it, to a query that takes a moment, so that the packets before and after it
+	// reach the bouncer apart.
+	CheckQuery string
 }
 
 // Bouncer is a running PgBouncer.
@@ -158,6 +166,10 @@ func (b *Bouncer) path(name string) string { return filepath.Join(b.dir, name) }
 func (b *Bouncer) config() string {
 	var s strings.Builder
 	fmt.Fprintf(&s, "[databases]\n* = host=%s port=%d\n\n[pgbouncer]\n", b.opts.ServerSocketDir, b.opts.ServerPort)
+	checkDelay := "30"
+	if b.opts.CheckEveryReuse {
+		checkDelay = "0"
+	}
 	settings := [][2]string{
 		// No listen_addr: the unix socket only.
 		{"unix_socket_dir", b.dir},
@@ -176,12 +188,17 @@ func (b *Bouncer) config() string {
 		// before its next client. With 0 every reuse ran it, and a check that never finished
 		// stalled the pool: a client waits while any server is being checked, and none was
 		// opened for it (seen once in a CI run: two servers, one "used", one "tested", a client
-		// waiting). A server that PostgreSQL closes (a dropped test database, a terminated
-		// backend, a restart) is found without a check: the bouncer reads its idle servers.
-		{"server_check_delay", "30"},
+		// waiting). A notification on a server with a LISTEN left on it ends a check early and
+		// can leave a later one unfinished (TestServerCheckNeverFinishesAfterAStrayNotification).
+		// A server that PostgreSQL closes (a dropped test database, a terminated backend, a
+		// restart) is found without a check.
+		{"server_check_delay", checkDelay},
 		{"server_login_retry", "1"},
 		{"log_connections", "0"},
 		{"log_disconnections", "0"},
+	}
+	if b.opts.CheckQuery != "" {
+		settings = append(settings, [2]string{"server_check_query", b.opts.CheckQuery})
 	}
 	for _, kv := range settings {
 		fmt.Fprintf(&s, "%s = %s\n", kv[0], kv[1])
@@ -389,6 +406,41 @@ func (b *Bouncer) Stop() {
 	_ = b.reaperPipe.Close()
 	_ = b.reaper.Wait()
 	_ = os.RemoveAll(b.dir)
+}
+
+// ServerStates is the state of each server connection of database's pools, as SHOW SERVERS
+// names it ("active", "idle", "used", "tested", "login"), keyed by the server's backend PID.
+func (b *Bouncer) ServerStates(ctx context.Context, database string) (map[int]string, error) {
+	cfg, err := pgx.ParseConfig(b.DSN("postgres", "pgbouncer"))
+	if err != nil {
+		return nil, err
+	}
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("admin console: %w", err)
+	}
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(ctx, "SHOW SERVERS")
+	if err != nil {
+		return nil, fmt.Errorf("show servers: %w", err)
+	}
+	all, err := pgx.CollectRows(rows, pgx.RowToMap)
+	if err != nil {
+		return nil, fmt.Errorf("show servers: %w", err)
+	}
+	out := map[int]string{}
+	for _, r := range all {
+		if fmt.Sprint(r["database"]) != database {
+			continue
+		}
+		pid, err := strconv.Atoi(fmt.Sprint(r["remote_pid"]))
+		if err != nil {
+			return nil, fmt.Errorf("show servers: remote_pid %v: %w", r["remote_pid"], err)
+		}
+		out[pid] = fmt.Sprint(r["state"])
+	}
+	return out, nil
 }
 
 // State is what the admin console says of the pools, server connections and clients, as text,
