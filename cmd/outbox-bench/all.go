@@ -8,7 +8,7 @@ import (
 )
 
 func init() {
-	register(benchCase{name: "all", usage: "every case (about 20 minutes on 2 cores; -quick: a smoke run of a few minutes)",
+	register(benchCase{name: "all", usage: "every case (about 26 minutes on 2 cores; -quick: a smoke run of a few minutes)",
 		flags: func(fs *flag.FlagSet) runner {
 			o := allOpts{drains: "10000,100000,200000,1000000:50"}
 			fs.StringVar(&o.drains, "drain-events", o.drains, "backlog sizes of the drain runs, each N or N:deletes-per-prewrite-transaction")
@@ -27,7 +27,7 @@ type allOpts struct {
 // runAll runs every case once (the write case in each configuration the issue names, plus one
 // run with the mailbox notice included and one with a writer role granted 10,000 projects one
 // by one, one drain per backlog size, sustained with 2 and 8
-// consumers, and the scale curves), emitting each line as soon as its case ends. The drains'
+// consumers, the scale curves, and longtx last), emitting each line as soon as its case ends. The drains'
 // unsequenced backlogs are written one delete per transaction, as the host writes them, up to
 // 200k events, and 50 per transaction for 1M, where one per transaction would take minutes;
 // every line says which (prewrite_per_tx). Each drain is printed twice, as its drain line and
@@ -131,6 +131,13 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 		}),
 		one(func(ctx context.Context, env *Env) (retentionResult, error) {
 			return runRetention(ctx, env, retentionOpts{rows: size(1000000, 50000), writers: 4, tasks: size(200000, 20000), before: 2 * time.Second})
+		}),
+		// Issue 33's long transaction: 1,000 deletes/s for 5 minutes with an xid held open,
+		// first minute against last (-quick: 20 s, windows of 5 s).
+		one(func(ctx context.Context, env *Env) (longTxResult, error) {
+			lt := defaultLongTxOpts()
+			lt.seconds, lt.window = float64(size(300, 20)), float64(size(60, 5))
+			return runLongTx(ctx, env, lt)
 		}),
 	)
 	for _, s := range steps {

@@ -11,7 +11,7 @@
 // migrations; -dsn points at an existing server instead (its role needs CREATEDB and CREATEROLE).
 //
 // Cases: write, write-trace, sequence, drain, latency, fanout, sustained, scale, ooo, reconcile,
-// limits, retention, and all. Run a case with -h for its flags. "chart" needs no database: it
+// limits, retention, longtx, and all. Run a case with -h for its flags. "chart" needs no database: it
 // renders the lines of a results file as a PNG.
 package main
 

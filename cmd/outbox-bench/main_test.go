@@ -424,6 +424,76 @@ func TestOOO(t *testing.T) {
 	}
 }
 
+// TestLongTx runs the longtx case short, held and as its control: the line has both windows
+// and their ratios, every committed event arrived, and with -hold the unrelated transaction's
+// xid was still open when the sending ended (and without it there was none).
+func TestLongTx(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name  string
+		env   func(*testing.T) *Env
+		hold  bool
+		stats bool
+	}{{"held_pg_stat_statements", statsEnv, true, true}, {"control_harness", testEnv, false, false}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			r, err := runLongTx(ctxT(t), c.env(t), longTxOpts{rate: 200, seconds: 3, window: 1, writers: 2, hold: c.hold})
+			require.NoError(t, err)
+			m := line(t, r, "longtx")
+			require.Equal(t, c.hold, m["hold"])
+			require.EqualValues(t, 600, num(t, m, "sent"))
+			require.Zero(t, num(t, m, "errors"))
+			require.EqualValues(t, 600, num(t, m, "received"))
+			require.Zero(t, num(t, m, "missing"))
+			require.Zero(t, num(t, m, "duplicates"))
+			require.Nil(t, m["unexpected"])
+			require.Nil(t, m["timed_out"])
+			require.Contains(t, m, "load_1m")
+			require.Contains(t, m, "load_1m_end")
+			require.EqualValues(t, 1, num(t, m, "window_seconds"))
+			for _, k := range []string{"first_minute", "last_minute"} {
+				w, ok := m[k].(map[string]any)
+				require.True(t, ok, "%s is an object: %v", k, m[k])
+				for _, f := range []string{"from_s", "seconds", "events", "events_per_s", "p50_ms", "p99_ms", "max_ms",
+					"server_cpu_seconds", "server_cpu_us_per_delete", "scans_per_s", "sequencer_calls", "sequencer_exec_mean_ms"} {
+					num(t, w, f)
+				}
+				require.GreaterOrEqual(t, num(t, w, "p99_ms"), num(t, w, "p50_ms"), k)
+				// The harness's server runs on this machine: its CPU is read, not -1.
+				require.GreaterOrEqual(t, num(t, w, "server_cpu_seconds"), 0.0, k)
+				if c.stats {
+					require.GreaterOrEqual(t, num(t, w, "sequencer_calls"), 0.0, k)
+				} else {
+					require.EqualValues(t, -1, num(t, w, "sequencer_calls"), k)
+				}
+			}
+			first, last := m["first_minute"].(map[string]any), m["last_minute"].(map[string]any)
+			require.Zero(t, num(t, first, "from_s"))
+			require.GreaterOrEqual(t, num(t, last, "from_s"), 2.0, "the last window starts -window before the end")
+			require.LessOrEqual(t, num(t, first, "events")+num(t, last, "events"), 600.0)
+			num(t, m, "last_over_first_p99")
+			num(t, m, "last_over_first_cpu")
+			if c.stats {
+				require.Equal(t, "pg_stat_statements", m["sequencer_source"])
+			} else {
+				require.Contains(t, m["sequencer_source"], "unavailable")
+			}
+			if c.hold {
+				require.Positive(t, num(t, m, "held_xid"))
+				require.Equal(t, true, m["held_open_at_end"], "the unrelated transaction was still open when the sending ended")
+				require.Positive(t, num(t, m, "held_xid_age"), "the deletes took xids after the held one")
+				require.GreaterOrEqual(t, num(t, m, "held_seconds"), 3.0)
+			} else {
+				require.Zero(t, num(t, m, "held_xid"))
+				require.Equal(t, false, m["held_open_at_end"])
+				require.EqualValues(t, -1, num(t, m, "held_xid_age"))
+			}
+		})
+	}
+	_, err := runLongTx(ctxT(t), testEnv(t), longTxOpts{rate: 200, seconds: 3, window: 2, writers: 2, hold: true})
+	require.Error(t, err, "windows longer than half the run overlap")
+}
+
 func TestReconcile(t *testing.T) {
 	t.Parallel()
 	r, err := runReconcile(ctxT(t), testEnv(t), reconcileOpts{tasks: 500})
