@@ -69,6 +69,12 @@ type longTxResult struct {
 	Sent          int64   `json:"sent"`
 	Errors        int64   `json:"errors"`
 	AchievedRate  float64 `json:"achieved_rate"`
+	// BehindSchedule counts the deletes the writers had not begun when the schedule ended:
+	// they stop there, so that the run lasts -seconds and its last window is the last of the
+	// sending, and a machine that cannot keep the rate says so here and in achieved_rate.
+	BehindSchedule int64 `json:"behind_schedule"`
+	// SendingSeconds runs from the first delete's schedule to the last delete's return.
+	SendingSeconds float64 `json:"sending_seconds"`
 	// Whole run, from what the listener got, keyed by event ID.
 	Received   int  `json:"received"`
 	Duplicates int  `json:"duplicates"`
@@ -296,7 +302,10 @@ func runLongTx(ctx context.Context, env *Env, o longTxOpts) (longTxResult, error
 	commits := make([]int64, total+1)
 	jobs := make(chan int, total)
 	var mu sync.Mutex
-	var sent, failed int64
+	var sent, failed, behind int64
+	// end is when the schedule ends; the writers read it only after a job, which is sent
+	// after it is set.
+	var end time.Time
 	var firstErr error
 	var wg sync.WaitGroup
 	for range o.writers {
@@ -304,6 +313,12 @@ func runLongTx(ctx context.Context, env *Env, o longTxOpts) (longTxResult, error
 		go func() {
 			defer wg.Done()
 			for i := range jobs {
+				if time.Now().After(end) {
+					mu.Lock()
+					behind++
+					mu.Unlock()
+					continue
+				}
 				sctx, st := withStamps(ctx)
 				r, err := store.Delete(sctx, project, "t-"+strconv.Itoa(i))
 				at := st.commit
@@ -331,6 +346,7 @@ func runLongTx(ctx context.Context, env *Env, o longTxOpts) (longTxResult, error
 	}
 	t0 := first.started
 	length := time.Duration(o.seconds * float64(time.Second))
+	end = t0.Add(length)
 	window := time.Duration(o.window * float64(time.Second))
 	sendDone := make(chan struct{})
 	go func() {
@@ -345,8 +361,8 @@ func runLongTx(ctx context.Context, env *Env, o longTxOpts) (longTxResult, error
 		close(jobs)
 	}()
 
-	// The windows run on the schedule's clock: a writer still behind it at the end commits
-	// after the last window, and its deletes count in neither.
+	// The windows run on the schedule's clock, which ends the sending too: a delete begun
+	// just before the end and committed after it counts in neither window.
 	sleepCtx(ctx, time.Until(t0.Add(window)))
 	var firstEnd, lastEnd time.Time
 	res.FirstMinute, firstEnd, err = first.stop(ctx, t0, server, c, stats)
@@ -376,6 +392,7 @@ func runLongTx(ctx context.Context, env *Env, o longTxOpts) (longTxResult, error
 		env.Logf("longtx: first error: %v", firstErr)
 	}
 	res.Sent, res.Errors, res.AchievedRate = sent, failed, perSecond(sent, sending)
+	res.BehindSchedule, res.SendingSeconds = behind, seconds(sending)
 
 	// Catch-up, still held: until the listener has every committed event, or the deadline.
 	waitStart := time.Now()

@@ -437,13 +437,17 @@ func TestLongTx(t *testing.T) {
 	}{{"held_pg_stat_statements", statsEnv, true, true}, {"control_harness", testEnv, false, false}} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			r, err := runLongTx(ctxT(t), c.env(t), longTxOpts{rate: 200, seconds: 3, window: 1, writers: 2, hold: c.hold})
+			r, err := runLongTx(ctxT(t), c.env(t), longTxOpts{rate: 200, seconds: 3, window: 1, writers: 4, hold: c.hold})
 			require.NoError(t, err)
 			m := line(t, r, "longtx")
 			require.Equal(t, c.hold, m["hold"])
-			require.EqualValues(t, 600, num(t, m, "sent"))
+			// A busy machine may leave deletes behind the schedule: they are counted, not sent.
+			sent := num(t, m, "sent")
+			require.Positive(t, sent)
+			require.EqualValues(t, 600, sent+num(t, m, "behind_schedule"))
+			require.GreaterOrEqual(t, num(t, m, "sending_seconds"), 3.0)
 			require.Zero(t, num(t, m, "errors"))
-			require.EqualValues(t, 600, num(t, m, "received"))
+			require.Equal(t, sent, num(t, m, "received"))
 			require.Zero(t, num(t, m, "missing"))
 			require.Zero(t, num(t, m, "duplicates"))
 			require.Nil(t, m["unexpected"])
@@ -470,7 +474,7 @@ func TestLongTx(t *testing.T) {
 			first, last := m["first_minute"].(map[string]any), m["last_minute"].(map[string]any)
 			require.Zero(t, num(t, first, "from_s"))
 			require.GreaterOrEqual(t, num(t, last, "from_s"), 2.0, "the last window starts -window before the end")
-			require.LessOrEqual(t, num(t, first, "events")+num(t, last, "events"), 600.0)
+			require.LessOrEqual(t, num(t, first, "events")+num(t, last, "events"), sent)
 			num(t, m, "last_over_first_p99")
 			num(t, m, "last_over_first_cpu")
 			if c.stats {
