@@ -184,16 +184,18 @@ func (a *app) connect(ctx context.Context) error {
 	if a.timeout <= 0 {
 		return usageErrorf("--timeout must be positive (got %s)", a.timeout)
 	}
-	dsn := a.dsn
+	dsn, from := a.dsn, "--dsn"
 	if dsn == "" {
-		dsn = a.getenv("DATABASE_URL")
+		dsn, from = a.getenv("DATABASE_URL"), "$DATABASE_URL"
 	}
 	if dsn == "" {
 		return usageErrorf("no database given: pass --dsn or set DATABASE_URL")
 	}
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
-		return fmt.Errorf("the DSN does not parse (%s): give a URL such as postgres://user@host:5432/dbname or key=value pairs such as \"host=db dbname=tasks user=oncall\"", parseReason(err))
+		// An invalid flag value is bad usage (exit 2), as --help promises. The DSN itself is
+		// never repeated: it may hold a password.
+		return usageErrorf("%s does not parse (%s): give a URL such as postgres://user@host:5432/dbname or key=value pairs such as \"host=db dbname=tasks user=oncall\"", from, parseReason(err))
 	}
 	cfg.MaxConns = 2
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {

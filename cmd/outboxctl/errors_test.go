@@ -3,6 +3,8 @@ package main_test
 import (
 	"context"
 	"fmt"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -62,16 +64,54 @@ func TestConnectionErrors(t *testing.T) {
 	t.Run("a DSN that does not parse", func(t *testing.T) {
 		for _, dsn := range []string{"postgres://oncall:hunter2@db:notaport/tasks", "host=db password=hunter2 port=notaport", "this is not a dsn"} {
 			r := ctl(t, nil, "status", "--dsn", dsn)
-			require.Equal(t, 1, r.code, "%s", r)
-			require.Contains(t, r.stderr, "outboxctl: the DSN does not parse (")
+			require.Equal(t, 2, r.code, "an invalid flag value is bad usage, as --help says: %s", r)
+			require.Contains(t, r.stderr, "outboxctl: --dsn does not parse (")
 			require.Contains(t, r.stderr, "give a URL such as postgres://user@host:5432/dbname")
+			require.Contains(t, r.stderr, "Run 'outboxctl status --help' for usage.")
 			require.NotContains(t, r.stderr, "hunter2", "the password is never echoed")
+			require.NotContains(t, r.stderr, dsn, "the DSN is never echoed")
 		}
+		r := ctl(t, []string{"DATABASE_URL=postgres://oncall:hunter2@db:notaport/tasks"}, "status")
+		require.Equal(t, 2, r.code, "%s", r)
+		require.Contains(t, r.stderr, "outboxctl: $DATABASE_URL does not parse (the port is not a number from 1 to 65535)")
+		require.NotContains(t, r.stderr, "hunter2", "the password is never echoed")
 	})
-	t.Run("an unreachable database", func(t *testing.T) {
-		r := ctl(t, nil, "status", "--dsn", "host=/nonexistent/outboxctl port=5432 dbname=tasks user=oncall connect_timeout=5")
+	t.Run("no server at a socket directory", func(t *testing.T) {
+		dir := filepath.Join(t.TempDir(), "nonexistent")
+		r := ctl(t, nil, "status", "--dsn", "host="+dir+" port=5432 dbname=tasks user=oncall password=hunter2 connect_timeout=5")
 		require.Equal(t, 1, r.code, "%s", r)
-		require.Contains(t, r.stderr, `outboxctl: cannot connect to database "tasks" on /nonexistent/outboxctl:5432 as user "oncall": `)
+		requireOneLine(t, r.stderr)
+		require.Equal(t, 1, strings.Count(r.stderr, dir), "the socket path once: %s", r.stderr)
+		require.Equal(t, fmt.Sprintf("outboxctl: cannot connect to database \"tasks\" as user \"oncall\" at %s/.s.PGSQL.5432: dial error: connect: no such file or directory\n", dir), r.stderr)
+		require.NotContains(t, r.stderr, "hunter2")
+
+		r = ctl(t, nil, "status", "--dsn", "host="+dir+" user=oncall connect_timeout=5")
+		require.Equal(t, 1, r.code, "%s", r)
+		requireOneLine(t, r.stderr)
+		require.NotContains(t, r.stderr, `database ""`)
+		require.NotContains(t, r.stderr, "database", "no database named, none printed")
+		require.Equal(t, 1, strings.Count(r.stderr, dir), "the socket path once: %s", r.stderr)
+	})
+	t.Run("a closed TCP port", func(t *testing.T) {
+		const addr = "127.0.0.1:1" // a privileged port nothing listens on
+		r := ctl(t, nil, "status", "--dsn", "postgres://oncall:hunter2@"+addr+"/?connect_timeout=5")
+		require.Equal(t, 1, r.code, "%s", r)
+		requireOneLine(t, r.stderr)
+		require.Equal(t, 1, strings.Count(r.stderr, addr), "the address once: %s", r.stderr)
+		require.Equal(t, 1, strings.Count(r.stderr, "connection refused"), "the cause once (sslmode=prefer tries twice): %s", r.stderr)
+		require.Equal(t, fmt.Sprintf("outboxctl: cannot connect as user \"oncall\" at %s: dial error: connect: connection refused\n", addr), r.stderr)
+		require.NotContains(t, r.stderr, "hunter2")
+	})
+	t.Run("a database the server does not have", func(t *testing.T) {
+		db := pgtest.NewEmptyDB(t)
+		url := strings.Replace(db.URL, "/"+db.Name, "/"+db.Name+"_missing", 1)
+		require.NotEqual(t, db.URL, url)
+		r := ctl(t, nil, "status", "--dsn", url)
+		require.Equal(t, 1, r.code, "%s", r)
+		requireOneLine(t, r.stderr)
+		require.Equal(t, 1, strings.Count(r.stderr, "server error: FATAL: database \""+db.Name+"_missing\" does not exist (SQLSTATE 3D000)"),
+			"the server's cause once: %s", r.stderr)
+		require.Contains(t, r.stderr, "outboxctl: cannot connect to database \""+db.Name+"_missing\" as user ")
 	})
 	t.Run("a schema ahead of this build", func(t *testing.T) {
 		db := pgtest.NewDB(t)
@@ -83,4 +123,12 @@ func TestConnectionErrors(t *testing.T) {
 		require.Contains(t, r.stderr, fmt.Sprintf("database schema is ahead of this build: database has version %d (future), this build knows up to %d; this outboxctl is older",
 			outbox.SchemaVersion+1, outbox.SchemaVersion))
 	})
+}
+
+// requireOneLine checks that an error message is one line, without a newline escaped into it.
+func requireOneLine(t *testing.T, stderr string) {
+	t.Helper()
+	require.Equal(t, 1, strings.Count(stderr, "\n"), "one line: %q", stderr)
+	require.True(t, strings.HasSuffix(stderr, "\n"), "%q", stderr)
+	require.NotContains(t, stderr, `\n`, "no literal \\n")
 }

@@ -69,8 +69,8 @@ func TestNoPasswordFragmentInDSNErrors(t *testing.T) {
 		"postgres://oncall:Sup3rSecret@db:notaport/tasks",
 	} {
 		r := ctl(t, nil, "status", "--dsn", dsn)
-		require.Equal(t, 1, r.code, "%s", r)
-		require.Contains(t, r.stderr, "outboxctl: the DSN does not parse (")
+		require.Equal(t, 2, r.code, "%s", r)
+		require.Contains(t, r.stderr, "outboxctl: --dsn does not parse (")
 		require.NotContains(t, r.stderr, "Sup3rSecret", "%s", r)
 		require.NotContains(t, r.stderr, "phrase", "%s", r)
 	}
