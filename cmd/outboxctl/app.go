@@ -84,16 +84,22 @@ ticket reference or short code such as FN-1234, never prose).
 
 The database comes from --dsn, or from $DATABASE_URL when --dsn is not given.
 
+--version prints the module version, the commit this build was made from (and whether it had
+uncommitted changes) and the schema version it expects.
+
 Exit codes: 0 success; 1 failure (the database is unreachable or its schema does not match,
 an unknown consumer, an event that is not a dead letter, a declined confirmation, ...);
 2 bad usage (unknown command or flag, missing or invalid flag or argument, or a change
 requested without --yes while stdin is not a terminal).`,
 		SilenceErrors: true,
 		SilenceUsage:  true,
+		Version:       versionText(),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return usageErrorf("a command is required")
 		},
 	}
+	root.SetVersionTemplate("{{.Version}}")
+	root.Flags().Bool("version", false, "print the module version, the commit it was built from and the schema version it expects")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &usageError{err} })
 	pf := root.PersistentFlags()
 	pf.StringVar(&a.dsn, "dsn", "", "PostgreSQL connection string, URL or key=value (default $DATABASE_URL)")
