@@ -331,6 +331,9 @@ func tableRows(t *testing.T, out string) (header []string, rows map[string][]str
 	header = strings.Fields(lines[0])
 	rows = map[string][]string{}
 	for _, l := range lines[1:] {
+		if l == "" {
+			break // the table ends at a blank line; a summary may follow
+		}
 		f := strings.Fields(l)
 		require.GreaterOrEqual(t, len(f), 2, "line %q", l)
 		rows[f[0]+"/"+f[1]] = f

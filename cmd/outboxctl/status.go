@@ -1,9 +1,11 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 
 	"github.com/spf13/cobra"
@@ -12,7 +14,8 @@ import (
 )
 
 func statusCommand(a *app) *cobra.Command {
-	return &cobra.Command{
+	var sortBy string
+	cmd := &cobra.Command{
 		Use:   "status",
 		Short: "Show each consumer's cursor, lag, lease and open deliveries",
 		Long: `status shows one row per (project, consumer) cursor:
@@ -27,16 +30,44 @@ func statusCommand(a *app) *cobra.Command {
   RETRYING      events waiting for their next attempt
   DEAD          dead letters; REPLAYING: dead letters waiting for a requested replay
 
+A summary line follows the table:
+
+  N consumers, B behind (worst lag E events, S seconds), D dead letters, R replaying
+
+  consumers     the rows shown
+  behind        rows with LAG_EVENTS above 0
+  worst lag     the largest LAG_EVENTS and the largest LAG_SECONDS (each over all rows;
+                they may belong to different consumers)
+  dead letters  the sum of DEAD; replaying: the sum of REPLAYING
+
+Rows are ordered by project, then consumer; --sort lag puts the consumers furthest behind
+first (LAG_EVENTS, then LAG_SECONDS, descending). --json applies the same order and has no
+summary line.
+
 --project and --consumer narrow the list; an unknown --consumer is an error.`,
 		Example: `  outboxctl status
+  outboxctl status --sort lag
   outboxctl status --project alpha --consumer dashboard
   outboxctl status --json | jq '.[] | select(.lagEvents > 1000)'`,
 		Args: cobra.NoArgs,
-		RunE: a.action(a.runStatus),
+		RunE: a.action(func(ctx context.Context, cmd *cobra.Command, args []string) error {
+			return a.runStatus(ctx, cmd, sortBy)
+		}),
 	}
+	cmd.Flags().StringVar(&sortBy, "sort", sortName, "row order: name (project, then consumer) or lag (furthest behind first)")
+	return cmd
 }
 
-func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, _ []string) error {
+// Orders of status rows.
+const (
+	sortName = "name"
+	sortLag  = "lag"
+)
+
+func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, sortBy string) error {
+	if sortBy != sortName && sortBy != sortLag {
+		return usageErrorf("--sort must be %q or %q (got %q)", sortName, sortLag, sortBy)
+	}
 	if err := a.checkFilters(cmd, false, false, true, true); err != nil {
 		return err
 	}
@@ -54,6 +85,15 @@ func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, _ []string) err
 	}
 	if len(rows) == 0 && a.consumer != "" && partial == nil {
 		return a.unknownConsumer()
+	}
+	if sortBy == sortLag {
+		// Stable, so that equal lags keep the project, consumer order.
+		slices.SortStableFunc(rows, func(x, y outbox.ConsumerStatus) int {
+			if c := cmp.Compare(y.LagEvents, x.LagEvents); c != 0 {
+				return c
+			}
+			return cmp.Compare(y.LagSeconds, x.LagSeconds)
+		})
 	}
 	if a.json {
 		if err := a.printJSON(nonNil(rows)); err != nil {
@@ -79,7 +119,30 @@ func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, _ []string) err
 	if err := t.flush(); err != nil {
 		return err
 	}
+	if _, err := fmt.Fprintf(a.stdout, "\n%s\n", statusSummary(rows)); err != nil {
+		return fmt.Errorf("write summary: %w", err)
+	}
 	return partialError(partial)
+}
+
+// statusSummary is the line under the status table: how many consumers, how many behind and
+// by how much at worst, and the unresolved dead letters.
+func statusSummary(rows []outbox.ConsumerStatus) string {
+	var behind, dead, replaying int
+	var worstEvents int64
+	var worstSeconds float64
+	for _, r := range rows {
+		if r.LagEvents > 0 {
+			behind++
+		}
+		worstEvents = max(worstEvents, r.LagEvents)
+		worstSeconds = max(worstSeconds, r.LagSeconds)
+		dead += r.Dead
+		replaying += r.ReplayRequested
+	}
+	return fmt.Sprintf("%s, %d behind (worst lag %s, %s seconds), %s, %d replaying",
+		plural(len(rows), "consumer", "consumers"), behind, plural(int(worstEvents), "event", "events"),
+		strconv.FormatFloat(worstSeconds, 'f', 1, 64), plural(dead, "dead letter", "dead letters"), replaying)
 }
 
 // partialError is the failure of a status left incomplete, or nil.

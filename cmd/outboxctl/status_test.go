@@ -1,6 +1,7 @@
 package main_test
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
 	"testing"
@@ -42,6 +43,53 @@ func TestStatus(t *testing.T) {
 		require.Equal(t, []string{"no", "0", "1", "0"}, eng[8:], "one dead letter")
 
 		require.Equal(t, []string{"2", "2", "0", "0.0"}, rows["beta/dashboard"][2:6])
+	})
+
+	t.Run("summary line", func(t *testing.T) {
+		r := f.ctl(t, "status")
+		require.Equal(t, 0, r.code, "%s", r)
+		table, summary, ok := strings.Cut(strings.TrimSuffix(r.stdout, "\n"), "\n\n")
+		require.True(t, ok, "a blank line between the table and the summary: %q", r.stdout)
+		require.Len(t, strings.Split(table, "\n"), 5, "header and four rows")
+		var lag float64
+		_, err := fmt.Sscanf(summary, "4 consumers, 1 behind (worst lag 3 events, %f seconds), 1 dead letter, 0 replaying", &lag)
+		require.NoError(t, err, "summary %q", summary)
+		require.InDelta(t, fortyDays.Seconds(), lag, 600, "the worst lag in seconds is alpha/reporter's")
+		require.Equal(t, fmt.Sprintf("4 consumers, 1 behind (worst lag 3 events, %.1f seconds), 1 dead letter, 0 replaying", lag), summary)
+
+		r = f.ctl(t, "status", "--project", "beta")
+		require.Equal(t, 0, r.code, "%s", r)
+		require.True(t, strings.HasSuffix(r.stdout, "\n\n1 consumer, 0 behind (worst lag 0 events, 0.0 seconds), 0 dead letters, 0 replaying\n"), "%q", r.stdout)
+		require.NotContains(t, f.ctl(t, "status", "--json").stdout, "behind", "no summary in JSON")
+	})
+
+	t.Run("sort by lag", func(t *testing.T) {
+		names := func(r result) []string {
+			t.Helper()
+			require.Equal(t, 0, r.code, "%s", r)
+			var out []string
+			for _, l := range strings.Split(r.stdout, "\n")[1:] {
+				if l == "" {
+					break
+				}
+				f := strings.Fields(l)
+				out = append(out, f[0]+"/"+f[1])
+			}
+			return out
+		}
+		byName := []string{"alpha/dashboard", "alpha/engine", "alpha/reporter", "beta/dashboard"}
+		require.Equal(t, byName, names(f.ctl(t, "status")), "the default order is project, consumer")
+		require.Equal(t, byName, names(f.ctl(t, "status", "--sort", "name")))
+		require.Equal(t, []string{"alpha/reporter", "alpha/dashboard", "alpha/engine", "beta/dashboard"}, names(f.ctl(t, "status", "--sort", "lag")),
+			"furthest behind first, ties in name order")
+
+		st := decode[[]outbox.ConsumerStatus](t, f.ctl(t, "status", "--json", "--sort", "lag"))
+		require.Len(t, st, 4)
+		require.Equal(t, "alpha/reporter", st[0].ProjectID+"/"+st[0].ConsumerID, "--json in the same order")
+
+		r := f.ctl(t, "status", "--sort", "size")
+		require.Equal(t, 2, r.code, "%s", r)
+		require.Contains(t, r.stderr, `outboxctl: --sort must be "name" or "lag" (got "size")`)
 	})
 
 	t.Run("json", func(t *testing.T) {
