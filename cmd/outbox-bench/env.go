@@ -26,9 +26,6 @@ type Header struct {
 	Bench      string `json:"bench"`
 	Lib        string `json:"lib"`
 	LibVersion string `json:"lib_version"`
-	// Commit is the VCS revision the bench was built from ("-dirty" when the tree had
-	// changes), empty when the build carries no VCS stamp ("go run" without -buildvcs=true).
-	Commit string `json:"commit,omitempty"`
 	Driver     string `json:"driver"`
 	Go         string `json:"go"`
 	PG         string `json:"pg"`
@@ -46,6 +43,10 @@ type Header struct {
 	// that the sequencer's statements skipped row-level security. Setup and measurement run as
 	// the superuser.
 	Roles string `json:"roles"`
+	// Commit is the VCS revision the bench was built from ("-dirty" when the tree had
+	// changes); empty when the build carries no VCS stamp and make bench passed none. It comes
+	// last so that the header's first keys stay as they were.
+	Commit string `json:"commit,omitempty"`
 }
 
 // Env is where cases run: a server on which each case gets fresh, migrated databases.
