@@ -18,9 +18,11 @@ demo: postgres
 # runs are drawn beside them as a PNG. BENCH_FLAGS go to the all case (e.g. -quick).
 BENCH_OUT ?= bench/results.jsonl
 BENCH_CHART ?= $(dir $(BENCH_OUT))scale.png
+# go run stamps no VCS revision, so the commit the lines were measured at is passed in.
+BENCH_COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
 bench: postgres
 	@mkdir -p $(dir $(BENCH_OUT))
-	set -o pipefail; $(GO) run ./cmd/outbox-bench all $(BENCH_FLAGS) | tee $(BENCH_OUT)
+	set -o pipefail; $(GO) run -ldflags "-X main.buildCommit=$(BENCH_COMMIT)" ./cmd/outbox-bench all $(BENCH_FLAGS) | tee $(BENCH_OUT)
 	$(GO) run ./cmd/outbox-bench chart -in $(BENCH_OUT) -out $(BENCH_CHART)
 
 soak: postgres

@@ -8,15 +8,16 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"image/color"
 	"io"
 	"math"
 	"os"
 	"sort"
 	"strconv"
+	"strings"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
-	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
 	"gonum.org/v1/plot/vg/vgimg"
@@ -25,7 +26,7 @@ import (
 func init() {
 	register(benchCase{name: "chart", offline: true, usage: "render a results file's scale curves, drains and sustained runs as a PNG (no database)",
 		flags: func(fs *flag.FlagSet) runner {
-			o := chartOpts{in: "bench/results.jsonl", out: "bench/scale.png", width: 1400, height: 1000}
+			o := chartOpts{in: "bench/results.jsonl", out: "bench/scale.png", width: 1400, height: 1400}
 			fs.StringVar(&o.in, "in", o.in, "JSON lines written by the bench")
 			fs.StringVar(&o.out, "out", o.out, "PNG to write")
 			fs.IntVar(&o.width, "width", o.width, "image width in pixels")
@@ -44,6 +45,7 @@ type chartOpts struct {
 type chartRecord struct {
 	Bench      string  `json:"bench"`
 	LibVersion string  `json:"lib_version"`
+	Commit     string  `json:"commit"`
 	PG         string  `json:"pg"`
 	Durable    bool    `json:"durable"`
 	Curve      string  `json:"curve"`
@@ -117,6 +119,15 @@ type series struct {
 type panel struct {
 	title, xLabel, yLabel string
 	series                []*series
+	// drawn is what plot drew, one entry per legend line, for the tests.
+	drawn []drawnSeries
+}
+
+// drawnSeries is how one series was drawn: its style index and whether a line joins its points.
+type drawnSeries struct {
+	name      string
+	style     int
+	connected bool
 }
 
 // add adds a point to the named series; a second point at the same x is dropped (the all case
@@ -144,30 +155,35 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	if o.width < 200 || o.height < 200 {
 		return errors.New("the image needs at least 200x200 pixels")
 	}
-	idleK := &panel{title: "Idle: K consumers of one project", xLabel: "consumers"}
-	idleP := &panel{title: "Idle: one consumer of P projects", xLabel: "projects"}
+	// Statements per second and CPU milliseconds per second are different units: each gets its
+	// own panel, the consumer curve on the left and the project curve on the right.
+	idleKS := &panel{title: "Idle: K consumers of one project", xLabel: "consumers", yLabel: "statements per second"}
+	idlePS := &panel{title: "Idle: one consumer of P projects", xLabel: "projects", yLabel: "statements per second"}
+	idleKC := &panel{title: "Idle: K consumers of one project", xLabel: "consumers", yLabel: "server CPU ms per second"}
+	idlePC := &panel{title: "Idle: one consumer of P projects", xLabel: "projects", yLabel: "server CPU ms per second"}
 	drain := &panel{title: "Drain: one fresh consumer", xLabel: "backlog (events)", yLabel: "events/s"}
 	sust := &panel{title: "Sustained: writers at full speed, outbox vs baseline", xLabel: "consumers", yLabel: "tx/s with outbox ÷ without"}
 	var first *chartRecord
+	commits := map[string]bool{}
+	var commitOrder []string
 	n := 0
 	for i := range recs {
 		r := &recs[i]
 		switch {
 		case r.Bench == "scale" && (r.Curve == curveIdleConsumers || r.Curve == curveIdleProjects):
-			pn := idleK
+			ps, pc := idleKS, idleKC
 			if r.Curve == curveIdleProjects {
-				pn = idleP
+				ps, pc = idlePS, idlePC
 			}
-			pn.add(measureName(r.YName), r.X, r.Y, "")
-			pn.add("statements/s sent (driver count)", r.X, r.ClientStatementsPerS, "")
-			pn.add("server CPU ms/s", r.X, r.ServerCPUMSPerS, "")
-			pn.yLabel = "per second"
+			ps.add(measureName(r.YName), r.X, r.Y, "")
+			ps.add("statements/s sent (driver count)", r.X, r.ClientStatementsPerS, "")
+			pc.add("server CPU ms/s", r.X, r.ServerCPUMSPerS, "")
 		case r.Bench == "scale" && r.Curve == curveDrainBacklog:
-			drain.add(r.Backlog+" backlog", r.X, r.Y, perTxLabel(r.PerTx))
+			drain.add(drainSeriesName(r.Backlog, r.PerTx), r.X, r.Y, "")
 		case r.Bench == "drain":
-			drain.add(r.Backlog+" backlog", r.Events, r.EventsPerS, perTxLabel(r.PerTx))
+			drain.add(drainSeriesName(r.Backlog, r.PerTx), r.Events, r.EventsPerS, "")
 		case r.Bench == "sustained":
-			sust.add("ratio", r.Consumers, r.Ratio, fmt.Sprintf("p99 lag %s ms", strconv.FormatFloat(r.LagP99MS, 'f', 0, 64)))
+			sust.add("tx/s with outbox ÷ without, labelled with the p99 lag", r.Consumers, r.Ratio, fmt.Sprintf("p99 lag %s ms", strconv.FormatFloat(r.LagP99MS, 'f', 0, 64)))
 		default:
 			continue
 		}
@@ -175,11 +191,15 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 		if first == nil {
 			first = r
 		}
+		if c := commitOf(r); !commits[c] {
+			commits[c] = true
+			commitOrder = append(commitOrder, c)
+		}
 	}
 	if n == 0 {
 		return errors.New("no scale, drain or sustained lines to draw")
 	}
-	panels := [][]*panel{{idleK, idleP}, {drain, sust}}
+	panels := [][]*panel{{idleKS, idlePS}, {idleKC, idlePC}, {drain, sust}}
 	plots := make([][]*plot.Plot, len(panels))
 	for j, row := range panels {
 		for _, pn := range row {
@@ -199,7 +219,7 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	small := title
 	small.Font.Size = vg.Points(10)
 	top := dc.Max.Y - vg.Points(6)
-	head := fmt.Sprintf("outbox-bench %s, PostgreSQL %s, durable %t", first.LibVersion, first.PG, first.Durable)
+	head := fmt.Sprintf("outbox-bench, %s, PostgreSQL %s, durable %t", strings.Join(commitOrder, " + "), first.PG, first.Durable)
 	dc.FillText(title, vg.Point{X: dc.Center().X, Y: top}, head)
 	reserved := title.Rectangle(head).Size().Y + vg.Points(12)
 	if o.note != "" {
@@ -231,15 +251,116 @@ func measureName(yName string) string {
 	return yName
 }
 
-func perTxLabel(perTx int) string {
-	if perTx <= 1 {
-		return ""
+// drainSeriesName keeps apart drains whose backlogs were written differently: a backlog
+// written 50 deletes to a transaction is not a point on the curve of one delete per
+// transaction.
+func drainSeriesName(backlog string, perTx int) string {
+	switch {
+	case perTx == 1:
+		return backlog + " backlog, 1 delete per transaction"
+	case perTx > 1:
+		return fmt.Sprintf("%s backlog, %d deletes per transaction", backlog, perTx)
 	}
-	return fmt.Sprintf("%d/tx", perTx)
+	return backlog + " backlog"
+}
+
+// commitOf says which commit a line was measured at: the commit field when the bench
+// recorded one, else the revision in lib_version ("(devel)+<rev>" or a pseudo-version), else
+// "commit unknown" (a "go run" build carries no VCS stamp, so older lines say only
+// "(devel)+schema.N").
+func commitOf(r *chartRecord) string {
+	if r.Commit != "" {
+		return "commit " + shortRev(r.Commit)
+	}
+	v := r.LibVersion
+	if rest, ok := strings.CutPrefix(v, "(devel)+"); ok {
+		if strings.HasPrefix(rest, "schema.") {
+			return "commit unknown (" + strings.Replace(rest, ".", " ", 1) + ")"
+		}
+		return "commit " + rest
+	}
+	if v == "" || v == "(devel)" {
+		return "commit unknown"
+	}
+	return v
+}
+
+func shortRev(rev string) string {
+	base, dirty := strings.CutSuffix(rev, "-dirty")
+	if len(base) > 12 {
+		base = base[:12]
+	}
+	if dirty {
+		base += "-dirty"
+	}
+	return base
+}
+
+// okabeIto is the Okabe-Ito palette, told apart by readers with any common colour-vision
+// deficiency; each style also has its own marker and dash pattern, so no series depends on
+// colour alone.
+var okabeIto = []color.NRGBA{
+	{0x00, 0x72, 0xB2, 0xff}, // blue
+	{0xE6, 0x9F, 0x00, 0xff}, // orange
+	{0x00, 0x9E, 0x73, 0xff}, // bluish green
+	{0xCC, 0x79, 0xA7, 0xff}, // reddish purple
+	{0xD5, 0x5E, 0x00, 0xff}, // vermillion
+	{0x56, 0xB4, 0xE9, 0xff}, // sky blue
+	{0x00, 0x00, 0x00, 0xff}, // black
+}
+
+var markers = []draw.GlyphDrawer{draw.CircleGlyph{}, draw.PyramidGlyph{}, draw.SquareGlyph{},
+	draw.CrossGlyph{}, draw.PlusGlyph{}, draw.RingGlyph{}, draw.TriangleGlyph{}}
+
+var dashes = [][]vg.Length{nil, {vg.Points(6), vg.Points(3)}, {vg.Points(2), vg.Points(2)},
+	{vg.Points(8), vg.Points(3), vg.Points(2), vg.Points(3)}}
+
+// minConnected is the fewest points a series needs before a line joins them: a line through
+// two points reads as a trend the data does not show.
+const minConnected = 3
+
+// mergeIdentical folds a series whose points equal an earlier one's into that one, naming both
+// in the legend: drawn separately, the later would cover the earlier exactly and show only in
+// the legend.
+func (pn *panel) mergeIdentical() {
+	var kept []*series
+	for _, s := range pn.series {
+		var same *series
+		for _, k := range kept {
+			if samePoints(k.pts, s.pts) {
+				same = k
+				break
+			}
+		}
+		if same == nil {
+			kept = append(kept, s)
+			continue
+		}
+		same.name += " = " + s.name
+		for i := range same.labels {
+			if same.labels[i] == "" {
+				same.labels[i] = s.labels[i]
+			}
+		}
+	}
+	pn.series = kept
+}
+
+func samePoints(a, b plotter.XYs) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // plot builds the panel: a log x axis with ticks at the measured values, a linear y axis from
-// 0, one line with points per series, and the points' labels where they have any.
+// 0, one style per series (a line with markers from minConnected points, markers alone below),
+// and the points' labels where they have any.
 func (pn *panel) plot() (*plot.Plot, error) {
 	p := plot.New()
 	p.Title.Text, p.X.Label.Text, p.Y.Label.Text = pn.title, pn.xLabel, pn.yLabel
@@ -247,34 +368,52 @@ func (pn *panel) plot() (*plot.Plot, error) {
 		p.Title.Text += " (no data)"
 		return p, nil
 	}
+	for _, s := range pn.series {
+		sort.Sort(byX{s})
+	}
+	pn.mergeIdentical()
+	pn.drawn = nil
 	var xs []float64
 	minX, maxX, maxY := math.Inf(1), math.Inf(-1), 0.0
 	for i, s := range pn.series {
-		sort.Sort(byX{s})
 		for _, pt := range s.pts {
 			xs = append(xs, pt.X)
 			minX, maxX, maxY = math.Min(minX, pt.X), math.Max(maxX, pt.X), math.Max(maxY, pt.Y)
 		}
-		line, points, err := plotter.NewLinePoints(s.pts)
+		points, err := plotter.NewScatter(s.pts)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", pn.title, err)
 		}
-		line.Color, points.Color, points.Shape = plotutil.Color(i), plotutil.Color(i), plotutil.Shape(i)
-		p.Add(line, points)
-		p.Legend.Add(s.name, line, points)
+		points.Color, points.Shape, points.Radius = okabeIto[i%len(okabeIto)], markers[i%len(markers)], vg.Points(4)
+		connected := len(s.pts) >= minConnected
+		if connected {
+			line, err := plotter.NewLine(s.pts)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", pn.title, err)
+			}
+			line.Color, line.Width, line.Dashes = okabeIto[i%len(okabeIto)], vg.Points(1.5), dashes[i%len(dashes)]
+			p.Add(line, points)
+			p.Legend.Add(s.name, line, points)
+		} else {
+			p.Add(points)
+			p.Legend.Add(s.name, points)
+		}
+		pn.drawn = append(pn.drawn, drawnSeries{name: s.name, style: i, connected: connected})
 		if hasLabels(s.labels) {
 			l, err := plotter.NewLabels(plotter.XYLabels{XYs: s.pts, Labels: s.labels})
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", pn.title, err)
 			}
 			for k := range l.TextStyle {
-				l.TextStyle[k].Font.Size = vg.Points(8)
+				l.TextStyle[k].Font.Size = vg.Points(9)
 			}
-			l.Offset = vg.Point{X: vg.Points(4), Y: vg.Points(4)}
+			l.Offset = vg.Point{X: vg.Points(6), Y: vg.Points(4)}
 			p.Add(l)
 		}
 	}
 	p.Legend.Top = true
+	p.Legend.Left = true
+	p.Legend.XOffs, p.Legend.YOffs = vg.Points(8), -vg.Points(6)
 	if minX > 0 {
 		p.X.Scale = plot.LogScale{}
 		p.X.Min, p.X.Max = minX/1.6, maxX*1.6
@@ -282,7 +421,8 @@ func (pn *panel) plot() (*plot.Plot, error) {
 		p.X.Min, p.X.Max = minX-1, maxX+1
 	}
 	p.X.Tick.Marker = valueTicks(xs)
-	p.Y.Min, p.Y.Max = 0, math.Max(maxY*1.25, 1)
+	// Headroom above the highest point keeps the legend clear of the data.
+	p.Y.Min, p.Y.Max = 0, math.Max(maxY*(1.2+0.1*float64(len(pn.series))), 1)
 	p.Y.Tick.Marker = humanTicks{}
 	p.Add(plotter.NewGrid())
 	return p, nil

@@ -87,3 +87,71 @@ func TestChartCommandLine(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, [2]int{640, 480}, [2]int{cfg.Width, cfg.Height})
 }
+
+// TestChartIdenticalSeriesAreNamedTogether: the idle runs' statements executed and statements
+// sent are the same numbers; drawn as two series the second covers the first, which shows only
+// in the legend. They are drawn once, named together, and every drawn series has its own style.
+func TestChartIdenticalSeriesAreNamedTogether(t *testing.T) {
+	p := &panel{title: "t"}
+	for _, x := range []float64{1, 4, 16} {
+		p.add("executed", x, 2*x, "")
+		p.add("sent", x, 2*x, "")
+		p.add("cpu", x, 3*x, "")
+	}
+	_, err := p.plot()
+	require.NoError(t, err)
+	require.Len(t, p.drawn, 2, "identical series are drawn once")
+	require.Equal(t, "executed = sent", p.drawn[0].name)
+	require.Equal(t, "cpu", p.drawn[1].name)
+	styles := map[int]bool{}
+	for _, d := range p.drawn {
+		require.False(t, styles[d.style], "two series share style %d", d.style)
+		styles[d.style] = true
+	}
+}
+
+// TestChartShortSeriesAreUnconnected: a line through two points draws a trend the data does
+// not show; such series are markers only.
+func TestChartShortSeriesAreUnconnected(t *testing.T) {
+	p := &panel{title: "t"}
+	p.add("two", 2, 0.5, "p99 lag 74 ms")
+	p.add("two", 8, 0.3, "p99 lag 107 ms")
+	p.add("one", 1e6, 9e4, "")
+	for _, x := range []float64{1e4, 1e5, 2e5} {
+		p.add("three", x, x, "")
+	}
+	_, err := p.plot()
+	require.NoError(t, err)
+	connected := map[string]bool{}
+	for _, d := range p.drawn {
+		connected[d.name] = d.connected
+	}
+	require.Equal(t, map[string]bool{"two": false, "one": false, "three": true}, connected)
+}
+
+// TestChartDrainsWrittenDifferentlyAreSeparate: the 1M drain's backlog was written 50 deletes
+// to a transaction, the others one; one line through all of them compares unlike things.
+func TestChartDrainsWrittenDifferentlyAreSeparate(t *testing.T) {
+	one, fifty := drainSeriesName("unsequenced", 1), drainSeriesName("unsequenced", 50)
+	require.NotEqual(t, one, fifty)
+	require.Contains(t, fifty, "50 deletes per transaction")
+	require.Equal(t, "sequenced backlog", drainSeriesName("sequenced", 0))
+}
+
+// TestChartNamesTheCommit: "(devel)" is where the commit belongs; the chart shows the commit the
+// bench recorded, the revision in lib_version, or says it is unknown.
+func TestChartNamesTheCommit(t *testing.T) {
+	for _, c := range []struct {
+		rec  chartRecord
+		want string
+	}{
+		{chartRecord{LibVersion: "(devel)+schema.16"}, "commit unknown (schema 16)"},
+		{chartRecord{LibVersion: "(devel)"}, "commit unknown"},
+		{chartRecord{LibVersion: "(devel)+4b2fc96a1b2c-dirty"}, "commit 4b2fc96a1b2c-dirty"},
+		{chartRecord{LibVersion: "v0.0.0-20261202092917-50869dd0b4fb", Commit: "50869dd0b4fbcdfd5a54e37355c553407d9db4dd"}, "commit 50869dd0b4fb"},
+		{chartRecord{LibVersion: "(devel)+schema.16", Commit: "50869dd0b4fbcdfd5a54e37355c553407d9db4dd-dirty"}, "commit 50869dd0b4fb-dirty"},
+		{chartRecord{LibVersion: "v1.2.0"}, "v1.2.0"},
+	} {
+		require.Equal(t, c.want, commitOf(&c.rec), "%+v", c.rec)
+	}
+}

@@ -43,6 +43,10 @@ type Header struct {
 	// that the sequencer's statements skipped row-level security. Setup and measurement run as
 	// the superuser.
 	Roles string `json:"roles"`
+	// Commit is the VCS revision the bench was built from ("-dirty" when the tree had
+	// changes); empty when the build carries no VCS stamp and make bench passed none. It comes
+	// last so that the header's first keys stay as they were.
+	Commit string `json:"commit,omitempty"`
 }
 
 // Env is where cases run: a server on which each case gets fresh, migrated databases.
@@ -173,33 +177,46 @@ func (d *DB) rolePool(ctx context.Context, role loginRole, maxConns int32, trace
 // so the schema version it was built with is added to make the line traceable.
 var libVersionFallback = fmt.Sprintf("(devel)+schema.%d", outbox.SchemaVersion)
 
-// versions reads lib_version and driver from the build information.
-func versions() (lib, driver string) {
-	lib, driver = libVersionFallback, "pgx/v5"
+// buildCommit is the revision "make bench" passes with -ldflags -X: "go run" stamps no VCS
+// information into the binary, so without it every line would say only "(devel)".
+var buildCommit string
+
+// versions reads lib_version, driver and commit from the build information.
+func versions() (lib, driver, commit string) {
 	bi, ok := debug.ReadBuildInfo()
 	if !ok {
-		return lib, driver
+		return libVersionFallback, "pgx/v5", buildCommit
+	}
+	lib, driver, commit = versionsFrom(bi)
+	if commit == "" {
+		commit = buildCommit
+	}
+	return lib, driver, commit
+}
+
+func versionsFrom(bi *debug.BuildInfo) (lib, driver, commit string) {
+	lib, driver = libVersionFallback, "pgx/v5"
+	var rev, dirty string
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			if s.Value == "true" {
+				dirty = "-dirty"
+			}
+		}
+	}
+	if rev != "" {
+		commit = rev + dirty
 	}
 	if v := bi.Main.Version; v != "" && v != "(devel)" {
 		lib = v
-	} else {
-		var rev, dirty string
-		for _, s := range bi.Settings {
-			switch s.Key {
-			case "vcs.revision":
-				rev = s.Value
-			case "vcs.modified":
-				if s.Value == "true" {
-					dirty = "-dirty"
-				}
-			}
-		}
+	} else if rev != "" {
 		if len(rev) > 12 {
 			rev = rev[:12]
 		}
-		if rev != "" {
-			lib = "(devel)+" + rev + dirty
-		}
+		lib = "(devel)+" + rev + dirty
 	}
 	for _, d := range bi.Deps {
 		if d.Path == "github.com/jackc/pgx/v5" {
@@ -210,13 +227,13 @@ func versions() (lib, driver string) {
 			driver = "pgx/v5 " + v
 		}
 	}
-	return lib, driver
+	return lib, driver, commit
 }
 
 // newHeader reads the server's version and durability settings.
 func newHeader(ctx context.Context, cfg *pgx.ConnConfig) (Header, error) {
-	lib, driver := versions()
-	h := Header{Lib: "outbox", LibVersion: lib, Driver: driver, Go: runtime.Version()}
+	lib, driver, commit := versions()
+	h := Header{Lib: "outbox", LibVersion: lib, Commit: commit, Driver: driver, Go: runtime.Version()}
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return h, fmt.Errorf("connect: %w", err)

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -217,7 +218,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	}
 	stopSSE()
 	<-sseDone
-	printMetrics(ctx, "http://"+addr+"/metrics")
+	printMetrics(ctx, "http://"+addr+"/metrics", observers[0])
 	for _, o := range observers {
 		stopCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
 		err := o.proc.stop(stopCtx)
@@ -277,6 +278,7 @@ func waitFor(ctx context.Context, limit time.Duration, what string, cond func() 
 type consumerReport struct {
 	name       string
 	applied    map[string]bool
+	perProject map[string]int // events first applied, by project
 	duplicates int
 	inOrder    bool
 	parked     int
@@ -367,7 +369,7 @@ func report(ctx context.Context, pool *pgxpool.Pool, admin *outbox.Admin, observ
 // and whether first applications came in sequence order per project (a replayed dead letter
 // is the one legitimate exception).
 func readAppliedLog(path string) (consumerReport, error) {
-	r := consumerReport{applied: map[string]bool{}, inOrder: true}
+	r := consumerReport{applied: map[string]bool{}, perProject: map[string]int{}, inOrder: true}
 	f, err := os.Open(path)
 	if err != nil {
 		return r, err
@@ -390,6 +392,9 @@ func readAppliedLog(path string) (consumerReport, error) {
 		default:
 			continue // fence-refused: the fence held
 		}
+		if !r.applied[l.EventID] {
+			r.perProject[l.Project]++
+		}
 		r.applied[l.EventID] = true
 		if !l.Replay {
 			if l.Sequence <= last[l.Project] {
@@ -401,8 +406,11 @@ func readAppliedLog(path string) (consumerReport, error) {
 	return r, sc.Err()
 }
 
-// printMetrics shows the dashboard's lag and dead-letter gauges as Prometheus serves them.
-func printMetrics(ctx context.Context, url string) {
+// printMetrics shows the dashboard's lag and dead-letter gauges and its dispatch counters as
+// Prometheus serves them. The counters are the serving process's, since it started: the
+// dashboard was killed and restarted, so beside each one goes the demo's own count of what the
+// dashboard applied in that project across all its processes, from its applied log.
+func printMetrics(ctx context.Context, url string, dashboard *observerSpec) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -410,14 +418,60 @@ func printMetrics(ctx context.Context, url string) {
 		return
 	}
 	defer resp.Body.Close()
-	say("from the dashboard's /metrics:")
-	sc := bufio.NewScanner(resp.Body)
+	applied, err := readAppliedLog(dashboard.logPath)
+	if err != nil {
+		say("metrics: %v", err)
+		return
+	}
+	lines, err := metricsExcerpt(resp.Body, dashboard.consumer, applied.perProject)
+	if err != nil {
+		say("metrics: %v", err)
+		return
+	}
+	say("from the dashboard's /metrics (its counters count since this dashboard process started, i.e. since the restart; beside each, the demo's own count over every dashboard process):")
+	for _, l := range lines {
+		fmt.Println("    " + l)
+	}
+}
+
+// metricsExcerpt picks the lag, dead-letter and dispatch lines out of a /metrics body, and
+// marks each of consumer's delivered counters with what the demo counted for its project
+// (appliedByProject) over all of consumer's processes.
+func metricsExcerpt(body io.Reader, consumer string, appliedByProject map[string]int) ([]string, error) {
+	var out []string
+	sc := bufio.NewScanner(body)
 	for sc.Scan() {
 		line := sc.Text()
 		for _, name := range []string{"outbox_consumer_lag_events{", "outbox_dead_letters_outstanding{", "outbox_events_dispatched_total{"} {
-			if strings.HasPrefix(line, name) {
-				fmt.Println("    " + line)
+			if !strings.HasPrefix(line, name) {
+				continue
 			}
+			if name == "outbox_events_dispatched_total{" && metricLabel(line, "consumer") == consumer {
+				if metricLabel(line, "outcome") == "delivered" {
+					line += fmt.Sprintf("   (this process; %s applied %d in %s over all its processes)",
+						consumer, appliedByProject[metricLabel(line, "project")], metricLabel(line, "project"))
+				} else {
+					line += "   (this process)"
+				}
+			}
+			out = append(out, line)
 		}
 	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("read metrics: %w", err)
+	}
+	return out, nil
+}
+
+// metricLabel is a label's value in a line of the Prometheus text format, "" without it.
+func metricLabel(line, label string) string {
+	_, rest, ok := strings.Cut(line, "{"+label+`="`)
+	if !ok {
+		_, rest, ok = strings.Cut(line, ","+label+`="`)
+	}
+	if !ok {
+		return ""
+	}
+	v, _, _ := strings.Cut(rest, `"`)
+	return v
 }
