@@ -60,7 +60,7 @@ func TestNoFollowUpScansWhileWaitingOnARetry(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`)
 	require.NoError(t, err)
-	_, err = waitForRetry(ctx, clock, time.Second) // the event failed once and waits 1s on the fake clock
+	_, err = waitForRetry(ctx, clock) // the event failed once and waits 1s on the fake clock
 	require.NoError(t, err)
 
 	time.Sleep(50 * time.Millisecond) // let the window of the scan that numbered the event pass

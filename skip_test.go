@@ -32,7 +32,7 @@ func TestSkippedProjectWaitingOnARetryDoesNotSpin(t *testing.T) {
 		}
 		return nil
 	})
-	_, err := waitForRetry(ctx, clock, time.Second) // a's event 1 failed once and waits 1s
+	_, err := waitForRetry(ctx, clock) // a's event 1 failed once and waits 1s
 	require.NoError(t, err)
 
 	// a's sequencer now fails: a row preset at the sequence it would number next, and a pending row.
