@@ -110,7 +110,6 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 // on was changed by hand, though the version and checksums still match.
 func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
 	for _, c := range []struct{ tamper, says string }{
 		{`ALTER TABLE lifecycle_consumer_cursors NO FORCE ROW LEVEL SECURITY`, "row-level security is not forced on lifecycle_consumer_cursors"},
 		{`ALTER TABLE lifecycle_outbox DISABLE ROW LEVEL SECURITY`, "row-level security is not enabled on lifecycle_outbox"},
@@ -120,6 +119,7 @@ func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 	} {
 		t.Run(c.says, func(t *testing.T) {
 			t.Parallel()
+			ctx := ctxT(t) // its own: a parallel subtest waits for a slot, a deadline taken above could pass meanwhile
 			pool := pgtest.NewPool(t)
 			require.NoError(t, outbox.VerifySchema(ctx, pool))
 			_, err := pool.Exec(ctx, c.tamper)

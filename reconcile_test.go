@@ -105,13 +105,8 @@ func TestReconciliationDoesNotResurrectAnOwnDeletion(t *testing.T) {
 // the sequences above the restored head are new events, not re-deliveries.
 func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 	t.Parallel()
-	// Each subtest takes its own deadline when it runs: parallel subtests wait for a free slot
-	// after this function returns, and a deadline taken here could pass while they wait.
-	subtestCtx := func(t *testing.T) context.Context {
-		ctx, cancel := context.WithTimeout(ctxT(t), 30*time.Second)
-		t.Cleanup(cancel)
-		return ctx
-	}
+	// Each subtest takes its own deadline (ctxT) when it runs: parallel subtests wait for a free
+	// slot after this function returns, and a deadline taken here could pass while they wait.
 
 	// setup delivers 6 deletions to a running consumer and then "restores" the outbox to a
 	// backup taken at head 3, in one transaction as a restore is: the rows above it and the
@@ -167,7 +162,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	t.Run("the cursor is ahead of the head: reconcile", func(t *testing.T) {
 		t.Parallel()
-		ctx := subtestCtx(t)
+		ctx := ctxT(t)
 		w, obs := setup(t, ctx, false)
 		outbox.ScanNow(obs.consumer)
 		waitCursor(t, ctx, w.pool, "p", "dash", 3)
@@ -179,7 +174,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	t.Run("the cursor was restored too: a new lease", func(t *testing.T) {
 		t.Parallel()
-		ctx := subtestCtx(t)
+		ctx := ctxT(t)
 		w, obs := setup(t, ctx, true)
 		deleteNew(t, ctx, w)
 		requireNewOnes(t, ctx, obs)

@@ -122,10 +122,11 @@ func TestConcurrentAppliersApplyEachMigrationOnce(t *testing.T) {
 
 func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
-
+	// Each subtest takes its own deadline once it runs: parallel subtests wait for a free slot
+	// after this function returns, and a deadline taken here could pass while they wait.
 	t.Run("checksum", func(t *testing.T) {
 		t.Parallel()
+		ctx := ctxT(t)
 		pool := pgtest.NewPool(t)
 		_, err := pool.Exec(ctx, `UPDATE lifecycle_outbox_schema SET checksum = 'deadbeef' WHERE version = 2`)
 		require.NoError(t, err)
@@ -137,6 +138,7 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 	t.Run("ahead", func(t *testing.T) {
 		t.Parallel()
+		ctx := ctxT(t)
 		pool := pgtest.NewPool(t)
 		_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox_schema (version, name, checksum) VALUES ($1, 'from_the_future', 'x')`, outbox.SchemaVersion+1)
 		require.NoError(t, err)
@@ -147,6 +149,7 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 	t.Run("behind", func(t *testing.T) {
 		t.Parallel()
+		ctx := ctxT(t)
 		pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
 		_, err := outbox.MigrateThrough(ctx, pool, 2)
 		require.NoError(t, err)
