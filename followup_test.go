@@ -96,7 +96,7 @@ func TestWriterStaysQuietWithinTheGap(t *testing.T) {
 	elapsed := time.Since(started)
 	require.NoError(t, w.Close(ctx)) // every wake-up in flight has been sent
 
-	got := len(receivedNotifications(ctx, listener))
+	got := len(receivedNotifications(t, ctx, listener))
 	require.GreaterOrEqual(t, got, 1, "the first commit is announced")
 	require.LessOrEqual(t, got, int(elapsed/gap)+2, "one on the edge, then at most one per gap (%d commits in %s)", len(ids), elapsed)
 }
