@@ -156,7 +156,7 @@ func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 
 	// A wakes up late, finishes 3 and tries to acknowledge through 3: rejected.
 	close(release)
-	deadline, cancel := context.WithTimeout(ctx, 30*time.Second)
+	deadline, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	for a.consumer.Stats().LeaseLosses == 0 {
 		select {
@@ -220,7 +220,7 @@ func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
 		waitCursor(t, ctx, obs.pool, "p", "hourly", 0) // positioned; LISTEN is up before the first scan
 		_, err := writer.store.Delete(ctx, "p", "t-1")
 		require.NoError(t, err)
-		prompt, cancel := context.WithTimeout(ctx, 20*time.Second) // far below the hour
+		prompt, cancel := context.WithTimeout(ctx, waitLimit) // far below the hour
 		defer cancel()
 		obs.rec.waitCount(t, prompt, 1)
 	})
@@ -261,7 +261,7 @@ func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
 			_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("u-%d", i))
 			require.NoError(t, err)
 		}
-		prompt, cancel := context.WithTimeout(ctx, 20*time.Second) // far below the hour
+		prompt, cancel := context.WithTimeout(ctx, waitLimit) // far below the hour
 		defer cancel()
 		evs := obs.rec.waitCount(t, prompt, 23) // the 20 it replayed from the oldest, then the new ones
 		require.Len(t, evs, 23)

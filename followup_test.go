@@ -29,7 +29,7 @@ func TestFollowUpScansFindUnannouncedEvents(t *testing.T) {
 	cfg := fastConfig()
 	cfg.PollInterval, cfg.FollowUpInterval, cfg.FollowUpWindow = time.Hour, 2*time.Millisecond, time.Minute
 	c, rec := startConsumer(t, pool, "c1", []string{"p"}, cfg, nil)
-	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, 30*time.Second, time.Millisecond, "the first scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, waitLimit, time.Millisecond, "the first scan")
 
 	_, err := pool.Exec(ctx, insertPendingRow, "p", "t0")
 	require.NoError(t, err)

@@ -274,6 +274,7 @@ func TestDrainNumbersTheNextBatchWhileDispatching(t *testing.T) {
 
 	c := fastConfig()
 	c.SequenceBatchSize, c.BatchSize = batch, batch
+	c.ListenerTimeout = time.Hour // the listener below waits up to waitLimit, not abandoned before
 	_, rec := startConsumer(t, pool, "c1", []string{"p"}, c, nil)
 	var waited atomic.Bool
 	rec.setFail(func(ev outbox.ObservedEvent) error {
@@ -283,7 +284,7 @@ func TestDrainNumbersTheNextBatchWhileDispatching(t *testing.T) {
 		select {
 		case <-calls.reached:
 			waited.Store(true)
-		case <-time.After(10 * time.Second):
+		case <-time.After(waitLimit):
 		}
 		return nil
 	})

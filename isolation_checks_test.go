@@ -44,7 +44,7 @@ func TestRetryWaitFarInTheFutureIsClamped(t *testing.T) {
 	clock := outboxtest.NewFakeClock()
 	startConsumer(t, consumer, "c1", []string{"p"}, retryConfig(clock), nil)
 
-	waitCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	wait, err := clock.WaitForTimer(waitCtx, time.Hour)
 	require.NoError(t, err, "the consumer never waited for the retry: it spins")
@@ -90,7 +90,7 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	cfg := outbox.Config{PollInterval: time.Hour, WakeInterval: time.Hour, LeaseTTL: time.Hour, HeartbeatInterval: 20 * time.Minute,
 		NewCursor: outbox.NewCursorOldest}
 	c, rec := startConsumer(t, consumer, "c1", []string{"p", "q"}, cfg, nil)
-	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, 30*time.Second, 5*time.Millisecond, "the first scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, waitLimit, 5*time.Millisecond, "the first scan")
 	before := c.Stats().Scans
 
 	for range 200 {

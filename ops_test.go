@@ -213,7 +213,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
 	_, page = getBody(t, browser, redirected(t, srv.URL, resp))
 	require.Contains(t, page, fmt.Sprintf("replay of sequence %d of p for broken requested", f.poisonQ))
-	require.Eventually(t, func() bool { return deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State == "resolved" }, waitLimit, 10*time.Millisecond)
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com'`, outbox.AuditConsumerReplayed))
 
 	resp = post(browser, "/ops/retire", url.Values{"csrf": {token}, "project": {"p"}, "consumer": {"laggard"},

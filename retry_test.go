@@ -331,7 +331,7 @@ func TestReplayReachesOnlyTheOwningConsumer(t *testing.T) {
 		return false
 	})
 	require.Equal(t, eventID, evs[len(evs)-1].EventID)
-	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, waitLimit, 10*time.Millisecond)
 
 	var meta []byte
 	var actor string

@@ -19,11 +19,18 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
+// ctxT bounds a test. Like waitLimit it only says when to give up, so it is generous: a busy
+// machine runs a test many times slower than an idle one.
 func ctxT(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	t.Cleanup(cancel)
 	return ctx
 }
+
+// waitLimit bounds a wait for something that should happen. It is a failure bound, not a
+// measure of how soon it happens, so it is generous: on a busy machine (two cores shared by a
+// whole CI run and other work) what takes milliseconds idle can take many seconds.
+const waitLimit = 2 * time.Minute
 
 func TestMigrateFreshDatabase(t *testing.T) {
 	t.Parallel()

@@ -47,7 +47,7 @@ func TestSkippedProjectWaitingOnARetryDoesNotSpin(t *testing.T) {
 	}
 	before := c.Stats().Scans
 	clock.Advance(2 * time.Second) // a's retry falls due; the scan it starts skips a
-	require.Eventually(t, func() bool { return c.Stats().Scans > before }, 10*time.Second, time.Millisecond, "the due retry starts a scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans > before }, waitLimit, time.Millisecond, "the due retry starts a scan")
 	require.Never(t, func() bool { return c.Stats().Scans-before >= 50 }, 3*time.Second, 10*time.Millisecond,
 		"a skipped project's due retry keeps the loop scanning")
 }

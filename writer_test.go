@@ -23,7 +23,7 @@ import (
 // closeWriter closes w within a bound, as a host's stop path would.
 func closeWriter(t *testing.T, w *outbox.Writer) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 	require.NoError(t, w.Close(ctx))
 }
