@@ -96,7 +96,9 @@ func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 	clock := outboxtest.NewFakeClock()
 	cfg := fastConfig()
 	cfg.Clock = clock
-	cfg.LeaseTTL = 30 * time.Second
+	// Only the fake clock expires A's lease: an hour is beyond any real time a busy machine
+	// takes between A's acquisition and B's attempts, as 30s of real time is not.
+	cfg.LeaseTTL = time.Hour
 	cfg.HeartbeatInterval = 10 * time.Second
 
 	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: cfg})
@@ -143,7 +145,7 @@ func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 
 	// Time passes beyond A's lease; B takes over with a new epoch, re-delivers from the
 	// durable cursor (at-least-once) and is held at 3 itself.
-	clock.Advance(31 * time.Second)
+	clock.Advance(time.Hour + time.Second)
 	outbox.HeartbeatNow(ctx, b.consumer)
 	st, err := outbox.NewAdmin(b.pool, outbox.AdminOptions{Clock: clock}).Status(ctx, outbox.StatusFilter{ConsumerID: "engine"})
 	require.NoError(t, err)
