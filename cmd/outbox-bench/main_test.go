@@ -23,7 +23,10 @@ import (
 // benchmark compiling and check that what it reports is computed, not assumed. The figures
 // themselves mean nothing here (the test cluster is not durable).
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+func TestMain(m *testing.M) {
+	drainWaitBase = 3 * time.Minute // a deadline to give up at, not a measure: generous for a busy machine
+	pgtest.Main(m)
+}
 
 // testEnv gives each case fresh migrated databases from the test harness.
 func testEnv(t *testing.T) *Env {
