@@ -6,7 +6,7 @@ GOBIN := $(shell $(GO) env GOPATH)/bin
 STATICCHECK := $(GOBIN)/staticcheck
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: test demo bench soak fuzz lint deps postgres pgbouncer chromium staticcheck
+.PHONY: test demo bench soak fuzz lint deps postgres pgbouncer chromium staticcheck ci-busy
 
 test: deps lint
 	CI=$${CI:-false} $(GO) test -race -count=1 -timeout 25m ./...
@@ -27,6 +27,11 @@ bench: postgres
 
 soak: postgres
 	OUTBOX_SOAK=10m $(GO) test -race -count=1 -timeout 30m -run TestFaultSuite -v ./internal/faultsuite
+
+# The CI run from fresh clones of HEAD, the first ones beside CPU burners (scripts/ci-busy.sh:
+# RUNS, BURNERS, BUSY_RUNS, DRY_RUN). It takes the machine for a long while.
+ci-busy:
+	bash scripts/ci-busy.sh
 
 # Each fuzz target for FUZZTIME (default 1m); `make test` already runs their seed corpora.
 FUZZTIME ?= 1m

@@ -399,7 +399,7 @@ func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 	flash, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS(`#flash`)))
 	require.NoError(t, err)
 	require.Contains(t, flash, "replay of sequence 3 of alpha for dashboard requested")
-	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "dashboard", 3).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "dashboard", 3).State == "resolved" }, waitLimit, 10*time.Millisecond)
 	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool,
 		`SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com' AND metadata->>'reason' = 'FN-18'`, outbox.AuditConsumerReplayed))
 	mu.Lock()

@@ -17,12 +17,20 @@ import (
 // its dispatcher are built with the plain constructors, the dispatcher given no timeout.
 func TestListenerTimeoutWithoutFx(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(ctxT(t), 20*time.Second) // far below the 30s default
-	defer cancel()
+	ctx := ctxT(t)
 	cfg := fastConfig()
 	cfg.ListenerTimeout = 200 * time.Millisecond
+	// How long the dispatch let the listener run is measured from its call to its context's
+	// end, not over the whole test, and held against half the 30s default that applies if
+	// Config.ListenerTimeout is ignored: a busy machine delays a 200ms timer, not by 15s.
+	held := make(chan time.Duration, 1)
 	slow := outbox.ListenerFunc("slow", func(ctx context.Context, _ outbox.ObservedEvent) error {
+		called := time.Now()
 		<-ctx.Done() // returns when the dispatch gives up on it
+		select {
+		case held <- time.Since(called):
+		default:
+		}
 		return ctx.Err()
 	})
 	c, w := backlogConsumer(t, 1, cfg, slow)
@@ -34,6 +42,8 @@ func TestListenerTimeoutWithoutFx(t *testing.T) {
 		require.NoError(t, err)
 		if class != "" {
 			require.Equal(t, string(outbox.FailureListenerTimeout), class)
+			d := <-held // sent before the listener returned, so before its failure was recorded
+			require.Less(t, d, outbox.Config{}.WithDefaults().ListenerTimeout/2, "the listener ran %v: the default timeout, not Config.ListenerTimeout", d)
 			return
 		}
 		select {

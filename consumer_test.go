@@ -96,7 +96,9 @@ func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 	clock := outboxtest.NewFakeClock()
 	cfg := fastConfig()
 	cfg.Clock = clock
-	cfg.LeaseTTL = 30 * time.Second
+	// Only the fake clock expires A's lease: an hour is beyond any real time a busy machine
+	// takes between A's acquisition and B's attempts, as 30s of real time is not.
+	cfg.LeaseTTL = time.Hour
 	cfg.HeartbeatInterval = 10 * time.Second
 
 	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: cfg})
@@ -143,7 +145,7 @@ func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 
 	// Time passes beyond A's lease; B takes over with a new epoch, re-delivers from the
 	// durable cursor (at-least-once) and is held at 3 itself.
-	clock.Advance(31 * time.Second)
+	clock.Advance(time.Hour + time.Second)
 	outbox.HeartbeatNow(ctx, b.consumer)
 	st, err := outbox.NewAdmin(b.pool, outbox.AdminOptions{Clock: clock}).Status(ctx, outbox.StatusFilter{ConsumerID: "engine"})
 	require.NoError(t, err)
@@ -156,7 +158,7 @@ func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 
 	// A wakes up late, finishes 3 and tries to acknowledge through 3: rejected.
 	close(release)
-	deadline, cancel := context.WithTimeout(ctx, 30*time.Second)
+	deadline, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	for a.consumer.Stats().LeaseLosses == 0 {
 		select {
@@ -220,7 +222,7 @@ func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
 		waitCursor(t, ctx, obs.pool, "p", "hourly", 0) // positioned; LISTEN is up before the first scan
 		_, err := writer.store.Delete(ctx, "p", "t-1")
 		require.NoError(t, err)
-		prompt, cancel := context.WithTimeout(ctx, 20*time.Second) // far below the hour
+		prompt, cancel := context.WithTimeout(ctx, waitLimit) // far below the hour
 		defer cancel()
 		obs.rec.waitCount(t, prompt, 1)
 	})
@@ -261,7 +263,7 @@ func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
 			_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("u-%d", i))
 			require.NoError(t, err)
 		}
-		prompt, cancel := context.WithTimeout(ctx, 20*time.Second) // far below the hour
+		prompt, cancel := context.WithTimeout(ctx, waitLimit) // far below the hour
 		defer cancel()
 		evs := obs.rec.waitCount(t, prompt, 23) // the 20 it replayed from the oldest, then the new ones
 		require.Len(t, evs, 23)
@@ -305,9 +307,10 @@ func TestConsumerWithoutPreparedStatementCache(t *testing.T) {
 
 func TestReconciliation(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
-
-	setup := func(t *testing.T) (pgtest.DB, *process) {
+	// Each subtest takes its own deadline once it runs (ctxT), and hands it to these helpers:
+	// parallel subtests wait for a free slot after this function returns, and a deadline taken
+	// here could pass while they wait.
+	setup := func(t *testing.T, ctx context.Context) (pgtest.DB, *process) {
 		db := pgtest.NewDB(t)
 		w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
 		_, err := w.store.CreateMany(ctx, "p", "t", 10)
@@ -320,7 +323,7 @@ func TestReconciliation(t *testing.T) {
 		require.NoError(t, err)
 		return db, w
 	}
-	reasonOf := func(t *testing.T, pool *pgxpool.Pool, consumer string) string {
+	reasonOf := func(t *testing.T, ctx context.Context, pool *pgxpool.Pool, consumer string) string {
 		var r string
 		require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(reconcile_reason, '') FROM lifecycle_consumer_cursors WHERE consumer_id = $1`, consumer).Scan(&r))
 		return r
@@ -328,14 +331,15 @@ func TestReconciliation(t *testing.T) {
 
 	t.Run("missing cursor", func(t *testing.T) {
 		t.Parallel()
-		db, w := setup(t)
+		ctx := ctxT(t)
+		db, w := setup(t, ctx)
 		cfg := fastConfig()
 		cfg.NewCursor = outbox.NewCursorReconcile
 		obs := startProcess(t, db.URL, processOpts{id: "fresh", projects: []string{"p"}, cfg: cfg, noStart: true})
 		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", []string{"t-1", "stale-id"}))
 		obs.start(t)
 		waitCursor(t, ctx, w.pool, "p", "fresh", 4)
-		require.Equal(t, string(outbox.ReasonMissingCursor), reasonOf(t, w.pool, "fresh"))
+		require.Equal(t, string(outbox.ReasonMissingCursor), reasonOf(t, ctx, w.pool, "fresh"))
 		require.Len(t, obs.store.Cache().Live("p"), 6, "the live set replaced the cache; stale IDs dropped")
 		require.False(t, obs.store.Cache().Has("p", "stale-id"))
 		require.Empty(t, obs.rec.snapshot(), "history before the head is not replayed")
@@ -343,17 +347,19 @@ func TestReconciliation(t *testing.T) {
 
 	t.Run("cursor ahead of head", func(t *testing.T) {
 		t.Parallel()
-		db, w := setup(t)
+		ctx := ctxT(t)
+		db, w := setup(t, ctx)
 		_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'ahead', 99)`)
 		require.NoError(t, err)
 		startProcess(t, db.URL, processOpts{id: "ahead", projects: []string{"p"}, cfg: fastConfig()})
 		waitCursor(t, ctx, w.pool, "p", "ahead", 4)
-		require.Equal(t, string(outbox.ReasonCursorAheadOfHead), reasonOf(t, w.pool, "ahead"))
+		require.Equal(t, string(outbox.ReasonCursorAheadOfHead), reasonOf(t, ctx, w.pool, "ahead"))
 	})
 
 	t.Run("cursor below the pruned floor", func(t *testing.T) {
 		t.Parallel()
-		db, w := setup(t)
+		ctx := ctxT(t)
+		db, w := setup(t, ctx)
 		_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'behind', 1)`)
 		require.NoError(t, err)
 		_, err = w.pool.Exec(ctx, `DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence <= 3`)
@@ -368,13 +374,14 @@ func TestReconciliation(t *testing.T) {
 		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", all)) // a cache that missed the deletions
 		obs.start(t)
 		waitCursor(t, ctx, w.pool, "p", "behind", 4)
-		require.Equal(t, string(outbox.ReasonCursorBelowPrunedFloor), reasonOf(t, w.pool, "behind"))
+		require.Equal(t, string(outbox.ReasonCursorBelowPrunedFloor), reasonOf(t, ctx, w.pool, "behind"))
 		require.False(t, obs.store.Cache().Has("p", "t-2"), "the pruned deletion is reflected by the rebuilt cache")
 	})
 
 	t.Run("a delete committed while reconciling is not lost", func(t *testing.T) {
 		t.Parallel()
-		db, w := setup(t)
+		ctx := ctxT(t)
+		db, w := setup(t, ctx)
 		cfg := fastConfig()
 		cfg.NewCursor = outbox.NewCursorReconcile
 		deleted := make(chan error, 1)

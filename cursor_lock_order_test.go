@@ -85,7 +85,7 @@ func TestCursorWritesLockInProjectOrder(t *testing.T) {
 				var waiting bool
 				err := probe.QueryRow(ctx, `SELECT coalesce(wait_event_type = 'Lock', false) FROM pg_stat_activity WHERE pid = $1`, writerPID).Scan(&waiting)
 				return err == nil && waiting
-			}, 10*time.Second, 5*time.Millisecond, "the statement never waited for the held row")
+			}, waitLimit, 5*time.Millisecond, "the statement never waited for the held row")
 
 			_, err = probe.Exec(ctx, `SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = $1 AND project_id = 'p00' FOR NO KEY UPDATE NOWAIT`, id)
 			var pgErr *pgconn.PgError

@@ -160,7 +160,7 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 			cfg.BatchSize = batch
 			_, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil)
 
-			waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+			waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 			defer cancel()
 			evs := rec.waitCount(t, waitCtx, total)
 			for i, sc := range tr.snapshot() {
@@ -218,7 +218,7 @@ func TestUndecodableRowInACombinedRead(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, c) })
-	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	evs := rec.waitCount(t, waitCtx, 8*3+2)
 	require.Equal(t, want, sequencesByProject(evs), "every event but the undecodable one, once and in order")
@@ -270,7 +270,7 @@ END $$`,
 
 	tr := &scanTracer{}
 	_, rec := startConsumer(t, tracedPool(t, lp.url(role), tr), "c1", projects, fastConfig(), nil)
-	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	rec.waitFor(t, waitCtx, "projects A and C in full", func(evs []outbox.ObservedEvent) bool {
 		return inProject("proj-a")(evs) == 3 && inProject("proj-c")(evs) == 3
@@ -331,7 +331,7 @@ func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, c) })
-	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	delivered := func(want map[string][]int64) func([]outbox.ObservedEvent) bool {
 		return func(evs []outbox.ObservedEvent) bool {
@@ -346,7 +346,7 @@ func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
 	}
 
 	// The first scan: p2 and p3 stop at their event 2.
-	wait, err := waitForRetry(waitCtx, clock, time.Hour)
+	wait, err := clock.WaitForTimer(waitCtx, time.Minute) // a retry an hour ahead, less the real time spent
 	require.NoError(t, err)
 	rec.waitFor(t, waitCtx, "p1 and p4 in full", delivered(map[string][]int64{"p1": upTo(3), "p4": upTo(3)}))
 	require.Equal(t, map[string][]int64{"p1": upTo(3), "p2": {1}, "p3": {1}, "p4": upTo(3)}, sequencesByProject(rec.snapshot()))
@@ -417,13 +417,13 @@ func TestReconcilingProjectsAreNotReadAhead(t *testing.T) {
 	cfg.NewCursor = outbox.NewCursorReconcile
 	tr := &scanTracer{}
 	c, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil)
-	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	for _, p := range projects {
 		waitCursor(t, waitCtx, seeder, p, "c1", 3)
 	}
 	// The counter moves just after the cursor commits, so it may lag the cursor a moment.
-	require.Eventually(t, func() bool { return c.Stats().Reconciliations == 3 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return c.Stats().Reconciliations == 3 }, waitLimit, time.Millisecond)
 	combined, single, _ := tr.readsFrom(0)
 	require.Zero(t, combined, "history that reconciliation skips is not read ahead")
 	require.Zero(t, single)

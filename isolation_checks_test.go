@@ -44,7 +44,7 @@ func TestRetryWaitFarInTheFutureIsClamped(t *testing.T) {
 	clock := outboxtest.NewFakeClock()
 	startConsumer(t, consumer, "c1", []string{"p"}, retryConfig(clock), nil)
 
-	waitCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	wait, err := clock.WaitForTimer(waitCtx, time.Hour)
 	require.NoError(t, err, "the consumer never waited for the retry: it spins")
@@ -90,7 +90,7 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	cfg := outbox.Config{PollInterval: time.Hour, WakeInterval: time.Hour, LeaseTTL: time.Hour, HeartbeatInterval: 20 * time.Minute,
 		NewCursor: outbox.NewCursorOldest}
 	c, rec := startConsumer(t, consumer, "c1", []string{"p", "q"}, cfg, nil)
-	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, 30*time.Second, 5*time.Millisecond, "the first scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, waitLimit, 5*time.Millisecond, "the first scan")
 	before := c.Stats().Scans
 
 	for range 200 {
@@ -110,7 +110,6 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 // on was changed by hand, though the version and checksums still match.
 func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
 	for _, c := range []struct{ tamper, says string }{
 		{`ALTER TABLE lifecycle_consumer_cursors NO FORCE ROW LEVEL SECURITY`, "row-level security is not forced on lifecycle_consumer_cursors"},
 		{`ALTER TABLE lifecycle_outbox DISABLE ROW LEVEL SECURITY`, "row-level security is not enabled on lifecycle_outbox"},
@@ -120,6 +119,7 @@ func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 	} {
 		t.Run(c.says, func(t *testing.T) {
 			t.Parallel()
+			ctx := ctxT(t) // its own: a parallel subtest waits for a slot, a deadline taken above could pass meanwhile
 			pool := pgtest.NewPool(t)
 			require.NoError(t, outbox.VerifySchema(ctx, pool))
 			_, err := pool.Exec(ctx, c.tamper)

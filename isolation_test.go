@@ -201,7 +201,7 @@ func TestModuleInADedicatedSchema(t *testing.T) {
 	require.Eventually(t, func() bool {
 		rows, err := outbox.NewAdmin(operator, outbox.AdminOptions{}).Status(ctx, outbox.StatusFilter{ConsumerID: "dash"})
 		return err == nil && len(rows) == 1 && rows[0].Cursor != nil && *rows[0].Cursor == 3
-	}, 30*time.Second, 10*time.Millisecond)
+	}, waitLimit, 10*time.Millisecond)
 }
 
 var moduleTables = []string{"lifecycle_outbox", "lifecycle_outbox_heads", "lifecycle_consumer_cursors",
@@ -340,7 +340,7 @@ func TestModuleTransactionsBoundTheirLockWaits(t *testing.T) {
 	_, err = stuck.Exec(ctx, `SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = 'c1' FOR UPDATE`)
 	require.NoError(t, err)
 
-	callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	callCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	admin := outbox.NewAdmin(operator, outbox.AdminOptions{LockTimeout: 100 * time.Millisecond})
 	_, err = admin.RetireConsumer(callCtx, outbox.RetireRequest{ConsumerID: "c1", Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
@@ -381,7 +381,7 @@ func TestPoisonedProjectDoesNotStopAnother(t *testing.T) {
 	require.NoError(t, err)
 	_, rec := startConsumer(t, consumer, "dash", []string{"proj-a", "proj-b", "proj-c"}, fastConfig(), m)
 
-	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	rec.waitFor(t, waitCtx, "project B in full", func(evs []outbox.ObservedEvent) bool { return inProject("proj-b")(evs) == 5 })
 	waitCursor(t, waitCtx, lp.owner, "proj-b", "dash", 5)
@@ -484,7 +484,7 @@ func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	deleteTasksAs(t, lp, writer, "p", 3)
 	consumer, _ := lp.component(t, "consumer", consumerGrant("c1", "p"))
 	_, rec := startConsumer(t, consumer, "c1", []string{"p"}, fastConfig(), nil)
-	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	evs := rec.waitCount(t, waitCtx, 3)
 	require.Equal(t, []int64{2, 3, 4}, []int64{evs[0].Sequence, evs[1].Sequence, evs[2].Sequence})

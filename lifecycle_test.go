@@ -124,7 +124,7 @@ func TestStopDuringStartIsBoundedByItsContext(t *testing.T) {
 	go func() { started <- c.Start(context.Background()) }()
 	<-projects.entered
 
-	stopCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	stopCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	stopped := make(chan error, 1)
 	go func() { stopped <- c.Stop(stopCtx) }()
@@ -152,7 +152,7 @@ func TestStopIsBoundedByItsContext(t *testing.T) {
 	defer close(release)
 	l := &stubbornListener{entered: make(chan struct{}), release: release}
 	cfg := fastConfig()
-	cfg.ListenerTimeout = time.Minute
+	cfg.ListenerTimeout = time.Hour
 	c, w := backlogConsumer(t, 5, cfg, l)
 	require.NoError(t, c.Start(ctx))
 	<-l.entered
@@ -161,7 +161,7 @@ func TestStopIsBoundedByItsContext(t *testing.T) {
 	defer cancel()
 	err := c.Stop(stopCtx)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	done, cancelWait := context.WithTimeout(ctx, 10*time.Second) // far below the minute
+	done, cancelWait := context.WithTimeout(ctx, waitLimit) // far below the hour
 	defer cancelWait()
 	select {
 	case <-c.Done():

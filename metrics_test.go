@@ -45,7 +45,7 @@ func metricsConfig() outbox.Config {
 
 func stopConsumer(t *testing.T, c *outbox.Consumer) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 	require.NoError(t, c.Stop(ctx))
 }
@@ -205,7 +205,7 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 	_, err = outbox.NewAdmin(w.pool, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p", ConsumerID: "engine",
 		Sequence: 2, Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
 	require.NoError(t, err)
-	deadline, cancel := context.WithTimeout(ctx, 30*time.Second)
+	deadline, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	for deliveryOf(t, w.pool, "engine", 2).State != "resolved" {
 		select {

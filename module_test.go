@@ -67,7 +67,7 @@ func TestModuleInEngineApp(t *testing.T) {
 
 		_, err := seed.store.Delete(ctx, "p", "t-1")
 		require.NoError(t, err)
-		require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(heard) == 1 }, 30*time.Second, 10*time.Millisecond)
+		require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(heard) == 1 }, waitLimit, 10*time.Millisecond)
 		mu.Lock()
 		got := heard[0]
 		mu.Unlock()

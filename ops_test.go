@@ -215,7 +215,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
 	_, page = getBody(t, browser, redirected(t, srv.URL, resp))
 	require.Contains(t, page, fmt.Sprintf("replay of sequence %d of p for broken requested", f.poisonQ))
-	require.Eventually(t, func() bool { return deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State == "resolved" }, waitLimit, 10*time.Millisecond)
 	require.Equal(t, 0, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE actor = 'mallory@example.com'`),
 		"the audit names the actor the form typed, not the signed-in operator")
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com'`, outbox.AuditConsumerReplayed))

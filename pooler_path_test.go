@@ -102,7 +102,7 @@ func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
 			waitCursor(t, ctx, writer.pool, p, c, 20)
 		}
 	}
-	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "engine", 4).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "engine", 4).State == "resolved" }, waitLimit, 10*time.Millisecond)
 	status, err := admin.Status(ctx, outbox.StatusFilter{})
 	require.NoError(t, err)
 	require.Len(t, status, 4)

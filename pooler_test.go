@@ -344,7 +344,7 @@ func TestPooledListenIsNotSilent(t *testing.T) {
 			}
 		}
 		return false
-	}, 10*time.Second, 50*time.Millisecond, "no warning that LISTEN through the pooler hears nothing (logged: %d entries)", logs.Len())
+	}, waitLimit, 50*time.Millisecond, "no warning that LISTEN through the pooler hears nothing (logged: %d entries)", logs.Len())
 }
 
 // logServerState logs, for a failed test, the sessions of the database at url (straight to

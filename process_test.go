@@ -163,7 +163,7 @@ func (p *process) start(t *testing.T) {
 }
 
 func (p *process) stop(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- p.consumer.Stop(ctx) }()

@@ -109,9 +109,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 	// after this function returns, and a deadline taken here could pass while they wait.
 	var setupRestore func(t *testing.T, ctx context.Context, cfg outbox.Config, restoreCursor, sameLease bool) (*process, *process)
 	subtestCtx := func(t *testing.T) context.Context {
-		ctx, cancel := context.WithTimeout(ctxT(t), 30*time.Second)
-		t.Cleanup(cancel)
-		return ctx
+		return ctxT(t)
 	}
 
 	// setup delivers 6 deletions to a running consumer and then "restores" the outbox to a
@@ -176,7 +174,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	t.Run("the cursor is ahead of the head: reconcile", func(t *testing.T) {
 		t.Parallel()
-		ctx := subtestCtx(t)
+		ctx := ctxT(t)
 		w, obs := setup(t, ctx, false)
 		outbox.ScanNow(obs.consumer)
 		waitCursor(t, ctx, w.pool, "p", "dash", 3)
@@ -188,7 +186,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	t.Run("the cursor was restored too: a new lease", func(t *testing.T) {
 		t.Parallel()
-		ctx := subtestCtx(t)
+		ctx := ctxT(t)
 		w, obs := setup(t, ctx, true)
 		deleteNew(t, ctx, w)
 		requireNewOnes(t, ctx, obs)

@@ -163,7 +163,7 @@ func TestRetentionOfDeadLetters(t *testing.T) {
 	admin := outbox.NewAdmin(w.pool, outbox.AdminOptions{Audit: w.store, Clock: clock})
 	_, err := admin.RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p", ConsumerID: "broken", Sequence: 1, Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, waitLimit, 10*time.Millisecond)
 	broken.stop(t)
 
 	r := newRetention(t, w.pool, cfg)

@@ -95,29 +95,27 @@ func TestRetryBackoffThenSuccess(t *testing.T) {
 		}
 		return nil
 	})
+	since := dbNow(t, w.pool)
 	obs.start(t)
 
+	windows := []attemptWindow{{}} // where on the clock each attempt may run; the first at once
 	for i, want := range []time.Duration{time.Second, 5 * time.Second, 30 * time.Second} {
-		d, err := waitForRetry(ctx, clock, want)
-		require.NoError(t, err)
+		d := armedRetry(t, ctx, w.pool, clock, "engine", 1, i+1, since)
 		row := deliveryOf(t, w.pool, "engine", 1)
 		require.Equal(t, deliveryRow{State: "retrying", Attempts: i + 1, Class: "listener_error", Wait: want}, row)
 		require.Equal(t, int64(0), cursorOf(t, w.pool, "p", "engine"), "no acknowledgement past a failing event")
 		require.Empty(t, obs.rec.snapshot(), "the stream waits: event 2 is not delivered before event 1")
-		clock.Advance(d)
+		since = dbNow(t, w.pool)
+		windows = append(windows, fireRetry(t, ctx, w.pool, clock, "engine", 1, i+1, d))
 	}
 	evs := obs.rec.waitCount(t, ctx, 2)
 	require.Equal(t, []int64{1, 2}, []int64{evs[0].Sequence, evs[1].Sequence})
 	require.Equal(t, 4, evs[0].Attempt)
 	waitCursor(t, ctx, w.pool, "p", "engine", 2)
 
-	calls := log.get()
-	require.Len(t, calls, 4)
-	// The consumer computes what is left of a wait from the database clock, so real time spent
-	// in between shortens a timer by a few milliseconds; the persisted schedule above is exact.
-	for i, at := range []time.Duration{0, time.Second, 6 * time.Second, 36 * time.Second} {
-		require.InDelta(t, at.Seconds(), calls[i].Seconds(), 0.5, "attempt %d ran after the scheduled wait", i+1)
-	}
+	// Each attempt ran when its timer fired, not before. (What each timer waited was checked
+	// against the persisted schedule above.)
+	requireAttemptsWithin(t, windows, log.get())
 	row := deliveryOf(t, w.pool, "engine", 1)
 	require.Equal(t, "resolved", row.State)
 	require.Equal(t, 4, row.Attempts)
@@ -139,25 +137,26 @@ func TestPoisonEventIsParkedAfterTenAttempts(t *testing.T) {
 		}
 		return nil
 	})
+	since := dbNow(t, w.pool)
 	obs.start(t)
 
 	schedule := []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 5 * time.Minute,
 		15 * time.Minute, 15 * time.Minute, 15 * time.Minute, 15 * time.Minute, 15 * time.Minute}
-	advanced := []time.Duration{0} // the clock's offset at each attempt
-	for _, want := range schedule {
-		d, err := waitForRetry(ctx, clock, want)
-		require.NoError(t, err)
-		require.InDelta(t, want.Seconds(), d.Seconds(), want.Seconds()/4)
-		clock.Advance(d)
-		advanced = append(advanced, clock.Offset())
+	windows := []attemptWindow{{}} // where on the clock each attempt may run; the first at once
+	for i, want := range schedule {
+		d := armedRetry(t, ctx, w.pool, clock, "engine", 1, i+1, since)
+		row := deliveryOf(t, w.pool, "engine", 1)
+		require.Equal(t, deliveryRow{State: "retrying", Attempts: i + 1, Class: "listener_error", Wait: want}, row)
+		since = dbNow(t, w.pool)
+		windows = append(windows, fireRetry(t, ctx, w.pool, clock, "engine", 1, i+1, d))
 	}
 	evs := obs.rec.waitCount(t, ctx, 1)
 	require.Equal(t, int64(2), evs[0].Sequence, "the next event is delivered after the park")
 	waitCursor(t, ctx, w.pool, "p", "engine", 2)
 
 	require.Len(t, log.get(), 10, "exactly ten attempts")
-	// Each attempt ran when its timer fired, not before: at the offset the clock was moved to.
-	require.Equal(t, advanced, log.get(), "attempts ran at the armed backoffs")
+	// Each attempt ran when its timer fired, not before.
+	requireAttemptsWithin(t, windows, log.get())
 	row := deliveryOf(t, w.pool, "engine", 1)
 	require.Equal(t, "dead", row.State)
 	require.Equal(t, 10, row.Attempts)
@@ -204,36 +203,39 @@ func TestBackoffSurvivesRestart(t *testing.T) {
 	failing := func(ev outbox.ObservedEvent) error { log.add(clock.Offset()); return errListener }
 	first := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: retryConfig(clock), noStart: true})
 	first.rec.setFail(failing)
+	since := dbNow(t, w.pool)
 	first.start(t)
-	d, err := waitForRetry(ctx, clock, time.Second)
-	require.NoError(t, err)
-	clock.Advance(d)
-	_, err = waitForRetry(ctx, clock, 5*time.Second) // after attempt 2, waiting 5s
-	require.NoError(t, err)
+	d := armedRetry(t, ctx, w.pool, clock, "engine", 1, 1, since)
+	since = dbNow(t, w.pool)
+	fireRetry(t, ctx, w.pool, clock, "engine", 1, 1, d)
+	armedRetry(t, ctx, w.pool, clock, "engine", 1, 2, since) // after attempt 2, waiting 5s
 	first.stop(t)
+	require.Empty(t, clock.Waiters(), "the stopped process left no timer behind")
 	before := deliveryOf(t, w.pool, "engine", 1)
 	require.Equal(t, deliveryRow{State: "retrying", Attempts: 2, Class: "listener_error", Wait: 5 * time.Second}, before)
 	require.Len(t, log.get(), 2)
 
 	// Two seconds pass while no one runs; another process with the same identity takes over.
+	// It waits out what is left of the persisted backoff: next_attempt_at less the shifted
+	// database clock, about 3s, less whatever real time the machine took meanwhile (armedRetry
+	// checks it against the row, so that a busy machine cannot fail it).
 	clock.Advance(2 * time.Second)
 	second := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: retryConfig(clock), noStart: true})
 	second.rec.setFail(failing)
+	since = dbNow(t, w.pool)
 	second.start(t)
-	d, err = clock.WaitForTimer(ctx, 2*time.Second)
-	require.NoError(t, err)
-	require.InDelta(t, (3 * time.Second).Seconds(), d.Seconds(), 0.5, "the takeover waits out the remaining backoff")
+	d = armedRetry(t, ctx, w.pool, clock, "engine", 1, 2, since)
+	require.LessOrEqual(t, d, 3*time.Second, "the takeover does not restart the backoff")
 	require.Len(t, log.get(), 2, "no attempt was added by the restart")
-	clock.Advance(d)
-	_, err = waitForRetry(ctx, clock, 30*time.Second)
-	require.NoError(t, err)
+	since = dbNow(t, w.pool)
+	third := fireRetry(t, ctx, w.pool, clock, "engine", 1, 2, d)
+	armedRetry(t, ctx, w.pool, clock, "engine", 1, 3, since)
 	after := deliveryOf(t, w.pool, "engine", 1)
-	require.Equal(t, 3, after.Attempts, "exactly one more attempt: none lost, none added")
+	require.Equal(t, deliveryRow{State: "retrying", Attempts: 3, Class: "listener_error", Wait: 30 * time.Second}, after,
+		"exactly one more attempt: none lost, none added")
 	calls := log.get()
 	require.Len(t, calls, 3)
-	// The takeover computed its wait from the database clock, so real time spent meanwhile
-	// counts: the third attempt comes at 1s+5s on the shifted clock, within that slack.
-	require.InDelta(t, (6 * time.Second).Seconds(), calls[2].Seconds(), 0.5, "the third attempt waited out the persisted backoff")
+	requireAttemptsWithin(t, []attemptWindow{third}, calls[2:]) // when the takeover's timer fired, not before
 }
 
 func TestPanicAndTimeoutAreClassified(t *testing.T) {
@@ -261,13 +263,13 @@ func TestPanicAndTimeoutAreClassified(t *testing.T) {
 		close(finished)
 		return nil
 	})
+	since := dbNow(t, w.pool)
 	obs.start(t)
-	d, err := waitForRetry(ctx, clock, time.Second)
-	require.NoError(t, err)
+	d := armedRetry(t, ctx, w.pool, clock, "engine", 1, 1, since)
 	require.Equal(t, "listener_panic", deliveryOf(t, w.pool, "engine", 1).Class)
-	clock.Advance(d)
-	_, err = waitForRetry(ctx, clock, 5*time.Second)
-	require.NoError(t, err)
+	since = dbNow(t, w.pool)
+	fireRetry(t, ctx, w.pool, clock, "engine", 1, 1, d)
+	armedRetry(t, ctx, w.pool, clock, "engine", 1, 2, since)
 	row := deliveryOf(t, w.pool, "engine", 1)
 	require.Equal(t, "listener_timeout", row.Class)
 	require.Equal(t, 2, row.Attempts)
@@ -329,7 +331,7 @@ func TestReplayReachesOnlyTheOwningConsumer(t *testing.T) {
 		return false
 	})
 	require.Equal(t, eventID, evs[len(evs)-1].EventID)
-	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, waitLimit, 10*time.Millisecond)
 
 	var meta []byte
 	var actor string
@@ -345,12 +347,108 @@ func TestReplayReachesOnlyTheOwningConsumer(t *testing.T) {
 	require.Equal(t, int64(2), cursorOf(t, w.pool, "p", "healthy"))
 }
 
-// waitForRetry waits until the consumer arms the retry timer of a backoff of want. The consumer
-// measures what is left of a wait on the database clock, so real time spent between the
-// failure and the timer shortens it: half the wait is allowed for that, which still tells one
-// step of the schedule (1s, 5s, 30s, ...) from the next. A quarter was too little: in a full
-// -race run on two cores, 273ms passed between a listener's failure and its record, and the
-// consumer's 1s timer was armed below 750ms, so the test waited for a timer that never came.
-func waitForRetry(ctx context.Context, clock *outboxtest.FakeClock, want time.Duration) (time.Duration, error) {
-	return clock.WaitForTimer(ctx, want/2)
+// waitForRetry waits until the consumer arms a retry timer, and returns what it waits. The fake
+// clock's only timers are the consumers' retry timers, so before the first Advance any timer is
+// that of the first failure's retry. After an Advance a scan that read the schedule before the
+// clock moved can arm a stale timer for a moment: there armedRetry tells the right one.
+func waitForRetry(ctx context.Context, clock *outboxtest.FakeClock) (time.Duration, error) {
+	return clock.WaitForTimer(ctx, time.Nanosecond)
+}
+
+// dbNow reads the database clock.
+func dbNow(t *testing.T, pool *pgxpool.Pool) time.Time {
+	t.Helper()
+	var now time.Time
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT now()`).Scan(&now))
+	return now
+}
+
+// fireRetry moves the clock on by d, the wait of the retry timer armed after attempts failed
+// attempts of (consumer, seq), and waits until the retry ran: the row records another attempt.
+// A scan that read the schedule before the clock moved can have armed a timer by it after the
+// clock moved, so that it waits d again on the moved clock while the retry is already due; a
+// timer pending while the row says the retry is due is such a stale one (a due retry fires at
+// once), and the clock is moved on to fire it. The consumer makes no attempt while a timer is
+// pending, so a stale timer is fired only before the attempt, or while a scan that already
+// stopped it makes the attempt: the attempt runs on the clock between where the wait d ends and
+// where the clock is when this returns.
+func fireRetry(t *testing.T, ctx context.Context, pool *pgxpool.Pool, clock *outboxtest.FakeClock, consumer string, seq int64, attempts int, d time.Duration) attemptWindow {
+	t.Helper()
+	from := clock.Offset() + d
+	clock.Advance(d)
+	for {
+		waiters := clock.Waiters()
+		offset := clock.Offset()
+		var got int
+		var state string
+		var due bool
+		require.NoError(t, pool.QueryRow(ctx, `SELECT attempts, state, coalesce(next_attempt_at <= now() + $3::interval + interval '1 millisecond', false)
+			FROM lifecycle_consumer_deliveries WHERE consumer_id = $1 AND sequence = $2`, consumer, seq, offset).Scan(&got, &state, &due))
+		if got != attempts || state != "retrying" {
+			return attemptWindow{from: from, to: clock.Offset()}
+		}
+		if due && len(waiters) > 0 && clock.Offset() == offset {
+			clock.Advance(waiters[0] - offset)
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("the retry of %s/%d after %d attempts did not run (timers %v at offset %v, due %t)", consumer, seq, attempts, waiters, offset, due)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// attemptWindow is where on the fake clock an attempt may run: not before its retry's wait has
+// passed, and not after the clock stopped moving for it.
+type attemptWindow struct{ from, to time.Duration }
+
+// requireAttemptsWithin checks that the i-th attempt, logged at the clock's offset then, ran in
+// the i-th window.
+func requireAttemptsWithin(t *testing.T, windows []attemptWindow, calls []time.Duration) {
+	t.Helper()
+	require.Len(t, calls, len(windows))
+	for i, w := range windows {
+		require.True(t, calls[i] >= w.from && calls[i] <= w.to, "attempt %d ran at %v on the clock, not in [%v, %v]", i+1, calls[i], w.from, w.to)
+	}
+}
+
+// armedRetry waits until (consumer, seq) has failed attempts times and the consumer has armed
+// the timer of its next retry, and returns what that timer waits, checked against the schedule
+// the database holds rather than against how fast the machine ran. The consumer measures the
+// wait on the database clock shifted by the fake clock's offset: next_attempt_at less
+// (now() + offset) when it read the row, less the real time it took to arm the timer. It read
+// the row after since (a database time the caller took before what scheduled the retry) and
+// armed the timer before the clock's timers are listed here, so the wait lies between
+// next_attempt_at less the shifted now() read after that and next_attempt_at less the shifted
+// since. A millisecond of slack covers the microseconds the database rounds its times to. Until
+// such a timer is there (or ctx ends) the clock is looked at again: a scan that read the row
+// before the last Advance can arm a stale timer for a moment.
+func armedRetry(t *testing.T, ctx context.Context, pool *pgxpool.Pool, clock *outboxtest.FakeClock, consumer string, seq int64, attempts int, since time.Time) time.Duration {
+	t.Helper()
+	var last string
+	for {
+		offset, waiters := clock.Offset(), clock.Waiters()
+		var next *time.Time
+		var now time.Time
+		var got *int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT d.next_attempt_at, d.attempts, now() FROM (SELECT) one
+			LEFT JOIN lifecycle_consumer_deliveries d ON d.consumer_id = $1 AND d.sequence = $2 AND d.state = 'retrying'`,
+			consumer, seq).Scan(&next, &got, &now))
+		if got != nil && *got == attempts && next != nil {
+			least, most := next.Sub(now.Add(offset))-time.Millisecond, next.Sub(since.Add(offset))+time.Millisecond
+			for _, at := range waiters {
+				if d := at - offset; d >= least && d <= most {
+					return d
+				}
+			}
+			last = fmt.Sprintf("timers %v at offset %v; want one waiting next_attempt_at %v less the shifted database clock, in [%v, %v]",
+				waiters, offset, next, least, most)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("no retry timer of %s/%d after %d attempts matches the persisted schedule: %s", consumer, seq, attempts, last)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }

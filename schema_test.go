@@ -19,11 +19,18 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
+// ctxT bounds a test. Like waitLimit it only says when to give up, so it is generous: a busy
+// machine runs a test many times slower than an idle one.
 func ctxT(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	t.Cleanup(cancel)
 	return ctx
 }
+
+// waitLimit bounds a wait for something that should happen. It is a failure bound, not a
+// measure of how soon it happens, so it is generous: on a busy machine (two cores shared by a
+// whole CI run and other work) what takes milliseconds idle can take many seconds.
+const waitLimit = 2 * time.Minute
 
 func TestMigrateFreshDatabase(t *testing.T) {
 	t.Parallel()
@@ -122,10 +129,11 @@ func TestConcurrentAppliersApplyEachMigrationOnce(t *testing.T) {
 
 func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
-
+	// Each subtest takes its own deadline once it runs: parallel subtests wait for a free slot
+	// after this function returns, and a deadline taken here could pass while they wait.
 	t.Run("checksum", func(t *testing.T) {
 		t.Parallel()
+		ctx := ctxT(t)
 		pool := pgtest.NewPool(t)
 		_, err := pool.Exec(ctx, `UPDATE lifecycle_outbox_schema SET checksum = 'deadbeef' WHERE version = 2`)
 		require.NoError(t, err)
@@ -137,6 +145,7 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 	t.Run("ahead", func(t *testing.T) {
 		t.Parallel()
+		ctx := ctxT(t)
 		pool := pgtest.NewPool(t)
 		_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox_schema (version, name, checksum) VALUES ($1, 'from_the_future', 'x')`, outbox.SchemaVersion+1)
 		require.NoError(t, err)
@@ -147,6 +156,7 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 	t.Run("behind", func(t *testing.T) {
 		t.Parallel()
+		ctx := ctxT(t)
 		pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
 		_, err := outbox.MigrateThrough(ctx, pool, 2)
 		require.NoError(t, err)

@@ -32,7 +32,7 @@ func TestSkippedProjectWaitingOnARetryDoesNotSpin(t *testing.T) {
 		}
 		return nil
 	})
-	_, err := waitForRetry(ctx, clock, time.Second) // a's event 1 failed once and waits 1s
+	_, err := waitForRetry(ctx, clock) // a's event 1 failed once and waits 1s
 	require.NoError(t, err)
 
 	// a's sequencer now fails: a row preset at the sequence it would number next, and a pending row.
@@ -47,7 +47,7 @@ func TestSkippedProjectWaitingOnARetryDoesNotSpin(t *testing.T) {
 	}
 	before := c.Stats().Scans
 	clock.Advance(2 * time.Second) // a's retry falls due; the scan it starts skips a
-	require.Eventually(t, func() bool { return c.Stats().Scans > before }, 10*time.Second, time.Millisecond, "the due retry starts a scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans > before }, waitLimit, time.Millisecond, "the due retry starts a scan")
 	require.Never(t, func() bool { return c.Stats().Scans-before >= 50 }, 3*time.Second, 10*time.Millisecond,
 		"a skipped project's due retry keeps the loop scanning")
 }

@@ -10,7 +10,6 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/fx"
@@ -209,7 +208,7 @@ func (h *hostApp) stop(t *testing.T) {
 	if h.app == nil {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 	require.NoError(t, h.app.Stop(ctx))
 	h.app = nil
@@ -253,8 +252,8 @@ func TestSSEReferenceHostResumesAReconnectingClient(t *testing.T) {
 	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 15)
 	waitCursor(t, ctx, writer.pool, "beta", "dashboard", 3)
 
-	// A bounded wait, so that a stream that never resumes fails in seconds, not minutes.
-	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	// A bounded wait, so that a stream that never resumes fails before the test's deadline.
+	rctx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	resumed, status := openStream(t, rctx, url, lastID)
 	require.Equal(t, http.StatusOK, status)

@@ -52,7 +52,7 @@ func TestSSEStreamsObservedEventsAndNeverStallsTheConsumer(t *testing.T) {
 		sse.ServeHTTP(stalled, httptest.NewRequest(http.MethodGet, "/", nil).WithContext(sctx))
 	}()
 	<-stalled.blocked
-	require.Eventually(t, func() bool { return sse.Clients() == 2 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return sse.Clients() == 2 }, waitLimit, time.Millisecond)
 
 	for i := range 300 {
 		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
@@ -306,7 +306,7 @@ func TestSSELimitsAndAuthorize(t *testing.T) {
 	probeID := probe.position(t, ctx)
 	require.Len(t, strings.Split(probeID, "."), 3)
 	fp := strings.Split(probeID, ".")[1]
-	require.Eventually(t, func() bool { return sse.Clients() == 0 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return sse.Clients() == 0 }, waitLimit, time.Millisecond)
 	mu.Lock()
 	asked = map[string]int{}
 	mu.Unlock()
@@ -319,7 +319,7 @@ func TestSSELimitsAndAuthorize(t *testing.T) {
 	// MaxClients: two streams, the third is refused with Retry-After.
 	admin, status := openStream(t, ctx, srv.URL+"?project=secret", "", "X-Role", "admin")
 	require.Equal(t, http.StatusOK, status)
-	require.Eventually(t, func() bool { return sse.Clients() == 2 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return sse.Clients() == 2 }, waitLimit, time.Millisecond)
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+"?project=open", nil)
 	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)

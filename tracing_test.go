@@ -304,7 +304,7 @@ func TestTracedWriterRoleRecordsTheTraceContext(t *testing.T) {
 	cfg.TracerProvider = ct.tp
 	_, rec := startConsumer(t, consumerPool, "dash", []string{"proj-a"}, cfg, nil)
 	rec.waitCount(t, ctx, 1)
-	require.Eventually(t, func() bool { return len(ct.spans("process proj-a")) == 1 }, 10*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return len(ct.spans("process proj-a")) == 1 }, waitLimit, 5*time.Millisecond)
 	span := ct.spans("process proj-a")[0]
 	require.Len(t, span.Links, 1)
 	require.Equal(t, wt.spans("create proj-a")[0].SpanContext.TraceID(), span.Links[0].SpanContext.TraceID())

@@ -23,7 +23,7 @@ import (
 // closeWriter closes w within a bound, as a host's stop path would.
 func closeWriter(t *testing.T, w *outbox.Writer) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 	require.NoError(t, w.Close(ctx))
 }
@@ -450,7 +450,7 @@ func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
 	require.NoError(t, w.Close(ctx)) // every wake-up in flight has been sent
 
 	got := 0
-	for _, n := range receivedNotifications(ctx, listener) {
+	for _, n := range receivedNotifications(t, ctx, listener) {
 		require.Equal(t, "proj-n", n.Payload, "the payload names the project only")
 		got++
 	}
@@ -474,15 +474,21 @@ func TestDisabledWriterRecordsNothing(t *testing.T) {
 	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`), "the host's own delete path is unchanged")
 }
 
-// receivedNotifications returns the notifications listener has received, waiting for more
-// until none comes for 200ms.
-func receivedNotifications(ctx context.Context, listener *pgx.Conn) []*pgconn.Notification {
+// receivedNotifications returns the notifications on lifecycle_outbox that listener received
+// from others, up to the moment of the call: it sends a marker after them, and notifications
+// come in commit order, so all of them come before the marker however slowly a busy machine
+// delivers them.
+func receivedNotifications(t *testing.T, ctx context.Context, listener *pgx.Conn) []*pgconn.Notification {
+	t.Helper()
+	const marker = "end-of-received-notifications"
+	_, err := listener.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', $1)`, marker)
+	require.NoError(t, err)
+	own := listener.PgConn().PID()
 	var out []*pgconn.Notification
 	for {
-		wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
-		n, err := listener.WaitForNotification(wctx)
-		cancel()
-		if err != nil {
+		n, err := listener.WaitForNotification(ctx)
+		require.NoError(t, err)
+		if n.PID == own && n.Payload == marker {
 			return out
 		}
 		out = append(out, n)

@@ -85,7 +85,7 @@ func (r result) String() string {
 // ctl runs outboxctl with args and extra environment, stdin not a terminal (/dev/null).
 func ctl(t *testing.T, env []string, args ...string) result {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, binary, args...)
 	for _, kv := range os.Environ() {
@@ -119,8 +119,12 @@ func decode[T any](t *testing.T, r result) T {
 	return v
 }
 
+// waitLimit bounds a wait for something that should happen (a command's run, a consumer's
+// stop, a replay resolved): only where the test gives up, so generous for a busy machine.
+const waitLimit = 2 * time.Minute
+
 func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	t.Cleanup(cancel)
 	return ctx
 }
@@ -169,7 +173,7 @@ func (p *consumerProc) stop(t *testing.T) {
 	}
 	p.stopped = true
 	p.mu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
 	defer cancel()
 	require.NoError(t, p.consumer.Stop(ctx))
 }

@@ -6,7 +6,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -58,7 +57,7 @@ func TestReplay(t *testing.T) {
 	require.Equal(t, "replay requested: project alpha, consumer engine, sequence 2, event "+eventID+"\n", r.stdout)
 	require.Contains(t, r.stderr, "  project alpha, sequence 2, event "+eventID)
 
-	deadline, cancel := context.WithTimeout(ctx, 30*time.Second)
+	deadline, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	waitUntil(t, deadline, "the consumer to resolve the replay", func() bool { return deliveryState(t, f, "engine", 2) == "resolved" })
 	require.Equal(t, []int64{2}, f.engine.replays(), "the owning consumer re-delivered it once")
@@ -151,7 +150,7 @@ func TestRetirePruneReinstate(t *testing.T) {
 	require.Equal(t, "reinstated consumer reporter in 1 project: alpha (audited: actor oncall, reason FN-10)\n", r.stdout)
 	require.Equal(t, []auditRow{{Project: "alpha", Consumer: "reporter", Actor: "oncall", Reason: "FN-10"}}, audits(t, f.pool, outbox.AuditConsumerRestored))
 	startConsumer(t, f.db.URL, "reporter", []string{"alpha"}, 0, nil)
-	deadline, cancel := context.WithTimeout(ctx, 30*time.Second)
+	deadline, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	waitCursor(t, deadline, f.pool, "alpha", "reporter", 5)
 	st = decode[[]outbox.ConsumerStatus](t, f.ctl(t, "status", "--json", "--consumer", "reporter"))

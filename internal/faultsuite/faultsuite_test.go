@@ -148,7 +148,7 @@ func (p *proc) stop(t *testing.T) {
 	select {
 	case err := <-p.exited:
 		require.NoError(t, err, "%s did not stop cleanly:\n%s", p.name, p.stderrTail())
-	case <-time.After(60 * time.Second):
+	case <-time.After(2 * time.Minute): // above the child's own minute to stop (stopApp)
 		p.signal(syscall.SIGKILL)
 		t.Fatalf("%s did not stop in time", p.name)
 	}

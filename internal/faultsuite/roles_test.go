@@ -169,8 +169,10 @@ func startRetryable(err error) bool {
 	return false
 }
 
+// stopApp stops app within a minute: a bound for a busy machine, below the two minutes the
+// suite waits for a child to exit.
 func stopApp(app *fx.App) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	return app.Stop(ctx)
 }

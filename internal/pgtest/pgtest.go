@@ -272,7 +272,7 @@ func Pool(t testing.TB, url string) *pgxpool.Pool {
 // PoolConfig opens a pool with cfg and closes it when t ends.
 func PoolConfig(t testing.TB, cfg *pgxpool.Config) *pgxpool.Pool {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute) // a failure bound: generous for a busy machine
 	defer cancel()
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
