@@ -266,7 +266,7 @@ func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 	require.Equal(t, int64(10), maxSeq)
 
 	// A delete in the same project commits meanwhile.
-	deadline, cancel := context.WithTimeout(ctx, 10*time.Second)
+	deadline, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	for _, id := range ids[10:] {
 		_, err := store.Delete(deadline, "p", id)

@@ -320,7 +320,7 @@ func TestConsumerRoleAuditsItsPoisonAndReplay(t *testing.T) {
 	_, err = outbox.NewAdmin(operator, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "proj-a",
 		ConsumerID: "dash", Sequence: 1, Operator: outbox.Operator{Actor: "oncall@corp", Reason: "FN-4"}})
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return deliveryOf(t, lp.owner, "dash", 1).State == "resolved" }, 30*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return deliveryOf(t, lp.owner, "dash", 1).State == "resolved" }, waitLimit, 10*time.Millisecond)
 
 	rows, err := lp.owner.Query(ctx, `SELECT action || ' ' || coalesce(actor, '-') || ' ' || coalesce(reason, '-') FROM lifecycle_audit ORDER BY id`)
 	require.NoError(t, err)

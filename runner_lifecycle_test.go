@@ -80,7 +80,7 @@ func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
 	go func() { started <- ob.Start(startCtx) }()
 	<-held
 
-	stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	stopCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	require.NoError(t, ob.Stop(stopCtx))
 	select {

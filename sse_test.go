@@ -461,8 +461,8 @@ func TestSSEStreamsTheProcessOwnDeletionsAtOnce(t *testing.T) {
 	client.expectDeletions(t, ctx, "p", 1, 2)
 	deleteTasks(t, ctx, self, "p", 3, 5) // this process's own: 3, 4, 5
 	// No other deletion follows: the stream must show 3 to 5 by itself. A bounded wait, so
-	// that a stream that waits for the next observed event fails in seconds.
-	own, cancel := context.WithTimeout(ctx, 20*time.Second)
+	// that a stream that waits for the next observed event fails within waitLimit.
+	own, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	client.expectDeletions(t, own, "p", 3, 5)
 	deleteTasks(t, ctx, other, "p", 6, 6) // observed again, right after them
@@ -523,8 +523,8 @@ func TestSSEEndsAStreamWhoseAccessIsRevoked(t *testing.T) {
 	require.Equal(t, http.StatusOK, status)
 	defer s.close()
 	// A bounded wait for the stream's check to be scheduled, so that a stream that never
-	// checks again fails in seconds.
-	wait, cancel := context.WithTimeout(ctx, 20*time.Second)
+	// checks again fails within waitLimit.
+	wait, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	_, err := clock.WaitForTimer(wait, time.Minute)
 	require.NoError(t, err, "the open stream schedules no check of its access")
