@@ -68,7 +68,10 @@ FROM generate_series(1, 2) g`, project)
 // newSSE builds a stream handler over pool serving projects.
 func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*outbox.SSEOptions)) *outbox.SSEHandler {
 	t.Helper()
-	opts := outbox.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond}
+	// A client goroutine of a test on a busy machine may not read for seconds: only the tests
+	// of stalled clients (which set their own) may see a write time out.
+	opts := outbox.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond,
+		WriteTimeout: waitLimit}
 	if tweak != nil {
 		tweak(&opts)
 	}

@@ -189,7 +189,7 @@ func b36(v int64) string { return strconv.FormatInt(v, 36) }
 
 // herdClient resumes at (p, q) and checks it receives exactly p+1..1200 and q+1..30.
 func herdClient(ctx context.Context, url, lastID string, p, q int64) error {
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	req.Header.Set("Last-Event-ID", lastID)
