@@ -26,13 +26,7 @@ import (
 func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
-	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
-	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", 7)
-	_, err := outbox.Sequence(ctx, dash, []string{"proj-a"}, 100)
-	require.NoError(t, err)
+	lp, dash, operator := deletedInProjectA(t, 7)
 	// The dashboard delivered 4 of the 7 events and stopped.
 	for _, stmt := range []string{
 		`INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('proj-a', 'dash')`,
@@ -56,7 +50,7 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	var n, maxSeq int64
 	require.NoError(t, operator.QueryRow(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`).Scan(&n, &maxSeq))
 	require.Zero(t, n, "events younger than the window went")
-	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
+	_, err := lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
 	require.NoError(t, err)
 	require.NoError(t, operator.QueryRow(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`).Scan(&n, &maxSeq))
 	require.Equal(t, []int64{4, 4}, []int64{n, maxSeq}, "pruned through the slowest cursor only")
@@ -109,13 +103,7 @@ func TestPruneFunctionKeepsToTheCallersProjects(t *testing.T) {
 func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
-	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
-	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", 2)
-	_, err := outbox.Sequence(ctx, dash, []string{"proj-a"}, 100)
-	require.NoError(t, err)
+	lp, dash, operator := deletedInProjectA(t, 2)
 	// dash parked event 1, as the consumer does.
 	for _, stmt := range []string{
 		`INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('proj-a', 'dash')`,
@@ -146,7 +134,7 @@ func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 		require.Error(t, err, "the consumer wrote %s", name)
 		requireSQLState(t, err, "42501")
 	}
-	_, err = dash.Exec(ctx, audit("consumer-poisoned", "", "", 1))
+	_, err := dash.Exec(ctx, audit("consumer-poisoned", "", "", 1))
 	require.NoError(t, err, "a consumer audits its own dead letter")
 
 	_, err = outbox.NewAdmin(operator, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "proj-a",
@@ -291,11 +279,7 @@ func pgtestInt(v int64) string {
 func TestConsumerRoleAuditsItsPoisonAndReplay(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
-	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
-	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", 2)
+	lp, dash, operator := deletedInProjectA(t, 2)
 
 	cfg := fastConfig()
 	cfg.MaxAttempts = 1 // park at the first failure
@@ -396,3 +380,18 @@ func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 }
 
 const pendingCols = "project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context"
+
+// deletedInProjectA makes a writer, a consumer "dash" and an operator of proj-a, each its own
+// role, and has the writer delete n tasks there, numbered. It returns the database's roles
+// and the consumer's and the operator's pools.
+func deletedInProjectA(t *testing.T, n int) (*leastPrivilege, *pgxpool.Pool, *pgxpool.Pool) {
+	t.Helper()
+	lp := newLeastPrivilege(t)
+	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
+	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
+	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
+	deleteTasksAs(t, lp, writer, "proj-a", n)
+	_, err := outbox.Sequence(ctxT(t), dash, []string{"proj-a"}, 100)
+	require.NoError(t, err)
+	return lp, dash, operator
+}
