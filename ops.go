@@ -40,6 +40,13 @@ var opsTemplates = template.Must(template.New("ops").Funcs(template.FuncMap{
 	"age":     func(d time.Duration) string { return opsAge(d) },
 	"lagAge":  func(s float64) string { return opsAge(time.Duration(s * float64(time.Second))) },
 	"runbook": func(base, section string) string { return base + section },
+	// A lease holder is identity@token: the line may break before the token.
+	"owner": func(o string) struct{ ID, Token string } {
+		if i := strings.LastIndexByte(o, '@'); i > 0 {
+			return struct{ ID, Token string }{o[:i], o[i:]}
+		}
+		return struct{ ID, Token string }{o, ""}
+	},
 }).ParseFS(opsFiles, "ops/*.html"))
 
 // OpsOptions configure the operations page.
@@ -510,9 +517,9 @@ func opsWhen(t *time.Time) string {
 		return "—"
 	}
 	d := time.Until(*t).Round(time.Second)
-	rel := "in " + d.String()
+	rel := "in " + opsAge(d)
 	if d <= 0 {
-		rel = (-d).String() + " ago"
+		rel = opsAge(-d) + " ago"
 	}
 	layout := "15:04:05Z"
 	if d > 24*time.Hour || d < -24*time.Hour {

@@ -131,11 +131,12 @@ type opsProblem struct {
 // opsConsumer is a consumer's row: its status and what the page makes of it.
 type opsConsumer struct {
 	ConsumerStatus
-	Severity  opsSeverity
-	Problems  []opsProblem
-	Heartbeat string // "2 s ago", "never"
-	Lease     string // "held", "expired 11 s ago", "none"
-	Reconcile string // the last reconciliation in plain words, "" when never
+	Severity    opsSeverity
+	LagSeverity opsSeverity // of the lag alone, which its cell shows
+	Problems    []opsProblem
+	Heartbeat   string // "2 s ago", "never"
+	Lease       string // "held", "expired 11 s ago", "none"
+	Reconcile   string // the last reconciliation in plain words, "" when never
 }
 
 // opsAssess judges one consumer at now (the database's clock as the Admin sees it).
@@ -191,6 +192,7 @@ func opsAssess(s ConsumerStatus, letters []DeadLetter, th OpsThresholds, runbook
 	if s.LagEvents == 0 {
 		lagSev = sevOK
 	}
+	c.LagSeverity = lagSev
 	if lagSev > sevOK {
 		p := opsProblem{Severity: lagSev, kind: 0, magnitude: s.LagSeconds + float64(s.LagEvents)/1e6, Runbook: runbookLag,
 			What: fmt.Sprintf("%d %s behind, the oldest waiting %s", s.LagEvents, plural(s.LagEvents, "event", "events"), opsAge(time.Duration(s.LagSeconds*float64(time.Second))))}
