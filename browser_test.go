@@ -512,3 +512,51 @@ func TestBrowserOpsPageAt1280ShowsSeverityWithoutScrolling(t *testing.T) {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, state+".png"), png, 0o644))
 	}
 }
+
+// TestBrowserOpsPageTablesFollowTheFeed: the consumer tables reloaded only on a timer (5 s by
+// default), so they trailed the live feed by seconds. With the timer at an hour, an event on
+// the feed alone must bring the table up to date.
+func TestBrowserOpsPageTablesFollowTheFeed(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	seedOpsStates(t, pool)
+	ops, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{EventsURL: "/feed", Refresh: time.Hour})
+	require.NoError(t, err)
+	send := make(chan string)
+	mux := http.NewServeMux()
+	mux.Handle("/ops/", http.StripPrefix("/ops", ops))
+	// A stand-in for the event stream that sends what the test gives it.
+	mux.HandleFunc("/feed", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		for {
+			select {
+			case <-r.Context().Done():
+				return
+			case data := <-send:
+				_, _ = fmt.Fprintf(w, "event: task:deleted\ndata: %s\n\n", data)
+				w.(http.Flusher).Flush()
+			}
+		}
+	})
+	srv := httptest.NewServer(mux)
+	// Closed after the browser (cleanups run last first): Close waits for the open stream.
+	t.Cleanup(srv.Close)
+	browser := browsertest.New(t)
+	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(srv.URL+"/ops/")))
+	waitPage(t, browser, "the feed to open", `document.getElementById('feed-state').textContent === 'live'`)
+	slow := `document.querySelector('tr.consumer[data-consumer="slow"] td:nth-child(3)').textContent.trim()`
+	waitPage(t, browser, "the slow consumer at 240", slow+` === '240'`)
+
+	// The slow consumer catches up, and the stream shows the event it read last.
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 300 WHERE consumer_id = 'slow'`)
+	require.NoError(t, err)
+	select {
+	case send <- `{"projectId":"stall","sequence":300,"taskId":"seed-300","deletedAt":"2030-01-01T00:05:00Z","writerProcessId":"writer-0123456789abcdef"}`:
+	case <-ctx.Done():
+		t.Fatal("the page's feed did not take the event")
+	}
+	waitPage(t, browser, "the table to show the slow consumer caught up", slow+` === '300'`)
+}
