@@ -376,7 +376,7 @@ func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 	browser := browsertest.New(t)
 	page := "http://" + hostAddr + "/ops/"
 	require.NoError(t, chromedp.Do(browser, chromedp.Navigate(page)))
-	lag, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS(`tr.consumer.lagging[data-consumer="laggard"] td.lag-events`)))
+	lag, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS(`tr.consumer.lagging[data-consumer="laggard"] .lag-events`)))
 	require.NoError(t, err)
 	require.Equal(t, "4", lag, "the lagging consumer is shown lagging by 4 events")
 	dead := `table.dead-letters[data-consumer="dashboard"] tr.dead-letter.dead[data-sequence="3"]`
