@@ -32,9 +32,20 @@ var opsTemplates = template.Must(template.New("ops").Funcs(template.FuncMap{
 	"seconds": func(s float64) string { return strconv.FormatFloat(s, 'f', 1, 64) },
 	"deref": func(p *int64) string {
 		if p == nil {
-			return "never positioned"
+			return "not started"
 		}
 		return strconv.FormatInt(*p, 10)
+	},
+	"failure": failureWords,
+	"age":     func(d time.Duration) string { return opsAge(d) },
+	"lagAge":  func(s float64) string { return opsAge(time.Duration(s * float64(time.Second))) },
+	"runbook": func(base, section string) string { return base + section },
+	// A lease holder is identity@token: the line may break before the token.
+	"owner": func(o string) struct{ ID, Token string } {
+		if i := strings.LastIndexByte(o, '@'); i > 0 {
+			return struct{ ID, Token string }{o[:i], o[i:]}
+		}
+		return struct{ ID, Token string }{o, ""}
 	},
 }).ParseFS(opsFiles, "ops/*.html"))
 
@@ -63,8 +74,16 @@ type OpsOptions struct {
 	BehindTLS bool
 	// Filter narrows the page to one project or consumer. Defaults to everything.
 	Filter StatusFilter
-	// Refresh is how often the page reloads its consumer tables. Defaults to 5s; 1s to 1h.
+	// Refresh is how often the page reloads its consumer tables when the live feed is quiet
+	// (or absent). Defaults to 5s; 1s to 1h. While the feed shows events the page also
+	// reloads them after each, at most once a second, so that the tables keep up with it.
 	Refresh time.Duration
+	// Thresholds say when a consumer's lag is a warning and when it is critical, and when a
+	// heartbeat is stale. Zero fields take the defaults (see OpsThresholds).
+	Thresholds OpsThresholds
+	// RunbookURL is where the page links each state's runbook section (docs/operations.md;
+	// the page appends the section's #anchor). Defaults to DefaultRunbookURL.
+	RunbookURL string
 	// CSRFKey signs the page's form tokens; at least 32 bytes. Defaults to a random key per
 	// handler, so a page rendered before a restart (or by another replica) must be reloaded
 	// before its buttons work; give every replica the same key to avoid that.
@@ -114,7 +133,14 @@ func OpsHandler(admin *Admin, opts OpsOptions) (http.Handler, error) {
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
-	var errs []error
+	if opts.RunbookURL == "" {
+		opts.RunbookURL = DefaultRunbookURL
+	}
+	opts.Thresholds = opts.Thresholds.withDefaults()
+	errs := opts.Thresholds.check()
+	if err := checkRunbookURL(opts.RunbookURL); err != nil {
+		errs = append(errs, err)
+	}
 	if admin == nil {
 		errs = append(errs, invalid("OpsHandler.admin", "is nil"))
 	}
@@ -174,13 +200,18 @@ type opsView struct {
 	RefreshMillis int64
 	Flash         *opsFlash
 	Error         string
+	Summary       []opsProblem // every problem shown, the worst first
+	Consumers     int          // how many consumers are shown
+	Thresholds    OpsThresholds
+	Runbook       string // the runbook's URL, without a section
 }
 
 type opsProject struct {
 	ID            string
 	Head          int64
 	PrunedThrough int64
-	Consumers     []ConsumerStatus
+	Severity      opsSeverity // of its worst consumer
+	Consumers     []opsConsumer
 	DeadLetters   []opsConsumerLetters
 }
 
@@ -220,6 +251,10 @@ func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string)
 		v.Error = "status unavailable: the database did not answer (see the host's log)"
 	}
 	v.Projects = projects
+	v.Summary, v.Thresholds, v.Runbook = opsSummary(projects), h.opts.Thresholds, h.opts.RunbookURL
+	for _, p := range projects {
+		v.Consumers += len(p.Consumers)
+	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	if err := opsTemplates.ExecuteTemplate(w, name, v); err != nil {
 		h.log.Warn("ops page: render", zap.Error(err))
@@ -275,13 +310,26 @@ func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 		}
 		return &out[i]
 	}
+	type key struct{ project, consumer string }
+	byConsumer := map[key][]DeadLetter{}
+	for _, d := range letters {
+		if !allow(d.ProjectID) {
+			continue
+		}
+		byConsumer[key{d.ProjectID, d.ConsumerID}] = append(byConsumer[key{d.ProjectID, d.ConsumerID}], d)
+	}
+	// Ages are judged on the clock the status was read on: the database's, shifted as the
+	// Admin's clock shifts it.
+	now := time.Now().Add(h.admin.clock.Offset())
 	for _, s := range status {
 		if !allow(s.ProjectID) {
 			continue
 		}
 		p := project(s.ProjectID)
 		p.Head, p.PrunedThrough = max(p.Head, s.Head), max(p.PrunedThrough, s.PrunedThrough)
-		p.Consumers = append(p.Consumers, s)
+		c := opsAssess(s, byConsumer[key{s.ProjectID, s.ConsumerID}], h.opts.Thresholds, h.opts.RunbookURL, now)
+		p.Severity = max(p.Severity, c.Severity)
+		p.Consumers = append(p.Consumers, c)
 	}
 	for _, d := range letters {
 		if !allow(d.ProjectID) {
@@ -353,6 +401,14 @@ func (h *opsHandler) act(kind string) http.HandlerFunc {
 				http.Error(w, "bad sequence", http.StatusBadRequest)
 				return
 			}
+		}
+		// Retiring is for a consumer gone for good, and costs it what retention then prunes:
+		// the form's confirmation box says so, and a post without it does nothing.
+		if kind == OpsRetire && r.PostForm.Get("confirm") != "retire" {
+			q := url.Values{"action": {kind}, "project": {a.ProjectID}, "consumer": {a.ConsumerID}, "outcome": {"unconfirmed"}}
+			w.Header().Set("Location", "./?"+q.Encode())
+			w.WriteHeader(http.StatusSeeOther)
+			return
 		}
 		// An action touches one project the operator may see: the page posts the project of
 		// the row, and a forged post for another project (or, when Authorize is set, for
@@ -435,6 +491,8 @@ func flashFrom(q url.Values) *opsFlash {
 			return &opsFlash{OK: true, Text: what + " requested: the consumer re-delivers it on its next scan and audits it"}
 		}
 		return &opsFlash{OK: true, Text: what + ": done and audited"}
+	case "unconfirmed":
+		return &opsFlash{Text: what + ": not done. Tick the box that confirms retention may then delete the events it has not read and its dead letters"}
 	case "not-dead-letter":
 		return &opsFlash{Text: what + ": not a dead letter (already replayed or resolved?)"}
 	case "unknown-consumer":
@@ -459,9 +517,9 @@ func opsWhen(t *time.Time) string {
 		return "—"
 	}
 	d := time.Until(*t).Round(time.Second)
-	rel := "in " + d.String()
+	rel := "in " + opsAge(d)
 	if d <= 0 {
-		rel = (-d).String() + " ago"
+		rel = opsAge(-d) + " ago"
 	}
 	layout := "15:04:05Z"
 	if d > 24*time.Hour || d < -24*time.Hour {

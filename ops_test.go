@@ -9,11 +9,13 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
@@ -98,9 +100,9 @@ func TestOpsPageShowsConsumersAndDeadLettersEscaped(t *testing.T) {
 
 	status, page := getBody(t, srv.Client(), srv.URL+"/ops/")
 	require.Equal(t, http.StatusOK, status)
-	require.Regexp(t, `<tr class="consumer lagging" data-consumer="laggard">`, page)
-	require.Regexp(t, `(?s)data-consumer="laggard">.*?<td class="num lag-events">4</td>`, page)
-	require.Regexp(t, `<tr class="consumer has-dead" data-consumer="broken">`, page)
+	require.Regexp(t, `<tr class="consumer sev-ok lagging" data-consumer="laggard">`, page)
+	require.Regexp(t, `(?s)data-consumer="laggard">.*?<span class="lag-events">4</span>`, page)
+	require.Regexp(t, `<tr class="consumer sev-crit has-dead" data-consumer="broken">`, page)
 	require.Contains(t, page, "Dead letters of <code>broken</code>")
 	require.Contains(t, page, `data-events="/events"`)
 	require.Contains(t, page, "read-only")
@@ -221,7 +223,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com'`, outbox.AuditConsumerReplayed))
 
 	resp = post(browser, "/ops/retire", url.Values{"csrf": {token}, "project": {"p"}, "consumer": {"laggard"},
-		"reason": {"FN-19"}}, "X-Operator", "yes")
+		"reason": {"FN-19"}, "confirm": {"retire"}}, "X-Operator", "yes")
 	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE consumer_id = 'laggard' AND retired_at IS NOT NULL`))
 	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerRetired))
@@ -369,4 +371,161 @@ func TestOpsCSRFCookieIsSecureBehindATLSProxy(t *testing.T) {
 		require.Equal(t, behind, cookies[0].Secure, "BehindTLS=%v: the cookie's Secure flag", behind)
 		require.Equal(t, http.SameSiteStrictMode, cookies[0].SameSite)
 	}
+}
+
+// seedOpsStates makes, with rows only, the states the operations page must tell apart:
+//
+//	project "fine":   "fine", caught up, its process alive
+//	project "stall":  "stalled", 300 events behind (the oldest 40 s old), its lease expired
+//	                  11 s ago, no heartbeat for 41 s: the demo's SIGSTOPped observer;
+//	                  "slow", 60 events behind (8 s), its process alive
+//	project "poison": "poisoned", caught up, with a dead letter (listener_error);
+//	                  "onebehind", one event behind, alive
+func seedOpsStates(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	ctx := ctxT(t)
+	// The events of "stall" occurred over the last 40 s, 133 ms apart, so that the oldest an
+	// old cursor has not read is 40 s old, and the 60 newest are 8 s old at most.
+	_, err := pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT 'stall', 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1,
+       now() - (301 - g) * interval '133 milliseconds', 'writer-0123456789abcdef'
+FROM generate_series(1, 300) g`)
+	require.NoError(t, err)
+	_, err = outbox.Sequence(ctx, pool, []string{"stall"}, 10000)
+	require.NoError(t, err)
+	seedEvents(t, pool, "fine", 5)
+	seedEvents(t, pool, "poison", 5)
+	_, err = pool.Exec(ctx, `
+INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at, heartbeat_at) VALUES
+  ('fine', 'fine', 5, 'fine@0123456789abcdef', 1, now() + interval '25 seconds', now() - interval '2 seconds'),
+  ('stall', 'stalled', 0, 'stalled@0123456789abcdef', 3, now() - interval '11 seconds', now() - interval '41 seconds'),
+  ('stall', 'slow', 240, 'slow@0123456789abcdef', 1, now() + interval '25 seconds', now() - interval '1 second'),
+  ('poison', 'poisoned', 5, 'poisoned@0123456789abcdef', 1, now() + interval '25 seconds', now() - interval '1 second'),
+  ('poison', 'onebehind', 4, 'onebehind@0123456789abcdef', 1, now() + interval '25 seconds', now() - interval '1 second')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `
+INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, first_failed_at, last_failed_at, parked_at)
+SELECT 'poison', 'poisoned', 3, 'task-deleted:seed-3:' || sequence, 'dead', 10, 'listener_error', now() - interval '81 minutes', now() - interval '2 minutes', now() - interval '2 minutes'
+FROM lifecycle_outbox WHERE project_id = 'poison' AND sequence = 3`)
+	require.NoError(t, err)
+}
+
+// summaryOf is the page's summary section.
+func summaryOf(t *testing.T, page string) string {
+	t.Helper()
+	m := regexp.MustCompile(`(?s)<section id="summary".*?</section>`).FindString(page)
+	require.NotEmpty(t, m, "the page has a summary")
+	return m
+}
+
+// TestOpsPageSummaryPutsTheWorstFirst is issue 29's summary, severity and "why": across every
+// project the viewer may see, the stalled consumer (300 events, 40 s behind, no heartbeat) comes
+// first in red, then the dead letter, then the consumer a little behind in amber; one event of
+// lag is not highlighted at all; each says why, in plain words, and links its runbook section.
+func TestOpsPageSummaryPutsTheWorstFirst(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.NewPool(t)
+	seedOpsStates(t, pool)
+	admin := outbox.NewAdmin(pool, outbox.AdminOptions{})
+	ops, err := outbox.OpsHandler(admin, outbox.OpsOptions{RunbookURL: "https://git.example/outbox/blob/main/docs/operations.md"})
+	require.NoError(t, err)
+	srv := httptest.NewServer(ops)
+	defer srv.Close()
+	status, page := getBody(t, srv.Client(), srv.URL+"/")
+	require.Equal(t, http.StatusOK, status)
+
+	summary := summaryOf(t, page)
+	order := regexp.MustCompile(`<li class="problem sev-(\w+)" data-project="(\w+)" data-consumer="(\w+)"`).FindAllStringSubmatch(summary, -1)
+	var got []string
+	for _, m := range order {
+		got = append(got, m[1]+" "+m[2]+"/"+m[3])
+	}
+	require.Equal(t, []string{"crit stall/stalled", "crit poison/poisoned", "warn stall/slow"}, got, "the summary, the worst first")
+	require.Contains(t, summary, "300 events behind, the oldest waiting")
+	hb := regexp.MustCompile(`no heartbeat for (\d+) s and its lease expired \d+ s ago: the process holding this lease is not running\?`).FindStringSubmatch(summary)
+	require.NotNil(t, hb, "the stalled consumer's why: %s", summary)
+	secs, err := strconv.Atoi(hb[1])
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, secs, 41)
+	require.Contains(t, summary, "do not retire a consumer that will come back")
+	require.Contains(t, summary, `href="https://git.example/outbox/blob/main/docs/operations.md#troubleshooting"`)
+	require.Contains(t, summary, `href="https://git.example/outbox/blob/main/docs/operations.md#replaying-after-a-fix"`)
+	require.Contains(t, summary, `href="https://git.example/outbox/blob/main/docs/operations.md#lag"`)
+	require.Contains(t, summary, "a listener of this consumer returned an error for the event on every attempt", "listener_error in plain words")
+
+	// The rows carry the same severity; one event of lag is ok.
+	for consumer, sev := range map[string]string{"stalled": "crit", "poisoned": "crit", "slow": "warn", "onebehind": "ok", "fine": "ok"} {
+		require.Regexp(t, `<tr class="consumer sev-`+sev+`[^"]*" data-consumer="`+consumer+`">`, page, consumer)
+	}
+	require.Regexp(t, `(?s)<td class="failure" data-class="listener_error"><b>a listener returned an error</b>`, page)
+	for _, jargon := range []string{"pruned through", "missing_cursor", "never positioned"} {
+		require.NotContains(t, page, jargon)
+	}
+
+	// Thresholds are options: with a warning from one event, the consumer one behind is amber.
+	strict, err := outbox.OpsHandler(admin, outbox.OpsOptions{Thresholds: outbox.OpsThresholds{WarnEvents: 1, CritEvents: 1000, WarnLag: time.Hour, CritLag: 2 * time.Hour}})
+	require.NoError(t, err)
+	rec := httptest.NewRecorder()
+	strict.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/consumers", nil))
+	require.Regexp(t, `<tr class="consumer sev-warn[^"]*" data-consumer="onebehind">`, rec.Body.String())
+	require.Regexp(t, `<tr class="consumer sev-warn[^"]*" data-consumer="slow">`, rec.Body.String(), "60 events is below the critical 1000")
+	require.Contains(t, rec.Body.String(), `href="/docs/operations.md#lag"`, "the default runbook")
+	_, err = outbox.OpsHandler(admin, outbox.OpsOptions{Thresholds: outbox.OpsThresholds{WarnEvents: 10, CritEvents: 5}, RunbookURL: "javascript:alert(1)"})
+	require.ErrorContains(t, err, "OpsOptions.Thresholds")
+	require.ErrorContains(t, err, "OpsOptions.RunbookURL")
+
+	// A viewer confined to the healthy project sees all clear, and nothing of the others.
+	fine, err := outbox.OpsHandler(admin, outbox.OpsOptions{Authorize: func(_ *http.Request, p string) bool { return p == "fine" }})
+	require.NoError(t, err)
+	rec = httptest.NewRecorder()
+	fine.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/", nil))
+	summary = summaryOf(t, rec.Body.String())
+	require.Contains(t, summary, "All clear")
+	require.Contains(t, summary, "all 1 consumer in 1 project")
+	require.NotContains(t, rec.Body.String(), "stalled")
+}
+
+// TestOpsRetireNeedsItsConfirmation: Retire says what it does to retention, and a post
+// without its confirmation retires nothing; with it, the consumer is retired.
+func TestOpsRetireNeedsItsConfirmation(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	seedOpsStates(t, pool)
+	ops, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{
+		AuthorizeAction: func(*http.Request, outbox.OpsAction) (string, bool) { return "oncall@example.com", true }})
+	require.NoError(t, err)
+	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
+	defer srv.Close()
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	browser := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	_, page := getBody(t, browser, srv.URL+"/ops/")
+	require.Regexp(t, `(?s)<details class="retire"><summary>Retire…</summary>.*?Retiring <code>stalled</code> in <code>stall</code> makes retention stop waiting for it: the 300 events it has not read may be deleted`, page)
+	require.Contains(t, page, `name="confirm" value="retire" required`)
+	m := csrfField.FindStringSubmatch(page)
+	require.NotNil(t, m)
+	retire := func(form url.Values) *http.Response {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/ops/retire", strings.NewReader(form.Encode()))
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		resp, err := browser.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp
+	}
+	form := url.Values{"csrf": {m[1]}, "project": {"stall"}, "consumer": {"stalled"}, "reason": {"FN-29"}}
+	resp := retire(form)
+	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
+	_, page = getBody(t, browser, redirected(t, srv.URL, resp))
+	require.Contains(t, page, "retire stalled in stall: not done")
+	retired := `SELECT count(*) FROM lifecycle_consumer_cursors WHERE consumer_id = 'stalled' AND retired_at IS NOT NULL`
+	require.Equal(t, 0, pgtest.QueryInt(t, pool, retired), "retired without its confirmation")
+
+	form.Set("confirm", "retire")
+	resp = retire(form)
+	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
+	_, page = getBody(t, browser, redirected(t, srv.URL, resp))
+	require.Contains(t, page, "retire stalled in stall: done and audited")
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, retired))
 }

@@ -1,13 +1,16 @@
-// The operations page's script: a periodic refresh of the consumer tables (server-rendered
-// HTML) and a live feed of the event stream. Event data is only ever set as text.
+// The operations page's script: a refresh of the consumer tables (server-rendered HTML), on
+// every event of the live feed and otherwise periodically, and the live feed of the event
+// stream. Event data is only ever set as text.
 (function () {
   'use strict';
   var body = document.body;
   var consumers = document.getElementById('consumers');
   var refreshEvery = parseInt(body.dataset.refresh, 10) || 5000;
 
-  // A form being filled in is not replaced under the operator's fingers.
+  // A form being filled in (or a retire confirmation open) is not replaced under the
+  // operator's fingers.
   function busy() {
+    if (consumers.querySelector('details[open]')) { return true; }
     var inputs = consumers.querySelectorAll('form input:not([type=hidden])');
     for (var i = 0; i < inputs.length; i++) {
       if (inputs[i].value !== '' || inputs[i] === document.activeElement) { return true; }
@@ -15,8 +18,21 @@
     return false;
   }
 
+  // The tables used to reload only every 5 s, so they trailed the feed by up to that: now
+  // each event of the feed asks for a reload too, at most one a second (minGap) and one at a
+  // time, so that a burst of deletions costs the database one status read a second, not
+  // one per event. One more reload follows a second after the last, for the consumers that
+  // acknowledge an event a little after the stream shows it.
+  var minGap = 1000, last = 0, inflight = false, timer = null, again = false;
+  function soon() {
+    again = true;
+    if (timer || inflight) { return; }
+    timer = setTimeout(function () { timer = null; again = false; refresh(); }, Math.max(0, last + minGap - Date.now()));
+  }
   function refresh() {
-    if (busy()) { return; }
+    if (busy() || inflight) { return; }
+    inflight = true;
+    last = Date.now();
     fetch('consumers', { credentials: 'same-origin' }).then(function (r) {
       if (!r.ok) { throw new Error('status ' + r.status); }
       return r.text();
@@ -25,8 +41,12 @@
       consumers.innerHTML = html; // rendered and escaped by the server
       var t = document.getElementById('refreshed');
       if (t) { t.textContent = new Date().toISOString().slice(11, 19) + 'Z'; }
-    }).catch(function () { /* the next refresh tries again */ });
+    }).catch(function () { /* the next refresh tries again */ }).then(function () {
+      inflight = false;
+      if (again) { soon(); } else if (followUp) { followUp = false; soon(); }
+    });
   }
+  var followUp = false;
   setInterval(refresh, refreshEvery);
 
   var url = body.dataset.events;
@@ -64,6 +84,8 @@
     rows.insertBefore(tr, rows.firstChild);
     setTimeout(function () { tr.className = ''; }, 1500);
     while (rows.children.length > 30) { rows.removeChild(rows.lastChild); }
+    followUp = true;
+    soon();
   });
   es.addEventListener('reset', function (m) {
     var r = JSON.parse(m.data);
