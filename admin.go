@@ -343,17 +343,35 @@ type RetireRequest struct {
 	Operator
 }
 
+// retireSQL and reinstateSQL lock the consumer's rows in project order before they write any,
+// as every statement that writes several cursor rows does (lockedCursors): a plain UPDATE takes
+// them in whatever order its plan reads them, which a heartbeat writing the same rows in
+// project order could deadlock with.
 const retireSQL = `
-UPDATE lifecycle_consumer_cursors
+WITH rows AS (
+    SELECT k.project_id FROM lifecycle_consumer_cursors k
+    WHERE k.consumer_id = $1 AND ($2 = '' OR k.project_id = $2) AND k.retired_at IS NULL
+    ORDER BY k.project_id
+    FOR NO KEY UPDATE
+)
+UPDATE lifecycle_consumer_cursors c
 SET retired_at = pg_catalog.now() + $5::interval, retired_by = $3, retired_reason = $4, lease_owner = NULL, lease_expires_at = NULL
-WHERE consumer_id = $1 AND ($2 = '' OR project_id = $2) AND retired_at IS NULL
-RETURNING project_id`
+FROM rows r
+WHERE c.consumer_id = $1 AND c.project_id = r.project_id
+RETURNING c.project_id`
 
 const reinstateSQL = `
-UPDATE lifecycle_consumer_cursors
+WITH rows AS (
+    SELECT k.project_id FROM lifecycle_consumer_cursors k
+    WHERE k.consumer_id = $1 AND ($2 = '' OR k.project_id = $2) AND k.retired_at IS NOT NULL
+    ORDER BY k.project_id
+    FOR NO KEY UPDATE
+)
+UPDATE lifecycle_consumer_cursors c
 SET retired_at = NULL, retired_by = NULL, retired_reason = NULL
-WHERE consumer_id = $1 AND ($2 = '' OR project_id = $2) AND retired_at IS NOT NULL
-RETURNING project_id`
+FROM rows r
+WHERE c.consumer_id = $1 AND c.project_id = r.project_id
+RETURNING c.project_id`
 
 // RetireConsumer retires a consumer identity: it stops holding back pruning, its unresolved
 // dead letters may be pruned, and it can no longer take a lease (a process starting with it

@@ -103,11 +103,18 @@ WHERE consumer_id = $1 AND project_id = ANY ($2::text[]) AND retired_at IS NOT N
 ORDER BY project_id`
 
 const acquireSQL = `
+WITH free AS (
+    SELECT k.project_id FROM lifecycle_consumer_cursors k
+    WHERE k.consumer_id = $1 AND k.project_id = ANY ($2::text[]) AND k.retired_at IS NULL
+      AND (k.lease_owner IS NULL OR k.lease_expires_at IS NULL OR k.lease_expires_at <= pg_catalog.now() + $5::interval)
+    ORDER BY k.project_id
+    FOR NO KEY UPDATE
+)
 UPDATE lifecycle_consumer_cursors c
 SET lease_owner = $3, lease_epoch = c.lease_epoch + 1,
     lease_expires_at = pg_catalog.now() + $5::interval + $4::interval, heartbeat_at = pg_catalog.now() + $5::interval
-WHERE c.consumer_id = $1 AND c.project_id = ANY ($2::text[]) AND c.retired_at IS NULL
-  AND (c.lease_owner IS NULL OR c.lease_expires_at IS NULL OR c.lease_expires_at <= pg_catalog.now() + $5::interval)
+FROM free f
+WHERE c.consumer_id = $1 AND c.project_id = f.project_id
 RETURNING c.project_id, c.lease_epoch, coalesce(c.last_acked_sequence, -1)`
 
 // lockedCursors locks the cursor rows that a statement writing several of them will write, in
