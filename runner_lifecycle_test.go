@@ -69,10 +69,11 @@ func runnerWithHeldStart(t *testing.T, hold func(ctx context.Context)) (*outbox.
 func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	held := make(chan struct{})
+	held, let := make(chan struct{}), make(chan struct{})
 	ob, rec, pool := runnerWithHeldStart(t, func(ctx context.Context) {
 		close(held)
 		<-ctx.Done() // a start-up step waiting on the database, until Stop cancels it
+		close(let)
 	})
 	startCtx, cancelStart := context.WithCancel(ctx)
 	defer cancelStart() // the code before the fix waits here, on Start's own context
@@ -83,11 +84,18 @@ func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
 	stopCtx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
 	require.NoError(t, ob.Stop(stopCtx))
+	// Stop returns only after Start has: the step Start was held in has ended by then. (The
+	// goroutine's send of Start's result may still be on its way, so it is waited for.)
+	select {
+	case <-let:
+	default:
+		t.Fatal("Stop returned while Start was still in flight")
+	}
 	select {
 	case err := <-started:
 		require.ErrorIs(t, err, outbox.ErrConsumerStopped)
-	default:
-		t.Fatal("Stop returned while Start was still in flight")
+	case <-time.After(waitLimit):
+		t.Fatal("Start never returned after Stop")
 	}
 	require.Nil(t, ob.Runner().Consumer(), "no consumer runs")
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE lease_owner IS NOT NULL`), "nothing holds a lease")
