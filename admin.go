@@ -119,7 +119,10 @@ SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
        c.reconciled_at, coalesce(c.reconcile_reason, '')
 FROM lifecycle_consumer_cursors c
 LEFT JOIN lifecycle_outbox_heads h ON h.project_id = c.project_id
-LEFT JOIN lifecycle_outbox o ON o.project_id = c.project_id AND o.sequence = coalesce(c.last_acked_sequence, 0) + 1
+LEFT JOIN LATERAL (
+    SELECT r.occurred_at FROM lifecycle_outbox_read(c.project_id::text, coalesce(c.last_acked_sequence, 0), 1, NULL, NULL, NULL) r
+    WHERE coalesce(c.last_acked_sequence, 0) < h.last_sequence
+) o ON true
 LEFT JOIN LATERAL (
     SELECT pg_catalog.count(*) FILTER (WHERE state = 'retrying')::int AS retrying,
            pg_catalog.count(*) FILTER (WHERE state = 'dead')::int AS dead,

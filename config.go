@@ -38,6 +38,14 @@ type Config struct {
 	// writes (an origin label only). Defaults to "writer".
 	WriterLabel string `yaml:"writer_label" json:"writer_label"`
 
+	// AckInterval is how long a consumer lets a project's dispatched events go unacknowledged
+	// when fewer than BatchSize of them wait: the cursor is written once BatchSize events are
+	// dispatched beyond it, or AckInterval after the first of them, whichever comes first, and
+	// on Stop. After a crash a project re-delivers at most what was dispatched in that time
+	// (listeners are idempotent: delivery is at-least-once). Defaults to 1s; more than 0 and at
+	// most LeaseTTL/3.
+	AckInterval time.Duration `yaml:"ack_interval" json:"ack_interval"`
+
 	// PollInterval is the longest a consumer waits between scans when no notification
 	// arrives. Notifications only shorten it. Defaults to 1s; must be at least 10ms.
 	PollInterval time.Duration `yaml:"poll_interval" json:"poll_interval"`
@@ -46,14 +54,9 @@ type Config struct {
 	// many it dispatches at most before it writes that project's cursor. It does not bound a
 	// scan: a scan reads a project batch after batch until it reaches the head it found at
 	// the scan's start (or an event waiting for a retry, a lost lease, a stop), so a project
-	// far behind is drained in one scan while the scan's other projects wait their turn. What
-	// a scan finds beyond what was numbered before is bounded by SequenceBatchSize per
-	// project. Defaults to 1000; 1 to 10000.
+	// far behind is drained in one scan while the scan's other projects wait their turn.
+	// Defaults to 1000; 1 to 10000.
 	BatchSize int `yaml:"batch_size" json:"batch_size"`
-
-	// SequenceBatchSize is how many events the sequencer numbers per project per call.
-	// Defaults to 10000; 1 to 100000.
-	SequenceBatchSize int `yaml:"sequence_batch_size" json:"sequence_batch_size"`
 
 	// LeaseTTL is how long a consumer's lease lasts without a heartbeat, measured by the
 	// database clock. Defaults to 30s; must be at least 1s and at least three heartbeats.
@@ -75,6 +78,23 @@ type Config struct {
 	// NotifyChannel is the LISTEN/NOTIFY channel. The payload is one project ID.
 	// Defaults to "lifecycle_outbox".
 	NotifyChannel string `yaml:"notify_channel" json:"notify_channel"`
+
+	// TickChannel is the channel on which the ticker announces each tick, one notification
+	// per project with new events; consumers LISTEN on it. Writers' hints on NotifyChannel are
+	// heard by the elected ticker only. Defaults to NotifyChannel + "_tick".
+	TickChannel string `yaml:"tick_channel" json:"tick_channel"`
+
+	// TickFloor is the shortest time between two ticks of the elected ticker. A hint after a
+	// quiet spell is ticked at once; while ticks keep finding events the ticker ticks again
+	// every TickFloor, so under load each tick numbers more events and delivery waits at most
+	// about TickFloor for its tick. Defaults to 5ms; 1ms to PollInterval.
+	TickFloor time.Duration `yaml:"tick_floor" json:"tick_floor"`
+
+	// TickFallbackInterval is how often a consumer that is not the elected ticker ticks anyway
+	// when it took no tick of its own for that long: a session that holds the election lock
+	// without ticking then slows delivery to this interval instead of stopping it. Defaults
+	// to 5 × PollInterval; at least PollInterval.
+	TickFallbackInterval time.Duration `yaml:"tick_fallback_interval" json:"tick_fallback_interval"`
 
 	// NotifyGap is the shortest time between two wake-up notifications sent by one writer
 	// process. A commit after a quiet spell is announced at once; commits within the gap
@@ -214,13 +234,18 @@ func (c Config) WithDefaults() Config {
 	}
 	def(&c.PollInterval, time.Second)
 	defInt(&c.BatchSize, 1000)
-	defInt(&c.SequenceBatchSize, 10000)
 	def(&c.LeaseTTL, 30*time.Second)
+	def(&c.AckInterval, min(time.Second, c.LeaseTTL/3))
 	def(&c.HeartbeatInterval, c.LeaseTTL/3)
 	def(&c.ListenerTimeout, 30*time.Second)
 	if c.NotifyChannel == "" {
 		c.NotifyChannel = "lifecycle_outbox"
 	}
+	if c.TickChannel == "" {
+		c.TickChannel = c.NotifyChannel + "_tick"
+	}
+	def(&c.TickFloor, min(5*time.Millisecond, c.PollInterval))
+	def(&c.TickFallbackInterval, 5*c.PollInterval)
 	def(&c.NotifyGap, 20*time.Millisecond)
 	def(&c.FollowUpInterval, min(2*time.Millisecond, c.PollInterval))
 	def(&c.FollowUpWindow, min(50*time.Millisecond, c.PollInterval))
@@ -266,8 +291,8 @@ func (c Config) Validate() error {
 	if c.BatchSize < 1 || c.BatchSize > 10000 {
 		bad("BatchSize", "must be between 1 and 10000")
 	}
-	if c.SequenceBatchSize < 1 || c.SequenceBatchSize > 100000 {
-		bad("SequenceBatchSize", "must be between 1 and 100000")
+	if c.AckInterval <= 0 || c.AckInterval*3 > c.LeaseTTL {
+		bad("AckInterval", "must be positive and at most a third of LeaseTTL")
 	}
 	if c.LeaseTTL < time.Second {
 		bad("LeaseTTL", "must be at least 1s")
@@ -280,6 +305,15 @@ func (c Config) Validate() error {
 	}
 	if !channelPattern.MatchString(c.NotifyChannel) {
 		bad("NotifyChannel", "must be a lower-case identifier of at most 63 characters")
+	}
+	if !channelPattern.MatchString(c.TickChannel) || c.TickChannel == c.NotifyChannel {
+		bad("TickChannel", "must be a lower-case identifier of at most 63 characters, not NotifyChannel")
+	}
+	if c.TickFloor < time.Millisecond || c.TickFloor > c.PollInterval {
+		bad("TickFloor", "must be between 1ms and PollInterval")
+	}
+	if c.TickFallbackInterval < c.PollInterval {
+		bad("TickFallbackInterval", "must be at least PollInterval")
 	}
 	if c.NotifyGap <= 0 || c.NotifyGap > time.Second {
 		bad("NotifyGap", "must be between 0 and 1s")

@@ -25,9 +25,10 @@ func TestLoadTheExampleConfigFile(t *testing.T) {
 	require.NoError(t, err)
 	want := outbox.Config{
 		IdentityField: "outbox.consumer_id", WriterLabel: "engine-eu",
-		PollInterval: time.Second, BatchSize: 1000, SequenceBatchSize: 10000, LeaseTTL: 30 * time.Second,
+		PollInterval: time.Second, BatchSize: 1000, AckInterval: time.Second, LeaseTTL: 30 * time.Second,
 		HeartbeatInterval: 10 * time.Second, ListenerTimeout: 30 * time.Second, NewCursor: "reconcile",
-		NotifyChannel: "lifecycle_outbox", NotifyGap: 20 * time.Millisecond, FollowUpInterval: 2 * time.Millisecond,
+		NotifyChannel: "lifecycle_outbox", TickChannel: "lifecycle_outbox_tick", TickFloor: 5 * time.Millisecond,
+		TickFallbackInterval: 5 * time.Second, NotifyGap: 20 * time.Millisecond, FollowUpInterval: 2 * time.Millisecond,
 		FollowUpWindow: 50 * time.Millisecond, WakeInterval: 10 * time.Millisecond,
 		LockTimeout: 5 * time.Second, StatementTimeout: 30 * time.Second,
 		ListenDSN:          "host=/var/run/postgresql port=5432 dbname=tasks user=engine",

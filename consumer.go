@@ -64,6 +64,7 @@ type Consumer struct {
 
 	leases *leaseKeeper
 	waker  *waker
+	ticker *ticker
 	loop   *scanLoop
 }
 
@@ -113,14 +114,10 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 		recon: &reconciler{id: opts.ID, pool: opts.Pool, cfg: cfg, cache: opts.Cache, live: opts.LiveTasks},
 	}
 	loop.acks = &acknowledger{id: opts.ID, owner: owner, pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
-	loop.holder = holder{owner: owner, hold: sequencerHold, gap: cfg.NotifyGap}
-	if !cfg.NotifyDisabled {
-		loop.holder.channel = cfg.NotifyChannel
-	}
 	return &Consumer{
 		id: opts.ID, owner: owner, cfg: cfg, log: log, metrics: opts.Metrics, stats: st,
 		status: &statusSource{db: opts.Pool, projects: leases.observedProjects, clock: cfg.Clock, log: log},
-		leases: leases, loop: loop,
+		leases: leases, loop: loop, ticker: newTicker(opts.Pool, cfg, log, opts.Metrics, st),
 		waker: &waker{id: opts.ID, pool: opts.Pool, cfg: cfg, metrics: opts.Metrics, log: log, scans: scans},
 	}, nil
 }
@@ -163,8 +160,9 @@ func (c *Consumer) Start(ctx context.Context) error {
 	c.metrics.watch(c.status) // before the goroutines: their shutdown unwatches
 	var wg sync.WaitGroup
 	listening := make(chan struct{})
-	wg.Add(3)
+	wg.Add(4)
 	go func() { defer wg.Done(); c.leases.heartbeatLoop(runCtx) }()
+	go func() { defer wg.Done(); c.ticker.run(runCtx) }()
 	go func() {
 		defer wg.Done()
 		if c.cfg.NotifyDisabled {
@@ -234,7 +232,6 @@ func (c *Consumer) shutdown() {
 	c.loop.acks.await()
 	c.loop.acks.flush(ctx, c.loop.pendingAcks())
 	c.leases.release(ctx)
-	c.loop.releaseHolds(ctx)
 	c.metrics.unwatch(c.status)
 	c.log.Info("consumer stopped", zap.Int64("delivered", c.stats.delivered.Load()))
 }
@@ -260,13 +257,15 @@ type Stats struct {
 	Replayed        int64 // dead letters replayed successfully
 	Reconciliations int64
 	LeaseLosses     int64
-	Scans           int64 // scans of at least one project, each starting with a sequencer call or a read of heads
-	Numbered        int64 // events this instance's sequencer calls numbered (see migration 0008: one instance numbers a project at a time)
+	Scans           int64 // scans of at least one project, each starting with a read of heads
+	Ticks           int64 // ticks this instance took as the ticker (or as a fallback)
+	Numbered        int64 // events its ticks numbered
+	Holes           int64 // missing events found (each reconciled its project)
 }
 
 // stats are the counters every part of a consumer adds to.
 type stats struct {
-	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, numbered atomic.Int64
+	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, ticks, numbered, holes atomic.Int64
 }
 
 // Stats returns the consumer's counters.
@@ -275,7 +274,7 @@ func (c *Consumer) Stats() Stats {
 	return Stats{
 		Delivered: s.delivered.Load(), Own: s.own.Load(), Suppressed: s.suppressed.Load(), Failures: s.failures.Load(),
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
-		Scans: s.scans.Load(), Numbered: s.numbered.Load(),
+		Scans: s.scans.Load(), Ticks: s.ticks.Load(), Numbered: s.numbered.Load(), Holes: s.holes.Load(),
 	}
 }
 

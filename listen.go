@@ -14,10 +14,11 @@ import (
 	"fusion/outbox/internal/safetext"
 )
 
-// The wake-up channel. Writers send one notification per project after commit; the payload
-// is the project ID and nothing else. A notification is only a hint that shortens a
-// consumer's wait: the cursor scan is what delivers, so a lost notification costs at most one
-// poll interval and a forged one costs one scan.
+// The wake-up channel (Config.TickChannel). The ticker's function sends one notification per
+// project with new events when a tick commits; the payload is the project ID and nothing else.
+// A notification is only a hint that shortens a consumer's wait: the cursor scan is what
+// delivers, so a lost notification costs at most one poll interval and a forged one costs one
+// scan. (Writers notify Config.NotifyChannel, which only the elected ticker hears.)
 
 // parseWakePayload checks a notification payload and returns the project it names. Payloads
 // that are not ours (anything but a valid project ID) are an error, which the consumer logs
@@ -89,7 +90,7 @@ func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
 		defer cancel()
 		_ = conn.Close(closeCtx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{wk.cfg.NotifyChannel}.Sanitize()); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{wk.cfg.TickChannel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
 	wk.scans.request() // catch up on whatever committed while no one was listening
@@ -116,23 +117,29 @@ func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
 	}
 }
 
-// listenConn opens the dedicated connection: from Config.ListenDSN when set (a pool behind a
-// transaction-pooling proxy cannot LISTEN), else hijacked from the pool so it never returns.
+// listenConn opens the waker's dedicated connection (see dedicatedConn).
 func (wk *waker) listenConn(ctx context.Context) (*pgx.Conn, error) {
-	if wk.cfg.ListenDSN != "" {
+	return dedicatedConn(ctx, wk.pool, wk.cfg)
+}
+
+// dedicatedConn opens a connection of the consumer's own, for LISTEN and the ticker's election:
+// from Config.ListenDSN when set (a pool behind a transaction-pooling proxy cannot LISTEN), else
+// hijacked from the pool so it never returns.
+func dedicatedConn(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*pgx.Conn, error) {
+	if cfg.ListenDSN != "" {
 		// Config.Validate parsed it already; a parse error is still never wrapped, since pgx's
 		// message can hold part of a password and this one would be logged on every reconnect.
-		cfg, err := pgx.ParseConfig(wk.cfg.ListenDSN)
+		pcfg, err := pgx.ParseConfig(cfg.ListenDSN)
 		if err != nil {
 			return nil, fmt.Errorf("connect for LISTEN: ListenDSN does not parse: %s", safetext.DSNParseReason(err))
 		}
-		conn, err := pgx.ConnectConfig(ctx, cfg)
+		conn, err := pgx.ConnectConfig(ctx, pcfg)
 		if err != nil {
 			return nil, fmt.Errorf("connect for LISTEN: %w", err)
 		}
 		return conn, nil
 	}
-	pc, err := wk.pool.Acquire(ctx)
+	pc, err := pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("acquire LISTEN connection: %w", err)
 	}

@@ -93,7 +93,7 @@ func (wk *waker) startSelfTest(ctx context.Context) (*selfTest, error) {
 	st := &selfTest{token: selfTestPrefix + hex.EncodeToString(b[:])}
 	sendCtx, stop := context.WithTimeout(ctx, 10*time.Second)
 	defer stop()
-	if _, err := wk.pool.Exec(sendCtx, selfTestNotifySQL, wk.cfg.NotifyChannel, st.token); err != nil {
+	if _, err := wk.pool.Exec(sendCtx, selfTestNotifySQL, wk.cfg.TickChannel, st.token); err != nil {
 		return nil, fmt.Errorf("wake-up self-test: send: %w", err)
 	}
 	st.timer = time.AfterFunc(wk.cfg.ListenCheckTimeout, wk.selfTestTimedOut)
@@ -142,7 +142,7 @@ func (wk *waker) selfTestTimedOut() {
 		fix = "ListenDSN (listen_dsn) is set: point it at PostgreSQL directly, not at the pooler"
 	}
 	wk.log.Warn("LISTEN wake-ups do not arrive (is the pool behind a transaction-pooling proxy?); the consumer runs on polling alone",
-		zap.String("channel", wk.cfg.NotifyChannel), zap.Duration("self_test_timeout", wk.cfg.ListenCheckTimeout),
+		zap.String("channel", wk.cfg.TickChannel), zap.Duration("self_test_timeout", wk.cfg.ListenCheckTimeout),
 		zap.Duration("poll_interval", wk.cfg.PollInterval), zap.String("fix", fix))
 }
 
@@ -156,7 +156,7 @@ func (wk *waker) pollOnly(why string) {
 	w.warned = true
 	wk.metrics.wakeups(string(wk.id), false)
 	wk.log.Warn("LISTEN wake-ups do not arrive: "+why+"; the consumer runs on polling alone",
-		zap.String("channel", wk.cfg.NotifyChannel), zap.Duration("poll_interval", wk.cfg.PollInterval),
+		zap.String("channel", wk.cfg.TickChannel), zap.Duration("poll_interval", wk.cfg.PollInterval),
 		zap.String("fix", "set ListenDSN (listen_dsn) to a connection string that reaches PostgreSQL directly, not through the pooler, or NotifyDisabled (notify_disabled)"))
 }
 

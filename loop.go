@@ -5,12 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"sort"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	semconv "go.opentelemetry.io/otel/semconv/v1.37.0"
 	"go.uber.org/zap"
 )
 
@@ -37,16 +35,11 @@ type scanLoop struct {
 	stats    *stats
 
 	state map[string]*streamState // owned by the loop goroutine
-	seq   isolatingSequencer      // owned by the loop goroutine
 	// readSuspects are the projects that failed when read alone after a combined read failed:
 	// they read alone, so that the others' combined read succeeds, until they read alone
 	// without failing. Owned by the loop goroutine.
 	readSuspects map[string]bool
-	holder       holder      // this instance as its projects' sequencer
-	holding      atomic.Bool // a sequencer call of this instance took a hold
-	// prefetched is the sequencer call in flight while the loop reads (see prefetch).
-	prefetched *prefetch
-	skipLog    logEvery // owned by the loop goroutine
+	skipLog      logEvery // owned by the loop goroutine
 	// rest, when set (by tests), is called each time the loop waits with nothing armed but the
 	// poll interval: what one poll costs is the scans between two rests.
 	rest func()
@@ -75,18 +68,25 @@ type streamState struct {
 	retryAt time.Time
 	blocked bool // the head-of-line event waits for its next attempt
 	found   bool // the last scan had events or deliveries to look at
-	// progressed: the last scan numbered events or moved the stream forward. A project waiting
-	// on a retry makes no progress, so it gets no follow-up scans.
+	// progressed: the last scan moved the stream forward. A project waiting on a retry makes
+	// no progress, so it gets no follow-up scans.
 	progressed bool
-	busyScans  int // consecutive scans without progress that found another sequencer's call numbering the project
-	// heldElsewhere is when another instance's hold on the project as its sequencer runs out:
-	// until then the scan reads the project's head instead of calling the sequencer.
-	heldElsewhere time.Time
+	// key is the log key of the event at position, when this instance read it: the next read
+	// continues after it inside a tick. Valid only while keyAt == position.
+	key   eventKey
+	keyAt int64
+	// unackedSince is when the stream first dispatched beyond its durable cursor (zero when
+	// nothing waits): its cursor is written AckInterval later at the latest.
+	unackedSince time.Time
 }
 
-// maxBusyFollowUps bounds the follow-up scans a project gets for finding another sequencer's
-// call at work (Head.Busy), one after the other: about 50ms at the default FollowUpInterval.
-const maxBusyFollowUps = 25
+// readKey is the key the next read of st continues after, or the zero key.
+func (st *streamState) readKey() eventKey {
+	if st.keyAt != st.position || st.position == 0 {
+		return eventKey{}
+	}
+	return st.key
+}
 
 // run scans on a notification (the notified projects), on the poll interval (every project),
 // when a blocked retry falls due (on the injected clock), and soon after a step failed. It
@@ -95,7 +95,6 @@ const maxBusyFollowUps = 25
 func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	s := l.dispatch.session(ctx, l.cfg.ListenerTimeout, abandon)
 	defer s.close()
-	defer l.takePrefetch() // the call in flight ends with ctx; nothing outlives the loop
 	s.trace, s.metrics = l.trace, l.metrics
 	poll := time.NewTimer(0)
 	defer poll.Stop()
@@ -170,7 +169,13 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 			next = time.NewTimer(busy.interval) // a busy project's follow-up scan
 			nextC = next.C
 		}
-		if l.rest != nil && retry == nil && held == nil && next == nil {
+		var ackT *time.Timer
+		var ackC <-chan time.Time
+		if at, ok := l.nextAck(); ok {
+			ackT = time.NewTimer(time.Until(at)) // a cursor write falls due
+			ackC = ackT.C
+		}
+		if l.rest != nil && retry == nil && held == nil && next == nil && ackT == nil {
 			l.rest()
 		}
 		select {
@@ -183,6 +188,12 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 			followUp = true
 		case <-retryC:
 			full = true
+		case <-ackC:
+			l.acks.await()
+			l.acks.start(ctx, l.dueAcks(time.Now())...)
+		}
+		if ackT != nil {
+			ackT.Stop()
 		}
 		if retry != nil {
 			retry.Stop()
@@ -259,8 +270,8 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	l.stats.scans.Add(1)
 	// One project's broken rows cost only that project: a step that failed for some projects
 	// skips them this scan and the others go on.
-	heads, err := l.sequence(ctx, held)
-	if held, failed = l.skipFailed("sequence", held, err); len(held) == 0 {
+	heads, err := l.readHeads(ctx, held)
+	if held, failed = l.skipFailed("read heads", held, err); len(held) == 0 {
 		return failed
 	}
 	open, err := l.store.open(ctx, l.pool, held)
@@ -287,9 +298,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 			l.handleStreamError(st, err)
 		}
 	}
-	// The scan's acknowledgement commits while the loop waits for its next scan; the next
-	// scan (or the consumer's shutdown) applies what it wrote before anything else.
-	l.acks.start(ctx, l.pendingAcks()...)
+	// The acknowledgements due commit while the loop waits for its next scan; the next scan
+	// (or the consumer's shutdown) applies what they wrote before anything else.
+	l.acks.start(ctx, l.dueAcks(time.Now())...)
 	return failed
 }
 
@@ -305,6 +316,7 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[string]Head, open map[string][]delivery) (first map[string]firstBatch, alone bool, err error) {
 	var projects []string
 	var after []int64
+	var keys []eventKey
 	capacity := 0
 	for _, p := range held {
 		st, head := l.state[p], heads[p]
@@ -317,13 +329,13 @@ func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[strin
 		if r := headOfLineRetry(open[p], st.position); r != nil && r.sequence == st.position+1 && !r.due {
 			continue
 		}
-		projects, after = append(projects, p), append(after, st.position)
+		projects, after, keys = append(projects, p), append(after, st.position), append(keys, st.readKey())
 		capacity += int(min(head.LastSequence-st.position, int64(l.cfg.BatchSize)))
 	}
 	if len(projects) < 2 {
 		return nil, false, nil
 	}
-	first, err = readFirstEvents(ctx, l.pool, projects, after, l.cfg.BatchSize, capacity)
+	first, err = readFirstEvents(ctx, l.pool, projects, after, keys, l.cfg.BatchSize, capacity)
 	if err == nil {
 		return first, false, nil
 	}
@@ -366,152 +378,19 @@ func headOfLineRetry(open []delivery, position int64) *delivery {
 	return nil
 }
 
-// sequence returns the heads of projects, numbering those no other instance holds as its
-// sequencer. The projects another instance holds cost one read of their heads: that instance
-// numbers them and announces what it numbered, so K consumers of a project number it once, not
-// K times over.
-func (l *scanLoop) sequence(ctx context.Context, projects []string) (map[string]Head, error) {
-	now := time.Now()
-	mine := projects[:0:0]
-	var elsewhere []string
-	for _, p := range projects {
-		if st := l.state[p]; st != nil && now.Before(st.heldElsewhere) {
-			elsewhere = append(elsewhere, p)
-		} else {
-			mine = append(mine, p)
-		}
+// readHeads returns the heads of projects, as the ticker left them. A head below what the
+// stream reached marks the stream rewound: only a restored database moves a head back.
+func (l *scanLoop) readHeads(ctx context.Context, projects []string) (map[string]Head, error) {
+	heads, err := readHeads(ctx, l.pool, projects)
+	if err != nil {
+		return nil, err
 	}
-	// What the call made while the last scan read and dispatched already numbered: its heads
-	// stand for this scan's call in the projects it covered.
-	heads := map[string]Head{}
-	var err error
-	at := map[string]time.Time{} // when each head was read, for the holds it reports
-	if pf := l.takePrefetch(); pf != nil && pf.err == nil {
-		rest := mine[:0:0]
-		for _, p := range mine {
-			if h, ok := pf.heads[p]; ok {
-				heads[p], at[p] = h, pf.at
-			} else {
-				rest = append(rest, p)
-			}
-		}
-		mine = rest
-	}
-	if len(mine) > 0 {
-		got, serr := l.sequenceMine(ctx, mine)
-		if serr != nil && !errors.As(serr, new(*ProjectErrors)) {
-			return nil, serr
-		}
-		err = serr
-		for p, h := range got {
-			heads[p] = h
-		}
-	}
-	if len(elsewhere) > 0 {
-		read, rerr := readHeads(ctx, l.pool, elsewhere)
-		if rerr != nil {
-			return nil, rerr
-		}
-		for p, h := range read {
-			h.heldFor = l.state[p].heldElsewhere.Sub(now)
-			heads[p] = h
-		}
-	}
-	var backlog []string
 	for p, h := range heads {
-		st := l.state[p]
-		if st == nil {
-			continue
-		}
-		read, ok := at[p]
-		if !ok {
-			read = now
-		}
-		if !ok && h.LastSequence-int64(h.Assigned) < st.position {
-			// The head before this call (or this read) is below what the stream reached. Not
-			// checked on a prefetched head: the stream may have read past it since.
+		if st := l.state[p]; st != nil && h.LastSequence < st.position {
 			st.rewound = true
 		}
-		if h.heldFor > 0 {
-			st.heldElsewhere = read.Add(h.heldFor)
-		} else if h.Assigned > 0 {
-			l.holding.Store(true)
-			l.stats.numbered.Add(int64(h.Assigned))
-		}
-		if h.Assigned >= l.cfg.SequenceBatchSize {
-			backlog = append(backlog, p) // a full batch: there is likely more to number
-		}
 	}
-	if len(backlog) > 0 && ctx.Err() == nil {
-		l.startPrefetch(ctx, backlog)
-	}
-	return heads, err
-}
-
-// prefetch is a sequencer call made while the loop reads and dispatches what the last call
-// numbered, so that draining a backlog numbers the next batch meanwhile instead of after.
-type prefetch struct {
-	at    time.Time
-	done  chan struct{}
-	heads map[string]Head
-	err   error
-}
-
-// startPrefetch calls the sequencer for projects in the background. Only one call is in
-// flight, and the loop goroutine uses l.seq only after taking it (takePrefetch).
-func (l *scanLoop) startPrefetch(ctx context.Context, projects []string) {
-	pf := &prefetch{at: time.Now(), done: make(chan struct{})}
-	l.prefetched = pf
-	go func() {
-		defer close(pf.done)
-		pf.heads, pf.err = l.sequenceMine(ctx, projects)
-	}()
-}
-
-// takePrefetch waits for the call in flight, if any, and hands it over.
-func (l *scanLoop) takePrefetch() *prefetch {
-	pf := l.prefetched
-	if pf == nil {
-		return nil
-	}
-	l.prefetched = nil
-	<-pf.done
-	if pf.err != nil && !errors.Is(pf.err, context.Canceled) {
-		logTransient(l.log, "sequence ahead", pf.err) // this scan calls again for those projects
-	}
-	return pf
-}
-
-// sequenceMine is the sequencer call, in a span when tracing is on. A stop does not cancel a
-// call in flight: the loop waits for it, bounded by StatementTimeout. A cancelled call can
-// still run on the server after the client gave up on it (the cancel request arrived before
-// the statement started), and it would then number rows and take holds after the stopping
-// consumer released them.
-func (l *scanLoop) sequenceMine(ctx context.Context, projects []string) (map[string]Head, error) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.StatementTimeout)
-	defer cancel()
-	if l.trace.tracer == nil {
-		return l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize, &l.holder)
-	}
-	ctx, span := l.trace.start(ctx, spanSequence, semconv.MessagingConsumerGroupName(string(l.id)), attrProjects.Int(len(projects)))
-	heads, err := l.seq.sequence(ctx, l.pool, projects, l.cfg.SequenceBatchSize, &l.holder)
-	assigned := 0
-	for _, h := range heads {
-		assigned += h.Assigned
-	}
-	endSpan(span, err, attrAssigned.Int(assigned))
-	return heads, err
-}
-
-// releaseHolds gives up this instance's holds as a sequencer, so that another instance numbers
-// its projects at once instead of when the holds run out.
-func (l *scanLoop) releaseHolds(ctx context.Context) {
-	if !l.holding.Load() {
-		return
-	}
-	if _, err := l.pool.Exec(ctx, releaseHoldsSQL, l.holder.owner); err != nil {
-		l.log.Warn("sequencer holds not released; they will run out", zap.Duration("hold", l.holder.hold), zap.Error(err))
-	}
+	return heads, nil
 }
 
 // skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
@@ -561,28 +440,10 @@ func (l *scanLoop) unblock(project string) {
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState, head Head, open []delivery, first *firstBatch) error {
 	st.blocked = false
 	start := st.position
-	// A project whose heads row another sequencer's call holds locked right now counts as
-	// progress, so that it is scanned again soon for what that call commits; but only for a
-	// while without progress, in case the other stalls. Another instance merely holding the
-	// project as its sequencer (heldFor) does not: the hold outlives its numbering by up to
-	// sequencerHold, and counting it had every scan of an idle project in that time start
-	// maxBusyFollowUps empty scans. What the holder numbers is announced, and found by the
-	// next scan; a scan that then reads it makes progress and is followed up as usual.
-	busy := head.Busy
-	elsewhere := busy || head.heldFor > 0
-	defer func() {
-		moved := head.Assigned > 0 || st.position > start
-		if moved || !busy {
-			st.busyScans = 0
-		} else {
-			st.busyScans++
-		}
-		st.progressed = moved || (busy && st.busyScans <= maxBusyFollowUps)
-	}()
+	defer func() { st.progressed = st.position > start }()
 	// Whether this scan had anything to do: the wake limiter holds back notifications only for
-	// projects whose last notified scan found nothing, and a project another sequencer numbers
-	// has its announcement coming.
-	st.found = head.Assigned > 0 || elsewhere || head.LastSequence > st.position || len(open) > 0
+	// projects whose last notified scan found nothing.
+	st.found = head.LastSequence > st.position || len(open) > 0
 	if st.rewound {
 		if err := l.restartFromCursor(ctx, st, head); err != nil {
 			return err
@@ -618,21 +479,26 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 		} else {
 			// Later batches, and a first one read before a reconciliation moved the stream.
 			var err error
-			if batch, err = readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize); err != nil {
+			if batch, err = readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize, st.readKey()); err != nil {
 				return err
 			}
 		}
 		first = nil
 		if len(batch) == 0 {
-			return nil
+			// The head counts events above the position and none is stored: a hole.
+			return l.hole(ctx, st, head, st.position+1)
 		}
 		stop, err := l.dispatchBatch(ctx, s, st, batch, retrying)
+		if h := (errHole{}); errors.As(err, &h) {
+			return l.hole(ctx, st, head, h.next)
+		}
 		if err != nil || stop {
 			return err
 		}
 		retrying = nil
 		if st.position-st.acked >= int64(l.cfg.BatchSize) {
 			l.acks.start(ctx, ack{st.project, st.epoch, st.position})
+			st.unackedSince = time.Time{}
 		}
 	}
 	return nil
@@ -641,11 +507,18 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 // dispatchBatch delivers events in order. It stops at the first failure (which it records) or
 // when the lease is gone; stop reports that the stream cannot go further this scan.
 func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamState, batch []storedEvent, retrying *delivery) (stop bool, err error) {
+	if st.unackedSince.IsZero() {
+		st.unackedSince = time.Now()
+	}
 	for _, row := range batch {
 		ev := row.Event
+		if ev.Sequence > st.position+1 {
+			return true, errHole{next: st.position + 1, found: ev.Sequence}
+		}
 		if ev.Sequence != st.position+1 {
 			return true, fmt.Errorf("project %s: read sequence %d after %d", st.project, ev.Sequence, st.position)
 		}
+		st.key, st.keyAt = row.key, ev.Sequence // the key of the event at position, once it moves there
 		if ctx.Err() != nil || !l.leases.valid(st.project, st.epoch) {
 			return true, nil // stopping, or the lease is gone: nothing more is handed over
 		}
@@ -696,6 +569,25 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 	return false, nil
 }
 
+// errHole is a read that skipped sequences: the event at next is counted but not stored.
+type errHole struct{ next, found int64 }
+
+func (e errHole) Error() string {
+	return fmt.Sprintf("sequence %d is missing (read %d next)", e.next, e.found)
+}
+
+// hole handles a stream that cannot be read past next: an event its tick counted is no longer
+// stored (only the schema's owner can delete one). It is logged and counted, and the project is
+// reconciled (reason stream_hole, recorded on the cursor), so the stream goes on from the head
+// and the live set still reflects the lost event's deletion.
+func (l *scanLoop) hole(ctx context.Context, st *streamState, head Head, next int64) error {
+	l.stats.holes.Add(1)
+	l.metrics.streamHole(st.project, string(l.id))
+	l.log.Error("an event of the stream is missing (deleted by hand?): the project is reconciled",
+		zap.String("project_id", st.project), zap.Int64("missing_sequence", next), zap.Int64("head", head.LastSequence))
+	return l.reconcile(ctx, st, ReasonStreamHole)
+}
+
 // restartFromCursor drops the stream's in-memory position after its head went back below it
 // (rewound) and restarts from the durable cursor, as a new lease does: the cursor is what the
 // restored history says this consumer acknowledged. A cursor still above the head is
@@ -743,7 +635,7 @@ func (l *scanLoop) reconcileReason(st *streamState, head Head) (ReconcileReason,
 	return "", false
 }
 
-const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`
+const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox_read($1::text, $2::bigint - 1, 1, NULL, NULL, NULL) WHERE sequence = $2`
 
 // verifyDelivered checks, after a new lease moved the position back, that the event stored at
 // the sequence this instance last delivered is still the one it delivered. If it is not (a
@@ -829,6 +721,39 @@ func (l *scanLoop) pendingAcks() []ack {
 		}
 	}
 	return out
+}
+
+// dueAcks lists the cursor writes due now: a stream with BatchSize events dispatched beyond its
+// cursor, or with events waiting since AckInterval ago. The rest wait, so a busy consumer
+// writes its cursors by time or count, not once per scan.
+func (l *scanLoop) dueAcks(now time.Time) []ack {
+	var out []ack
+	for _, st := range l.state {
+		if st.position <= st.acked || st.epoch <= 0 {
+			continue
+		}
+		if st.unackedSince.IsZero() {
+			st.unackedSince = now // moved without a dispatch (a reconciliation, a replay): due in AckInterval
+		}
+		if st.position-st.acked >= int64(l.cfg.BatchSize) || now.Sub(st.unackedSince) >= l.cfg.AckInterval {
+			out = append(out, ack{st.project, st.epoch, st.position})
+			st.unackedSince = time.Time{}
+		}
+	}
+	return out
+}
+
+// nextAck is when the earliest acknowledgement not yet written falls due; ok is false when
+// none waits.
+func (l *scanLoop) nextAck() (at time.Time, ok bool) {
+	for _, st := range l.state {
+		if st.position > st.acked && st.epoch > 0 && !st.unackedSince.IsZero() {
+			if due := st.unackedSince.Add(l.cfg.AckInterval); !ok || due.Before(at) {
+				at, ok = due, true
+			}
+		}
+	}
+	return at, ok
 }
 
 // applyAcks records on the stream states what the acknowledger wrote. A project whose row did

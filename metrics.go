@@ -30,6 +30,9 @@ type Metrics struct {
 	listenReconnects  *prometheus.CounterVec
 	listenWakeups     *prometheus.GaugeVec
 	projectErrors     *prometheus.CounterVec
+	ticks             prometheus.Counter
+	tickedEvents      prometheus.Counter
+	streamHoles       *prometheus.CounterVec
 	status            *statusCollector
 }
 
@@ -62,6 +65,12 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Times the LISTEN connection was lost and re-opened."}, []string{"consumer"}),
 		projectErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_project_errors_total",
 			Help: "Scans in which a step failed for one project, which was skipped while the others went on, by step."}, append(pc, "step")),
+		ticks: prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_ticks_total",
+			Help: "Ticks this process took (as the elected ticker, or as a fallback)."}),
+		tickedEvents: prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_ticked_events_total",
+			Help: "Events numbered by this process's ticks."}),
+		streamHoles: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_stream_holes_total",
+			Help: "Events counted by their tick but no longer stored, found by a consumer (each reconciled its project)."}, pc),
 		status: &statusCollector{},
 	}
 	m.listenWakeups = newListenWakeupsGauge() // listen_selftest.go
@@ -77,7 +86,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		Help: "Projects whose lag and dead-letter gauges could not be read from the database at a scrape (each left out of that scrape)."})
 	for _, c := range []prometheus.Collector{m.dispatched, m.duration, m.failures, m.parkedTotal, m.replayedTotal,
 		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects,
-		m.listenWakeups, m.projectErrors, m.status} {
+		m.listenWakeups, m.projectErrors, m.ticks, m.tickedEvents, m.streamHoles, m.status} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register outbox metrics: %w", err)
 		}
@@ -139,6 +148,19 @@ func (m *Metrics) leaseLost(project, consumer string) {
 func (m *Metrics) reconciled(project, consumer, reason string) {
 	if m != nil {
 		m.reconciliations.WithLabelValues(project, consumer, reason).Inc()
+	}
+}
+
+func (m *Metrics) ticked(ticks int, events int64) {
+	if m != nil {
+		m.ticks.Add(float64(ticks))
+		m.tickedEvents.Add(float64(events))
+	}
+}
+
+func (m *Metrics) streamHole(project, consumer string) {
+	if m != nil {
+		m.streamHoles.WithLabelValues(project, consumer).Inc()
 	}
 }
 

@@ -12,7 +12,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
-	"fusion/outbox/internal/pgtest"
 )
 
 // grantTables are the tables every row-level security policy consults.
@@ -119,66 +118,4 @@ func TestPolicyChecksDoNotGrowWithGrants(t *testing.T) {
 	lots = grantRowsRead(t, manyConsumer, acquire, acquireArgs...)
 	require.Equal(t, few, lots, "taking a lease read more grant rows for a role of %d projects and consumers", many)
 	require.Positive(t, lots["lifecycle_consumer_access"], "the lease's update was not checked against the consumer grants")
-}
-
-// TestSequencerCallDoesNotReadOtherRolesGrants: a consumer's sequencer call, and the release of
-// its holds, read the same grant rows whatever other roles are granted. Until migration 0015
-// both joined every grant in the database with the roles the caller acts as. The release read
-// every grant whatever the statistics; the call did when the plan put the grants first, as it
-// did on the development cluster (few roles, many grants), where another role's 100,000
-// grants took an idle call for 16 projects from 6,480 calls a second to 106 at most. With this
-// cluster's statistics the old call's plan may start from the roles instead; then only the
-// release shows the old cost here.
-func TestSequencerCallDoesNotReadOtherRolesGrants(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	_, role := lp.component(t, "engine", consumerGrant("engine", "proj-a"))
-	other := manyNames("other", 3000)
-	_, otherRole := lp.component(t, "other", writerGrant(other...))
-	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", 1)
-
-	// auto_explain shows the statements inside the function.
-	s := explainedSessionAs(t, ctx, lp, role)
-	grantsRead := func(sql string, args ...any) int {
-		rows, _ := grantReads(s.plans(t, ctx, sql, args...), "lifecycle_project_access")
-		return rows
-	}
-	release := `SELECT lifecycle_outbox_release_sequencer('engine@0123456789abcdef')`
-	// Statistics as autovacuum would keep them: the plans are made on the first call.
-	_, err := lp.owner.Exec(ctx, `ANALYZE lifecycle_project_access`)
-	require.NoError(t, err)
-	first := grantsRead(sequencerCall, []string{"proj-a"})
-	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE project_id = 'proj-a'`), "the call numbered the event")
-	firstRelease := grantsRead(release)
-
-	// The same again, one more event to number, with the other role granted twice as much.
-	require.NoError(t, outbox.GrantProjectAccess(ctx, lp.owner, otherRole, manyNames("more", 3000)...))
-	deletePrefixedTasksAs(t, lp, writer, "proj-a", "u", 1)
-	require.Equal(t, first, grantsRead(sequencerCall, []string{"proj-a"}), "the call read the other role's grants")
-	require.Equal(t, 2, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox WHERE project_id = 'proj-a'`), "the call numbered the event")
-	require.Equal(t, firstRelease, grantsRead(release), "releasing the holds read the other role's grants")
-	require.Less(t, first+firstRelease, len(other), "the calls read grants of the other role")
-}
-
-// TestSequencerCallOfManyProjectsReadsOneGrantForEveryProject: a consumer granted every
-// project ('*') calls the sequencer for all of its projects on every poll; the call looks up
-// that one grant, not each project of the call (a probe per project would not show in the rows
-// the probes return, only in the pages they touch).
-func TestSequencerCallOfManyProjectsReadsOneGrantForEveryProject(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	lp := newLeastPrivilege(t)
-	_, role := lp.component(t, "engine", consumerGrant("engine", "*"))
-	s := explainedSessionAs(t, ctx, lp, role)
-	// Pages of the grant table and its key that the call's statements touched: a probe per
-	// project of the call would touch thousands.
-	pages := func(projects []string) int {
-		_, n := grantReads(s.plans(t, ctx, sequencerCall, projects), "lifecycle_project_access")
-		return n
-	}
-	one := pages([]string{"proj-0001"})
-	require.Positive(t, one, "the call did not look up its caller's grants")
-	require.Equal(t, one, pages(manyNames("proj", 2000)), "a call for 2,000 projects read more of the grants than a call for one")
 }

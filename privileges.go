@@ -20,32 +20,41 @@ import (
 
 type grant struct{ privileges, object string }
 
-// pendingColumns are what a writer inserts into the pending table.
-const pendingColumns = "project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context"
+// logColumns are what a writer inserts into the event log: every column but txid, which the
+// database sets to the writing transaction's ID.
+const logColumns = "project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context"
 
-// writerGrants: the writer hook inserts one pending row per first deletion and reads it back on
-// a repeat, wherever it is by then. It cannot number, change or delete a row, or touch any
-// other table. Of the stream it reads only what its repeat reads (writerOutboxColumns), not
-// the events' contents. (INSERT on lifecycle_outbox is for writers of schema 6 and earlier
-// during a rolling deploy: the sequencer numbers their unnumbered rows too.)
+// writerGrants: the writer hook inserts one event per first deletion into the log and reads it
+// back on a repeat, wherever it is (the log, or pending or numbered by an older version). It
+// cannot set an event's transaction, change or delete an event, or touch any other table. It
+// reads only what its repeat reads (writerLogColumns, writerOutboxColumns), not the events'
+// contents.
 var writerGrants = []grant{
-	{"SELECT, INSERT (" + pendingColumns + ")", "TABLE lifecycle_outbox_pending"},
-	{"SELECT (" + writerOutboxColumns + "), INSERT (" + pendingColumns + ")", "TABLE lifecycle_outbox"},
+	{"SELECT (" + writerLogColumns + "), INSERT (" + logColumns + ")", "TABLE lifecycle_event_log"},
+	{"SELECT", "TABLE lifecycle_outbox_pending"},
+	{"SELECT (" + writerOutboxColumns + ")", "TABLE lifecycle_outbox"},
 	{"SELECT", "TABLE lifecycle_project_access"},
 	{"SELECT", "TABLE " + schemaTable},
 }
+
+// writerLogColumns are what the writer's repeat (selectEventByIDSQL) reads of the log.
+const writerLogColumns = "project_id, task_id, deleted_at, writer_process_id, occurred_at"
 
 // writerOutboxColumns are what the writer's repeat (selectEventByIDSQL) reads of the stream:
 // which deletion an event is, who wrote it, when, and its sequence.
 const writerOutboxColumns = "project_id, task_id, deleted_at, writer_process_id, occurred_at, sequence"
 
-// consumerGrants: the consumer sequences (the function moves pending rows into the stream as
-// its owner, for the projects the role is granted; see migration 0007), reads events, and writes its own cursors, leases and delivery attempts, and the
-// poison and replay audit rows. It cannot retire anyone, ask for a replay, prune or delete.
+// consumerGrants: the consumer ticks (the owner's function numbers what committed, for every
+// project; see migration 0018), reads events through lifecycle_outbox_read, and writes its own
+// cursors, leases and delivery attempts, and the poison and replay audit rows. It cannot
+// number by hand, retire anyone, ask for a replay, prune or delete.
 var consumerGrants = []grant{
-	{"SELECT, UPDATE (sequence)", "TABLE lifecycle_outbox"},
+	{"SELECT", "TABLE lifecycle_outbox"},
 	{"SELECT", "TABLE lifecycle_outbox_pending"},
-	{"SELECT, INSERT (project_id), UPDATE (last_sequence, sequenced_at)", "TABLE lifecycle_outbox_heads"},
+	{"SELECT", "TABLE lifecycle_event_log"},
+	{"SELECT", "TABLE lifecycle_tick"},
+	{"SELECT", "TABLE lifecycle_tick_project"},
+	{"SELECT", "TABLE lifecycle_outbox_heads"},
 	{"SELECT, INSERT (project_id, consumer_id), UPDATE (last_acked_sequence, acked_at, lease_owner, lease_epoch, " +
 		"lease_expires_at, heartbeat_at, reconciled_at, reconcile_reason)", "TABLE lifecycle_consumer_cursors"},
 	{"SELECT, INSERT (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, " +
@@ -54,13 +63,17 @@ var consumerGrants = []grant{
 	{"INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)", "TABLE lifecycle_audit"},
 	{"SELECT", "TABLE lifecycle_project_access"},
 	{"SELECT", "TABLE " + schemaTable},
-	{"EXECUTE", "FUNCTION lifecycle_outbox_sequence(text[], integer)"},
-	{"EXECUTE", "FUNCTION " + sequenceHeldSignature},
-	{"EXECUTE", "FUNCTION lifecycle_outbox_release_sequencer(text)"},
+	{"EXECUTE", "FUNCTION " + tickSignature},
+	{"EXECUTE", "FUNCTION " + adoptSignature},
+	{"EXECUTE", "FUNCTION " + readSignature},
 }
 
-// sequenceHeldSignature is the consumer's form of the sequencer (migration 0008).
-const sequenceHeldSignature = "lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)"
+// The ticker's and the reader's functions (migration 0018).
+const (
+	tickSignature  = "lifecycle_outbox_tick(text)"
+	adoptSignature = "lifecycle_outbox_adopt_legacy(integer)"
+	readSignature  = "lifecycle_outbox_read(text, bigint, integer, xid8, timestamptz, text)"
+)
 
 // operatorGrants: outboxctl and the retention sweep read status, request replays, retire and
 // reinstate consumers, prune acknowledged events and resolved dead letters, and audit it all.
@@ -69,6 +82,9 @@ const sequenceHeldSignature = "lifecycle_outbox_sequence(text[], integer, text, 
 var operatorGrants = []grant{
 	{"SELECT", "TABLE lifecycle_outbox"},
 	{"SELECT", "TABLE lifecycle_outbox_pending"},
+	{"SELECT", "TABLE lifecycle_event_log"},
+	{"SELECT", "TABLE lifecycle_tick"},
+	{"SELECT", "TABLE lifecycle_tick_project"},
 	{"SELECT", "TABLE lifecycle_outbox_heads"},
 	{"SELECT, UPDATE (retired_at, retired_by, retired_reason, lease_owner, lease_expires_at)", "TABLE lifecycle_consumer_cursors"},
 	{"SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason)", "TABLE lifecycle_consumer_deliveries"},
@@ -77,6 +93,7 @@ var operatorGrants = []grant{
 	{"SELECT", "TABLE " + schemaTable},
 	{"EXECUTE", "FUNCTION " + pruneSignature},
 	{"EXECUTE", "FUNCTION " + pruneDeadLettersSignature},
+	{"EXECUTE", "FUNCTION " + readSignature},
 }
 
 // The pruning functions (migration 0017).
@@ -89,8 +106,8 @@ const (
 var moduleObjects = []string{
 	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_pending", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_consumer_cursors",
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
-	"TABLE " + schemaTable, "FUNCTION lifecycle_outbox_sequence(text[], integer)",
-	"FUNCTION " + sequenceHeldSignature, "FUNCTION lifecycle_outbox_release_sequencer(text)",
+	"TABLE lifecycle_event_log", "TABLE lifecycle_tick", "TABLE lifecycle_tick_project",
+	"TABLE " + schemaTable, "FUNCTION " + tickSignature, "FUNCTION " + adoptSignature, "FUNCTION " + readSignature,
 	"FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
 }
 

@@ -20,6 +20,9 @@ const (
 	ReasonMissingCursor          ReconcileReason = "missing_cursor"
 	ReasonCursorAheadOfHead      ReconcileReason = "cursor_ahead_of_head"
 	ReasonCursorBelowPrunedFloor ReconcileReason = "cursor_below_pruned_floor"
+	// ReasonStreamHole: an event its tick counted is no longer stored (removed by hand by the
+	// schema's owner; no runtime role can delete one), so the stream cannot be replayed past it.
+	ReasonStreamHole ReconcileReason = "stream_hole"
 )
 
 const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1), 0)`
@@ -103,11 +106,16 @@ func (r *reconciler) restartCursorTx(ctx context.Context, tx pgx.Tx, project str
 }
 
 // deletedSinceSQL lists the deletions that may have committed after a snapshot whose head was
-// $2: those numbered above it and those not numbered yet, pending or written unnumbered by an
-// older writer (rows that committed before the snapshot come too; removing them again is
-// harmless). One branch per index.
+// $2: those numbered above it, those the last tick has not numbered yet (their transaction is
+// not visible in its snapshot), and those of older writers waiting to be adopted (rows that
+// committed before the snapshot come too; removing them again is harmless).
 const deletedSinceSQL = `
-SELECT task_id, deleted_at FROM lifecycle_outbox WHERE project_id = $1 AND sequence > $2
+SELECT task_id, deleted_at FROM lifecycle_outbox_read($1::text, $2::bigint, 100000, NULL, NULL, NULL)
+UNION ALL
+SELECT e.task_id::text, e.deleted_at::timestamptz
+FROM (SELECT t.snapshot FROM lifecycle_tick t ORDER BY t.tick_id DESC LIMIT 1) AS t, lifecycle_event_log e
+WHERE e.txid >= pg_catalog.pg_snapshot_xmin(t.snapshot) AND e.project_id = $1
+  AND NOT pg_catalog.pg_visible_in_snapshot(e.txid, t.snapshot)
 UNION ALL
 SELECT task_id, deleted_at FROM lifecycle_outbox_pending WHERE project_id = $1
 UNION ALL

@@ -103,13 +103,16 @@ func VerifySchema(ctx context.Context, db DBTX) error {
 // module's schema is.
 const schemaDriftSQL = `
 WITH tables(name, forced) AS (VALUES
-    ('lifecycle_outbox', true), ('lifecycle_outbox_pending', true), ('lifecycle_outbox_heads', true), ('lifecycle_consumer_cursors', true),
+    ('lifecycle_outbox', true), ('lifecycle_outbox_pending', true), ('lifecycle_event_log', true), ('lifecycle_tick_project', true),
+    ('lifecycle_outbox_heads', true), ('lifecycle_consumer_cursors', true),
     ('lifecycle_consumer_deliveries', true), ('lifecycle_audit', true),
     ('lifecycle_project_access', false), ('lifecycle_consumer_access', false)
 ), policies(tab, name) AS (VALUES
     ('lifecycle_outbox', 'lifecycle_outbox_project_scope'),
     ('lifecycle_outbox', 'lifecycle_outbox_sequence_once'),
     ('lifecycle_outbox_pending', 'lifecycle_outbox_pending_project_scope'),
+    ('lifecycle_event_log', 'lifecycle_event_log_project_scope'),
+    ('lifecycle_tick_project', 'lifecycle_tick_project_project_scope'),
     ('lifecycle_outbox_heads', 'lifecycle_outbox_heads_project_scope'),
     ('lifecycle_consumer_cursors', 'lifecycle_consumer_cursors_project_scope'),
     ('lifecycle_consumer_cursors', 'lifecycle_consumer_cursors_consumer_insert'),
@@ -125,12 +128,12 @@ WITH tables(name, forced) AS (VALUES
     ('lifecycle_project_access', 'lifecycle_project_access_own'),
     ('lifecycle_consumer_access', 'lifecycle_consumer_access_own')
 ), functions(signature) AS (VALUES
-    ('lifecycle_outbox_sequence(text[], integer)'), ('lifecycle_event_id(text, timestamp with time zone)'),
-    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)'),
+    ('lifecycle_event_id(text, timestamp with time zone)'),
+    ('lifecycle_outbox_tick(text)'), ('lifecycle_outbox_adopt_legacy(integer)'),
+    ('lifecycle_outbox_read(text, bigint, integer, xid8, timestamp with time zone, text)'),
     ('lifecycle_outbox_prune(text, integer, bigint, interval, interval)'), ('lifecycle_outbox_prune_dead_letters(integer, interval, interval)')
 ), definers(signature) AS (VALUES
-    ('lifecycle_outbox_sequence(text[], integer)'),
-    ('lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'), ('lifecycle_outbox_release_sequencer(text)'),
+    ('lifecycle_outbox_tick(text)'), ('lifecycle_outbox_adopt_legacy(integer)'),
     ('lifecycle_outbox_prune(text, integer, bigint, interval, interval)'), ('lifecycle_outbox_prune_dead_letters(integer, interval, interval)')
 ), problems(ord, problem) AS (
     SELECT 1, 'table ' || t.name || ' is missing' FROM tables t WHERE pg_catalog.to_regclass(t.name) IS NULL

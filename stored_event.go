@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -12,39 +13,56 @@ import (
 
 // Reading outbox rows back as events, for the scan loop and for replays.
 
-// eventColumns is what scanEvents decodes, in its order.
+// eventColumns is what scanEvents decodes, in its order, from the rows of lifecycle_outbox_read
+// (migration 0018): the stream numbered before schema 18, then the event log tick by tick. The
+// last column is the event's key in the log, with which the next read continues inside a tick.
 const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version, coalesce(trace_context, '')`
+       writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text`
 
+// readEventsSQL reads up to $3 events of project $1 numbered after $2, continuing after the key
+// ($4, $5, $6) of the event at $2 when the caller has it. The casts make the call an exact match
+// for the module's function.
 const readEventsSQL = `SELECT ` + eventColumns + `
-FROM lifecycle_outbox
-WHERE project_id = $1 AND sequence > $2
-ORDER BY sequence
-LIMIT $3`
+FROM lifecycle_outbox_read($1::text, $2::bigint, $3::integer, $4::text::xid8, $5::timestamptz, $6::text)`
 
 // readFirstEventsSQL is readEventsSQL for many projects in one statement: for each project in
-// $1, up to $3 events numbered after its position in $2 (the arrays in step). It plans as one
-// index range scan of lifecycle_outbox_project_sequence per project, like readEventsSQL. The
-// built-ins are qualified: an unnest planted in a schema on the search path is not called (see
-// migration 0005).
+// $1, up to $3 events numbered after its position in $2, with its key in $4, $5 and $6 (the
+// arrays in step). The built-ins are qualified: an unnest planted in a schema on the search path
+// is not called (see migration 0005).
 const readFirstEventsSQL = `SELECT ` + eventColumns + `
-FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::bigint[])) AS c(asked_project, asked_after)
-CROSS JOIN LATERAL (
-    SELECT project_id, sequence, event_type, task_id, deleted_at, prior_column, archived,
-           writer_process_id, occurred_at, payload_version, trace_context
-    FROM lifecycle_outbox
-    WHERE project_id = c.asked_project AND sequence > c.asked_after
-    ORDER BY sequence
-    LIMIT $3
-) AS o`
+FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::bigint[]), pg_catalog.unnest($4::text[]),
+                pg_catalog.unnest($5::timestamptz[]), pg_catalog.unnest($6::text[]))
+     AS c(asked_project, asked_after, key_txid, key_deleted_at, key_task_id)
+CROSS JOIN LATERAL lifecycle_outbox_read(c.asked_project, c.asked_after, $3::integer, c.key_txid::xid8, c.key_deleted_at, c.key_task_id) AS o`
 
+// readEventSQL reads the one event numbered $2.
 const readEventSQL = `SELECT ` + eventColumns + `
-FROM lifecycle_outbox
-WHERE project_id = $1 AND sequence = $2`
+FROM lifecycle_outbox_read($1::text, $2::bigint - 1, 1, NULL, NULL, NULL)
+WHERE sequence = $2`
 
-// readEvents reads up to limit events of project numbered after after, in order.
-func readEvents(ctx context.Context, db DBTX, project string, after int64, limit int) ([]storedEvent, error) {
-	rows, err := db.Query(ctx, readEventsSQL, project, after, limit)
+// eventKey is where an event sits in the log: its transaction and identity. A read that has the
+// key of the event at its position continues after it inside a tick without renumbering the
+// tick from its start. The zero key (an event of the stream numbered before schema 18, or none
+// known) makes the read number from the tick's start.
+type eventKey struct {
+	txid      string // the writing transaction's ID, as text; empty when unknown
+	deletedAt time.Time
+	taskID    string
+}
+
+// args are the key's three arguments of readEventsSQL.
+func (k eventKey) args() (txid *string, deletedAt *time.Time, taskID *string) {
+	if k.txid == "" {
+		return nil, nil, nil
+	}
+	return &k.txid, &k.deletedAt, &k.taskID
+}
+
+// readEvents reads up to limit events of project numbered after after, in order; key is the
+// key of the event at after, when known.
+func readEvents(ctx context.Context, db DBTX, project string, after int64, limit int, key eventKey) ([]storedEvent, error) {
+	kt, kd, kk := key.args()
+	rows, err := db.Query(ctx, readEventsSQL, project, after, limit, kt, kd, kk)
 	if err != nil {
 		return nil, fmt.Errorf("read events: %w", err)
 	}
@@ -59,11 +77,15 @@ type firstBatch struct {
 }
 
 // readFirstEvents reads in one statement up to limit events of each project numbered after its
-// position (projects and after in step) and returns them by project: every project asked for
+// position (projects, after and keys in step) and returns them by project: every project asked for
 // has a batch, empty when nothing is stored past its position. capacity is how many rows are
 // expected in all. A row that cannot be decoded is its project's, like the others.
-func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []int64, limit, capacity int) (map[string]firstBatch, error) {
-	rows, err := db.Query(ctx, readFirstEventsSQL, projects, after, limit)
+func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []int64, keys []eventKey, limit, capacity int) (map[string]firstBatch, error) {
+	txids, deletedAts, taskIDs := make([]*string, len(keys)), make([]*time.Time, len(keys)), make([]*string, len(keys))
+	for i, k := range keys {
+		txids[i], deletedAts[i], taskIDs[i] = k.args()
+	}
+	rows, err := db.Query(ctx, readFirstEventsSQL, projects, after, limit, txids, deletedAts, taskIDs)
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
@@ -120,6 +142,7 @@ type storedEvent struct {
 	// identifier the writer would have refused); Event then holds what could be read, its
 	// Sequence always.
 	bad error
+	key eventKey // where the event sits in the log (zero for the stream numbered before it)
 }
 
 // scanEvents decodes outbox rows without reflection (the drain path reads many of them) and
@@ -134,8 +157,9 @@ func scanEvents(rows pgx.Rows, capacity int) ([]storedEvent, error) {
 		var e storedEvent
 		var version int16
 		var deletedAt, occurredAt pgtype.Timestamptz
+		var txid *string
 		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &deletedAt,
-			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &occurredAt, &version, &e.traceContext); err != nil {
+			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &occurredAt, &version, &e.traceContext, &txid); err != nil {
 			bad, ok := undecodableRow(rows, err)
 			if !ok {
 				return nil, fmt.Errorf("decode event: %w", err)
@@ -146,6 +170,9 @@ func scanEvents(rows pgx.Rows, capacity int) ([]storedEvent, error) {
 		e.PayloadVersion = int(version)
 		e.DeletedAt, e.OccurredAt = deletedAt.Time, occurredAt.Time
 		e.bad = checked.check(&e.Event, deletedAt, occurredAt)
+		if txid != nil && deletedAt.Valid && deletedAt.InfinityModifier == pgtype.Finite {
+			e.key = eventKey{txid: *txid, deletedAt: deletedAt.Time, taskID: e.TaskID}
+		}
 		if e.bad == nil {
 			e.EventID = TaskDeletedEventID(e.TaskID, e.DeletedAt)
 		} else {

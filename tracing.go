@@ -91,7 +91,7 @@ func endSpan(span trace.Span, err error, attrs ...attribute.KeyValue) {
 }
 
 const insertTracedEventSQL = `
-INSERT INTO lifecycle_outbox_pending
+INSERT INTO lifecycle_event_log
     (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context)
 VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7, $8, $9)
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING

@@ -31,10 +31,11 @@ type TaskDeletion struct {
 
 // Writer is the transactional writer hook. It is safe for concurrent use.
 //
-// Its only cost inside the delete transaction is one insert into lifecycle_outbox with a NULL
-// sequence: no lock that another delete waits on, no NOTIFY (which would serialise commits
-// database-wide on the notification queue lock). After commit the host calls Committed, and
-// the writer sends one coalesced wake-up per project from outside any delete transaction.
+// Its only cost inside the delete transaction is one insert into lifecycle_event_log, which is
+// never updated afterwards: no lock that another delete waits on, no NOTIFY (which would
+// serialise commits database-wide on the notification queue lock). After commit the host calls
+// Committed, and the writer sends one coalesced hint per project from outside any delete
+// transaction; the ticker, which numbers what committed, takes its next tick on it.
 type Writer struct {
 	processID string
 	disabled  bool
@@ -83,15 +84,19 @@ func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
 func (w *Writer) ProcessID() string { return w.processID }
 
 const insertEventSQL = `
-INSERT INTO lifecycle_outbox_pending
+INSERT INTO lifecycle_event_log
     (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
 VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7, $8)
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
-// selectEventByIDSQL reads a recorded event back wherever it is: still pending (sequence 0) or
-// numbered in the stream.
+// selectEventByIDSQL reads a recorded event back wherever it is: in the log (its sequence is
+// known only when read, so 0 here), pending from a writer of schema 16 or earlier (0), or
+// numbered in the stream of before schema 18.
 const selectEventByIDSQL = `
+SELECT writer_process_id::text, occurred_at::timestamptz, 0::bigint
+FROM lifecycle_event_log WHERE project_id = $1 AND task_id = $2 AND deleted_at = $3
+UNION ALL
 SELECT writer_process_id::text, occurred_at::timestamptz, 0::bigint
 FROM lifecycle_outbox_pending WHERE project_id = $1 AND task_id = $2 AND deleted_at = $3
 UNION ALL

@@ -94,6 +94,12 @@ CREATE POLICY lifecycle_tick_project_project_scope ON lifecycle_tick_project
            OR EXISTS (SELECT 1 FROM lifecycle_project_access a
                    WHERE a.role_name OPERATOR(pg_catalog.=) CURRENT_USER AND a.project_id OPERATOR(pg_catalog.=) lifecycle_tick_project.project_id::text));
 
+-- A consumer that finds a hole in a stream (an event counted by its tick but no longer stored,
+-- which only the owner can cause) records it and reconciles the project, for this reason.
+ALTER DOMAIN lifecycle_reconcile_reason DROP CONSTRAINT lifecycle_reconcile_reason_check;
+ALTER DOMAIN lifecycle_reconcile_reason ADD CONSTRAINT lifecycle_reconcile_reason_check
+    CHECK (VALUE OPERATOR(pg_catalog.=) ANY (ARRAY['missing_cursor', 'cursor_ahead_of_head', 'cursor_below_pruned_floor', 'stream_hole']));
+
 -- The first tick: the log is empty, so its batch is empty; it is the "tick before" of the next.
 INSERT INTO lifecycle_tick (tick_id, snapshot) VALUES (1, pg_catalog.pg_current_snapshot());
 

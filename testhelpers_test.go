@@ -1,0 +1,167 @@
+package outbox_test
+
+// Helpers shared by the root package's tests.
+
+import (
+	"context"
+	"encoding/json"
+
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+)
+
+// explainedSession is one superuser session whose statements, nested ones included, report
+// their executed plans (auto_explain with ANALYZE, as notices): the rows each plan node
+// produced and how often it ran, which measure a statement's work without timing it.
+type explainedSession struct {
+	conn *pgx.Conn
+	mu   sync.Mutex
+	log  []explainedPlan
+}
+
+type explainedPlan struct {
+	Query string   `json:"Query Text"`
+	Plan  planNode `json:"Plan"`
+}
+
+type planNode struct {
+	Type     string  `json:"Node Type"`
+	Relation string  `json:"Relation Name"`
+	Rows     float64 `json:"Actual Rows"`
+	Loops    float64 `json:"Actual Loops"`
+	// Buffers the node and its children touched; present only when buffers are logged.
+	SharedHit  float64 `json:"Shared Hit Blocks"`
+	SharedRead float64 `json:"Shared Read Blocks"`
+	// Rows a scan read and its filter dropped, over all its runs divided by Loops, as Rows.
+	RemovedByFilter float64    `json:"Rows Removed by Filter"`
+	Plans           []planNode `json:"Plans"`
+}
+
+// work is the node's and its children's output rows over all their runs, a run that produced
+// nothing counting one.
+func (n planNode) work() float64 {
+	w := (n.Rows + 1) * n.Loops
+	for _, c := range n.Plans {
+		w += c.work()
+	}
+	return w
+}
+
+// walk calls f on the node and every node below it.
+func (n planNode) walk(f func(planNode)) {
+	f(n)
+	for _, c := range n.Plans {
+		c.walk(f)
+	}
+}
+
+func newExplainedSession(t *testing.T, ctx context.Context, url string) *explainedSession {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	require.NoError(t, err)
+	s := &explainedSession{}
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		i := strings.IndexByte(n.Message, '{')
+		if !strings.HasPrefix(n.Message, "duration:") || i < 0 {
+			return
+		}
+		var p explainedPlan
+		if err := json.Unmarshal([]byte(n.Message[i:]), &p); err != nil {
+			t.Errorf("decode auto_explain plan: %v", err)
+			return
+		}
+		s.mu.Lock()
+		s.log = append(s.log, p)
+		s.mu.Unlock()
+	}
+	s.conn, err = pgx.ConnectConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { s.conn.Close(context.Background()) })
+	for _, stmt := range []string{
+		`LOAD 'auto_explain'`,
+		`SET auto_explain.log_min_duration = 0`,
+		`SET auto_explain.log_analyze = on`,
+		`SET auto_explain.log_timing = off`,
+		`SET auto_explain.log_nested_statements = on`,
+		`SET auto_explain.log_format = 'json'`,
+		`SET auto_explain.log_level = 'notice'`,
+	} {
+		_, err := s.conn.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	return s
+}
+
+// plans runs sql and returns the plans of the statements it ran.
+func (s *explainedSession) plans(t *testing.T, ctx context.Context, sql string, args ...any) []explainedPlan {
+	t.Helper()
+	s.mu.Lock()
+	s.log = nil
+	s.mu.Unlock()
+	_, err := s.conn.Exec(ctx, sql, args...)
+	require.NoError(t, err)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.log
+}
+
+func queryString(t *testing.T, db outbox.DBTX, sql string, args ...any) string {
+	t.Helper()
+	var v string
+	require.NoError(t, db.QueryRow(ctxT(t), sql, args...).Scan(&v))
+	return v
+}
+
+func must[T any](v T, err error) func(*testing.T) T {
+	return func(t *testing.T) T {
+		t.Helper()
+		require.NoError(t, err)
+		return v
+	}
+}
+
+// Rows of writers of schema 16 and earlier, which the ticker adopts into the log.
+const insertPendingRow = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
+
+// insertPendingRows writes $3 pending rows into project $1, for tasks $2-1 to $2-$3.
+const insertPendingRows = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+	SELECT $1, $2 || '-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, $3) g`
+
+// statsSession is one session of a fresh database, whose statistics indexScans flushes first.
+func statsSession(t *testing.T, ctx context.Context) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	return conn
+}
+
+// numberedTasks lists the tasks of project's stream in sequence order (the frozen stream, then
+// the log as ticked).
+func numberedTasks(t *testing.T, ctx context.Context, db outbox.DBTX, project string) []string {
+	t.Helper()
+	rows, err := db.Query(ctx, `SELECT task_id FROM lifecycle_outbox_read($1, 0, 100000, NULL, NULL, NULL) ORDER BY sequence`, project)
+	require.NoError(t, err)
+	tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return tasks
+}
+
+// indexScans is how many scans of index the session's statistics count.
+func indexScans(t *testing.T, ctx context.Context, conn *pgx.Conn, index string) int {
+	t.Helper()
+	_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
+	require.NoError(t, err)
+	var n int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(idx_scan, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = $1`, index).Scan(&n))
+	return n
+}
