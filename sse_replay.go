@@ -51,7 +51,7 @@ LEFT JOIN LATERAL (
     SELECT o.sequence, o.event_type::text AS event_type, o.task_id, o.deleted_at,
            coalesce(o.prior_column, '') AS prior_column, o.archived, o.writer_process_id,
            o.occurred_at, o.payload_version
-    FROM lifecycle_outbox_read(h.project_id, $2::bigint, pg_catalog.least(pg_catalog.greatest($3::bigint - $2::bigint, 1), 100000)::integer,
+    FROM lifecycle_outbox_read(h.project_id, $2::bigint, LEAST(GREATEST($3::bigint - $2::bigint, 1), 100000)::integer,
                                NULL, NULL, NULL) o
     WHERE o.sequence <= $3 AND $2::bigint < h.last_sequence
 ) e ON true
