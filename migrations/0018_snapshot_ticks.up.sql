@@ -100,6 +100,15 @@ ALTER DOMAIN lifecycle_reconcile_reason DROP CONSTRAINT lifecycle_reconcile_reas
 ALTER DOMAIN lifecycle_reconcile_reason ADD CONSTRAINT lifecycle_reconcile_reason_check
     CHECK (VALUE OPERATOR(pg_catalog.=) ANY (ARRAY['missing_cursor', 'cursor_ahead_of_head', 'cursor_below_pruned_floor', 'stream_hole']));
 
+-- The log is numbered on from each project's head, and the reader reads the frozen stream up to
+-- its last sequence before the log: a stream row numbered above its head (only a row numbered by
+-- hand can be) would take the sequence of a log event and hide it. The head is raised to it.
+INSERT INTO lifecycle_outbox_heads AS h (project_id, last_sequence, sequenced_at)
+SELECT o.project_id, pg_catalog.max(o.sequence), pg_catalog.now()
+FROM lifecycle_outbox o WHERE o.sequence IS NOT NULL GROUP BY o.project_id
+ON CONFLICT (project_id) DO UPDATE SET last_sequence = EXCLUDED.last_sequence, sequenced_at = EXCLUDED.sequenced_at
+WHERE h.last_sequence OPERATOR(pg_catalog.<) EXCLUDED.last_sequence;
+
 -- The first tick: the log is empty, so its batch is empty; it is the "tick before" of the next.
 INSERT INTO lifecycle_tick (tick_id, snapshot) VALUES (1, pg_catalog.pg_current_snapshot());
 
