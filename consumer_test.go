@@ -458,7 +458,7 @@ func TestObservedListenerCannotPerformWriterOwnedEffects(t *testing.T) {
 	}
 	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM mailbox_notices`))
 	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM run_audit`))
-	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM lifecycle_outbox`))
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM lifecycle_event_log`))
 	task, err := writer.store.Get(ctx, "p", "t-3")
 	require.NoError(t, err)
 	require.Nil(t, task.DeletedAt, "the observer's delete was refused")

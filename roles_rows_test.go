@@ -110,10 +110,11 @@ func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 		`UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 1 WHERE consumer_id = 'dash'`,
 		`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, parked_at)
 		 SELECT 'proj-a', 'dash', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, 'listener_error', now()
-		 FROM lifecycle_outbox WHERE project_id = 'proj-a' AND sequence = 1`,
+		 FROM lifecycle_outbox_read('proj-a', 0, 1, NULL, NULL, NULL)`,
 	} {
-		_, err := dash.Exec(ctx, stmt)
+		tag, err := dash.Exec(ctx, stmt)
 		require.NoError(t, err, stmt)
+		require.Equal(t, int64(1), tag.RowsAffected(), stmt)
 	}
 	audit := func(action, actor, reason string, sequence int64) string {
 		return `INSERT INTO lifecycle_audit (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)
