@@ -503,14 +503,22 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 
 // TestUndecodableEventBecomesDeadLetter: a row whose deleted_at cannot be decoded (written
 // before the database refused it) is parked as a dead letter of its own class, audited, and
-// the stream goes on past it.
+// the stream goes on past it. Neither it nor a row of a project that cannot exist (both left
+// unnumbered, and both refused by the log's types) stops the rows of older writers from being
+// adopted into the log.
 func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{through: 3})
-	_, err := lp.owner.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		VALUES ('p', 'forever', 'infinity', 'task:deleted', false, 1, now() - interval '1 minute', 'w-0000000000000000')`)
-	require.NoError(t, err)
+	for _, stmt := range []string{
+		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		 VALUES ('p', 'forever', 'infinity', 'task:deleted', false, 1, now() - interval '1 minute', 'w-0000000000000000')`,
+		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		 VALUES ('no such project', 'orphan', now(), 'task:deleted', false, 1, now(), 'w-0000000000000000')`,
+	} {
+		_, err := lp.owner.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
 	lp.finishMigration(t)
 
 	writer, _ := lp.component(t, "writer", writerGrant("p"))
@@ -527,8 +535,16 @@ func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	require.NoError(t, lp.owner.QueryRow(ctx, `SELECT event_id FROM lifecycle_audit WHERE action = $1 AND sequence = 1`,
 		outbox.AuditConsumerPoisoned).Scan(&eventID))
 	require.Equal(t, "task-deleted:forever:infinity", eventID)
+
+	// A writer of schema 16 still inserts pending rows during a rolling deploy: adopted and delivered.
+	_, err := lp.owner.Exec(ctx, insertPendingRow, "p", "t-legacy")
+	require.NoError(t, err)
+	evs = rec.waitCount(t, waitCtx, 4)
+	require.Equal(t, "t-legacy", evs[3].TaskID)
+	require.Equal(t, int64(5), evs[3].Sequence)
+
 	// The check that row violates was left NOT VALID by the upgrade; verify lists it.
 	unvalidated, err := outbox.UnvalidatedChecks(ctx, lp.owner)
 	require.NoError(t, err)
-	require.Equal(t, []string{"lifecycle_outbox.lifecycle_outbox_times_finite"}, unvalidated)
+	require.Equal(t, []string{"lifecycle_outbox.lifecycle_outbox_project_id_format", "lifecycle_outbox.lifecycle_outbox_times_finite"}, unvalidated)
 }
