@@ -211,9 +211,10 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 	require.Equal(t, int64(3), floorOf(t, lp.owner, "proj-a"))
 }
 
-// TestWriterReadsOnlyWhatItsRepeatReads: the writer role reads of the stream only which
-// deletion an event is, who wrote it, when, and its sequence (what its repeat reads), not the
-// events' contents; its repeat still works.
+// TestWriterReadsOnlyWhatItsRepeatReads: the writer role reads of the log only which deletion
+// an event is, who wrote it and when (what its repeat reads), and of the stream numbered before
+// it those and the sequence, not the events' contents, their transaction or the ticks; it
+// cannot call the reader; its repeat still works.
 func TestWriterReadsOnlyWhatItsRepeatReads(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
@@ -225,25 +226,38 @@ func TestWriterReadsOnlyWhatItsRepeatReads(t *testing.T) {
 	require.NoError(t, err)
 
 	for _, stmt := range []string{
+		`SELECT event_type, archived, prior_column, payload_version FROM lifecycle_event_log`,
+		`SELECT trace_context FROM lifecycle_event_log`,
+		`SELECT txid FROM lifecycle_event_log`,
+		`SELECT * FROM lifecycle_event_log`,
 		`SELECT event_type, archived, prior_column, payload_version FROM lifecycle_outbox`,
 		`SELECT trace_context FROM lifecycle_outbox`,
 		`SELECT * FROM lifecycle_outbox`,
+		`SELECT * FROM lifecycle_tick`,
+		`SELECT * FROM lifecycle_tick_project`,
+		`SELECT * FROM lifecycle_outbox_read('proj-a', 0, 1, NULL, NULL, NULL)`,
 	} {
 		_, err := writer.Exec(ctx, stmt)
-		require.Error(t, err, "the writer read the stream: %s", stmt)
+		require.Error(t, err, "the writer read the events: %s", stmt)
 		requireSQLState(t, err, "42501")
 	}
 	var deletedAt time.Time
-	var sequence int64
-	require.NoError(t, writer.QueryRow(ctx, `SELECT deleted_at, sequence FROM lifecycle_outbox WHERE project_id = 'proj-a' AND task_id = 't-1'`).
-		Scan(&deletedAt, &sequence))
-	require.Equal(t, int64(1), sequence)
+	var writerID string
+	require.NoError(t, writer.QueryRow(ctx, `SELECT deleted_at, writer_process_id FROM lifecycle_event_log WHERE project_id = 'proj-a' AND task_id = 't-1'`).
+		Scan(&deletedAt, &writerID))
+	_, err = writer.Exec(ctx, `SELECT task_id, sequence FROM lifecycle_outbox`)
+	require.NoError(t, err)
 
-	// A repeat of a recorded deletion reads the stored event back, sequence and all.
+	// A repeat of a recorded deletion reads the stored event back: one committed before, and
+	// one recorded earlier in the same transaction.
 	w, err := outbox.NewWriter(writer, outbox.Config{NotifyDisabled: true}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer closeWriter(t, w)
 	err = pgx.BeginFunc(ctx, writer, func(tx pgx.Tx) error {
+		stored, inserted, err := w.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: "proj-a", TaskID: "t-1", DeletedAt: deletedAt})
+		require.NoError(t, err)
+		require.False(t, inserted)
+		require.Equal(t, writerID, stored.WriterProcessID)
 		ev, inserted, err := w.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: "proj-a", TaskID: "t-2", DeletedAt: deletedAt})
 		require.NoError(t, err)
 		require.True(t, inserted)
@@ -351,9 +365,10 @@ func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 		`GRANT SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason), DELETE ON lifecycle_consumer_deliveries TO ROLE`,
 		`GRANT SELECT, INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason) ON lifecycle_audit TO ROLE`,
 		`GRANT SELECT ON lifecycle_project_access, lifecycle_outbox_schema TO ROLE`))
-	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", 3)
-	_, err := outbox.Sequence(ctx, consumer, []string{"proj-a"}, 100)
+	// The writer of schema 16 inserted pending rows; a consumer of schema 16 numbered them.
+	_, err := writer.Exec(ctx, insertPendingRows, "proj-a", "t", 3)
+	require.NoError(t, err)
+	_, err = lp.owner.Exec(ctx, `SELECT * FROM lifecycle_outbox_sequence(NULL, 100)`)
 	require.NoError(t, err)
 	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_outbox`)
 	require.NoError(t, err, "schema 16 let the writer read the events")
@@ -372,6 +387,11 @@ func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 	requireSQLState(t, err, "42501")
 	_, err = writer.Exec(ctx, `SELECT task_id, sequence FROM lifecycle_outbox`)
 	require.NoError(t, err, "the writer's repeat still reads what it needs")
+	// Schema 18 lets the writer of schema 16 record into the log, and read of it only its repeat.
+	deletePrefixedTasksAs(t, lp, writer, "proj-a", "u", 1)
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 'u-1'`))
+	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_event_log`)
+	requireSQLState(t, err, "42501")
 
 	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
 	require.NoError(t, err)
