@@ -450,13 +450,27 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 	lp := newLeastPrivilege(t)
 	_, err := lp.owner.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('p', 'c1')`)
 	require.NoError(t, err)
-	event := func(col, value string) string {
+	// An event as the log's writers and the stream's older ones wrote it, with one value changed.
+	eventIn := func(table, col, value string) string {
 		vals := map[string]string{"project_id": "'p'", "task_id": "'t1'", "deleted_at": "now()", "occurred_at": "now()",
 			"writer_process_id": "'w-0000000000000000'", "prior_column": "NULL"}
 		vals[col] = value
-		return fmt.Sprintf(`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
-			VALUES (%s, %s, %s, 'task:deleted', false, 1, %s, %s, %s)`, vals["project_id"], vals["task_id"], vals["deleted_at"],
+		return fmt.Sprintf(`INSERT INTO %s (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
+			VALUES (%s, %s, %s, 'task:deleted', false, 1, %s, %s, %s)`, table, vals["project_id"], vals["task_id"], vals["deleted_at"],
 			vals["occurred_at"], vals["writer_process_id"], vals["prior_column"])
+	}
+	events := map[string][2]string{
+		"task ID with an escape sequence":  {"task_id", `E'evil\x1b[2J'`},
+		"task ID with a newline":           {"task_id", `E'two\nlines'`},
+		"task ID with a carriage return":   {"task_id", `E'cr\r'`},
+		"task ID of 2 MB":                  {"task_id", `repeat('x', 2000000)`},
+		"empty task ID":                    {"task_id", `''`},
+		"empty writer process ID":          {"writer_process_id", `''`},
+		"writer process ID with an escape": {"writer_process_id", `E'w\x1b[K'`},
+		"prior column with a newline":      {"prior_column", `E'col\n'`},
+		"deleted_at infinity":              {"deleted_at", `'infinity'`},
+		"occurred_at -infinity":            {"occurred_at", `'-infinity'`},
+		"project ID that is not one":       {"project_id", `'two words'`},
 	}
 	delivery := func(eventID, nextAttempt string) string {
 		return fmt.Sprintf(`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts,
@@ -464,18 +478,7 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 			VALUES ('p', 'c1', 1, %s, 'retrying', 1, %s, 'listener_error', now(), now())`, eventID, nextAttempt)
 	}
 	const okEventID = `'task-deleted:t1:2026-01-02T03:04:05.000000Z'`
-	for name, stmt := range map[string]string{
-		"task ID with an escape sequence":  event("task_id", `E'evil\x1b[2J'`),
-		"task ID with a newline":           event("task_id", `E'two\nlines'`),
-		"task ID with a carriage return":   event("task_id", `E'cr\r'`),
-		"task ID of 2 MB":                  event("task_id", `repeat('x', 2000000)`),
-		"empty task ID":                    event("task_id", `''`),
-		"empty writer process ID":          event("writer_process_id", `''`),
-		"writer process ID with an escape": event("writer_process_id", `E'w\x1b[K'`),
-		"prior column with a newline":      event("prior_column", `E'col\n'`),
-		"deleted_at infinity":              event("deleted_at", `'infinity'`),
-		"occurred_at -infinity":            event("occurred_at", `'-infinity'`),
-		"project ID that is not one":       event("project_id", `'two words'`),
+	cases := map[string]string{
 		"head sequenced at infinity":       `INSERT INTO lifecycle_outbox_heads (project_id, sequenced_at) VALUES ('p', 'infinity')`,
 		"lease that never expires":         `UPDATE lifecycle_consumer_cursors SET lease_expires_at = 'infinity' WHERE consumer_id = 'c1'`,
 		"lease owner with an escape":       `UPDATE lifecycle_consumer_cursors SET lease_owner = E'c1@\x1b[K' WHERE consumer_id = 'c1'`,
@@ -494,7 +497,12 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 		"replay reason in prose":           `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, replay_requested_at, replay_requested_by, replay_reason) VALUES ('p', 'c1', 2, ` + okEventID + `, 'replay_requested', 10, now(), 'oncall', E'it broke,\nplease fix')`,
 		"replay request without requester": `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts) VALUES ('p', 'c1', 2, ` + okEventID + `, 'replay_requested', 10)`,
 		"audit reason in prose":            `INSERT INTO lifecycle_audit (project_id, action, consumer_id, actor, reason) VALUES ('p', 'lifecycle-observation:consumer-retired', 'c1', 'oncall', 'because I said so')`,
-	} {
+	}
+	for name, e := range events {
+		cases["stream: "+name] = eventIn("lifecycle_outbox", e[0], e[1])
+		cases["log: "+name] = eventIn("lifecycle_event_log", e[0], e[1])
+	}
+	for name, stmt := range cases {
 		_, err := lp.owner.Exec(ctx, stmt)
 		require.Error(t, err, name)
 		requireSQLState(t, err, "23514") // check_violation

@@ -167,7 +167,8 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 }
 
-// insertRow is a raw outbox insert, as the writer makes it, for project $1 and task $2.
+// insertRow is a raw insert into the stream, as a writer of version 1 made it, for project $1
+// and task $2.
 const insertRow = `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
 
@@ -175,13 +176,15 @@ func TestDatabaseRefusesUnknownEventType(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		VALUES ('p1', 't1', now(), 'task:archived', false, 1, now(), 'w')`)
-	requireSQLState(t, err, "22P02") // invalid_text_representation: not a value of the enum
+	for _, table := range []string{"lifecycle_event_log", "lifecycle_outbox"} {
+		_, err := pool.Exec(ctx, `INSERT INTO `+table+` (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+			VALUES ('p1', 't1', now(), 'task:archived', false, 1, now(), 'w')`)
+		requireSQLState(t, err, "22P02") // invalid_text_representation: not a value of the enum
 
-	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		VALUES ('p1', 't1', now(), 'task:deleted', false, 0, now(), 'w')`)
-	requireSQLState(t, err, "23514") // check_violation
+		_, err = pool.Exec(ctx, `INSERT INTO `+table+` (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+			VALUES ('p1', 't1', now(), 'task:deleted', false, 0, now(), 'w')`)
+		requireSQLState(t, err, "23514") // check_violation
+	}
 }
 
 func TestEventIDInSQLMatchesGo(t *testing.T) {
