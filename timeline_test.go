@@ -21,8 +21,8 @@ import (
 
 // Ticks compare transaction IDs (migration 0018), so the xid timeline is part of the data: a
 // logical dump restored into another cluster keeps the stored IDs (the log's txid column and
-// the ticks' snapshots) but not the cluster's counter. These tests move a database that way and
-// follow docs/operations.md, "Moving the database".
+// the ticks' snapshots) but not the cluster's counter. The test below moves a database that
+// way and follows docs/operations.md, "Moving the database".
 
 const (
 	timelineOwner = "outbox_owner"
