@@ -44,7 +44,8 @@ const epochQuery = `SELECT floor(greatest(
          (SELECT max(txid::text::numeric) FROM lifecycle_event_log)) / 4294967296)::bigint + 1`
 
 // timelineTickCheck is the timeline check of lifecycle_outbox_tick, as the function's text has it.
-const timelineTickCheck = `IF pg_catalog.pg_snapshot_xmax(v_last) OPERATOR(pg_catalog.>) pg_catalog.pg_snapshot_xmax(v_cur) THEN`
+const timelineTickCheck = `IF pg_catalog.pg_snapshot_xmax(v_last) OPERATOR(pg_catalog.>) pg_catalog.pg_snapshot_xmax(v_cur)
+       OR v_newest OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(v_cur) THEN`
 
 // TestMovedDatabaseTicksAfterEpochBump moves a database from a cluster at epoch 2 into a fresh
 // cluster by pg_dump and pg_restore, with events ticked, events committed but not ticked, and
