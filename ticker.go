@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -191,6 +192,7 @@ type ticker struct {
 	stats   *stats
 	elected chan bool // tells the tick loop when this candidate is elected or not
 	hints   chan struct{}
+	leading atomic.Bool // the tick loop's view: elected
 	// tickHook, when set (by tests), runs before each tick with whether it is the elected one's.
 	tickHook func(elected bool)
 }
@@ -240,6 +242,7 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 			return
 		case elected = <-t.elected:
 			timer.Stop()
+			t.leading.Store(elected)
 			if elected {
 				t.log.Info("elected as the ticker")
 			}

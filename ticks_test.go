@@ -14,6 +14,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testhost"
 )
 
 // Ordering by snapshot ticks (migration 0018): what each tick's batch holds, in which order a
@@ -410,4 +411,47 @@ func TestTickRefusesRepeatableRead(t *testing.T) {
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
 	require.Equal(t, "25001", pgErr.Code)
+}
+
+// TestOneTickerIsElectedAndAnotherTakesOver: of two consumers, one is the ticker; when it
+// stops, its session ends and the other takes over, and events go on being delivered.
+func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	cfg := fastConfig()
+	cfg.TickFallbackInterval = time.Hour // only the elected one ticks
+	c1, rec1 := startConsumer(t, pgtest.Pool(t, db.URL), "one", []string{"p"}, cfg, nil)
+	c2, rec2 := startConsumer(t, pgtest.Pool(t, db.URL), "two", []string{"p"}, cfg, nil)
+	elected := func() []*outbox.Consumer {
+		var out []*outbox.Consumer
+		for _, c := range []*outbox.Consumer{c1, c2} {
+			if outbox.TickerElected(c) {
+				out = append(out, c)
+			}
+		}
+		return out
+	}
+	require.Eventually(t, func() bool { return len(elected()) == 1 }, waitLimit, 5*time.Millisecond, "one ticker elected")
+	leader, other, otherRec := c1, c2, rec2
+	if elected()[0] == c2 {
+		leader, other, otherRec = c2, c1, rec1
+	}
+	w, err := outbox.NewWriter(pgtest.Pool(t, db.URL), outbox.Config{}, nil)
+	require.NoError(t, err)
+	store := testhost.New(pgtest.Pool(t, db.URL), testhost.Options{Writer: w})
+	_, err = store.CreateMany(ctx, "p", "t", 2)
+	require.NoError(t, err)
+	_, err = store.Delete(ctx, "p", "t-1")
+	require.NoError(t, err)
+	otherRec.waitCount(t, ctx, 1)
+	require.Positive(t, leader.Stats().Ticks)
+	require.Zero(t, other.Stats().Ticks, "only the elected one ticks")
+
+	stopConsumer(t, leader)
+	require.Eventually(t, func() bool { return outbox.TickerElected(other) }, waitLimit, 5*time.Millisecond, "the other takes over")
+	_, err = store.Delete(ctx, "p", "t-2")
+	require.NoError(t, err)
+	otherRec.waitCount(t, ctx, 2)
+	require.Positive(t, other.Stats().Ticks)
 }
