@@ -218,8 +218,8 @@ func (t *ticker) run(ctx context.Context) {
 	<-done
 }
 
-// loop ticks when elected (on hints, follow-ups and the poll interval) and, elected or not,
-// once per fallback when no tick of its own happened for that long.
+// loop ticks when elected (on hints and follow-ups) and, elected or not, once per fallback when
+// no tick of its own happened for that long.
 func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 	elected := false
 	last := time.Time{}
@@ -232,7 +232,9 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 		case elected && followUp:
 			wait = t.cfg.TickFloor - time.Since(last)
 		case elected:
-			wait = t.cfg.PollInterval
+			// Hints come by NOTIFY, and a lost LISTEN session ends the election (its successor
+			// ticks at once), so the idle poll only backs up a hint lost some other way.
+			wait = fallback
 		default:
 			wait = fallback - time.Since(last)
 		}
