@@ -190,9 +190,9 @@ type Config struct {
 
 	// TracerProvider, when set, turns on OpenTelemetry tracing (see tracing.go): the writer
 	// hook stores the W3C trace context of its span with each event, and consumers start one
-	// span per dispatch attempt linked to it, plus spans for the sequencer, reconciliation and
-	// retention. It is set in code, never from a file. With fx, a trace.TracerProvider in the
-	// graph fills it. Defaults to nil: no tracing, and no cost beyond a nil check.
+	// span per dispatch attempt linked to it, plus spans for reconciliation and retention. It is
+	// set in code, never from a file. With fx, a trace.TracerProvider in the graph fills it.
+	// Defaults to nil: no tracing, and no cost beyond a nil check.
 	TracerProvider trace.TracerProvider `yaml:"-" json:"-"`
 
 	// Clock moves time in tests. Defaults to RealClock.

@@ -10,13 +10,13 @@ import (
 // One component, one role. Each role gets only the privileges its component uses, column by
 // column where a table-level grant would give more: no role below holds table-level UPDATE,
 // DELETE or TRUNCATE, so none can take a lock that blocks another project (LOCK TABLE in any
-// mode stronger than ROW EXCLUSIVE needs one of those three). What needs to delete (the
-// sequencer's move, pruning) runs in functions owned by the schema owner (SECURITY DEFINER)
-// that decide themselves what the caller may touch. Row-level security then limits a role to
-// the projects granted in lifecycle_project_access and, for cursors, deliveries and audit rows,
-// to the consumer identities granted in lifecycle_consumer_access. None of the roles needs DDL,
-// ownership or BYPASSRLS. docs/operations.md ("Roles and grants") has the table and the threat
-// model.
+// mode stronger than ROW EXCLUSIVE needs one of those three). What needs more (ticking, which
+// writes every project's head; adopting older writers' rows, which deletes them; pruning) runs
+// in functions owned by the schema owner (SECURITY DEFINER) that decide themselves what the
+// caller may touch. Row-level security then limits a role to the projects granted in
+// lifecycle_project_access and, for cursors, deliveries and audit rows, to the consumer
+// identities granted in lifecycle_consumer_access. None of the roles needs DDL, ownership or
+// BYPASSRLS. docs/operations.md ("Roles and grants") has the table and the threat model.
 
 type grant struct{ privileges, object string }
 

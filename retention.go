@@ -22,8 +22,8 @@ import (
 //     operator resolves it or retires its consumer.
 //
 // Pruning never blocks writers: the delete transaction only inserts, and the rows pruned are
-// old rows no writer touches. The heads row (which sequencers lock) is updated last in each
-// batch, so a sequencer waits at most for one batch's commit.
+// old rows no writer touches. The heads row (which the ticker updates) is updated last in each
+// batch, so a tick waits at most for one batch's commit.
 type Retention struct {
 	pool    *pgxpool.Pool
 	cfg     Config

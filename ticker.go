@@ -361,7 +361,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 // and the others did not: what it returned holds every other project. One project's broken
 // rows cost only that project.
 type ProjectErrors struct {
-	Op     string           // what failed, e.g. "sequence"
+	Op     string           // what failed, e.g. "status"
 	Failed map[string]error // by project ID
 }
 
