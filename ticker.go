@@ -383,25 +383,3 @@ func (e *ProjectErrors) Projects() []string {
 	sort.Strings(out)
 	return out
 }
-
-// perProject reports whether err may be the doing of one project's rows or locks, which
-// calling the projects one by one can isolate: a data exception, an integrity violation, a
-// lock not granted in time, a deadlock, or the function's own gap check. Anything else (the
-// connection, the context, a privilege, the transaction's state) would fail every call alike.
-func perProject(err error) bool {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return false
-	}
-	switch {
-	case pgErr.Code == "22023": // invalid_parameter_value: the call's own arguments
-		return false
-	case strings.HasPrefix(pgErr.Code, "22"), strings.HasPrefix(pgErr.Code, "23"):
-		return true
-	}
-	switch pgErr.Code {
-	case "55P03", "40P01", "XX000": // lock_not_available, deadlock_detected, internal_error (the gap check)
-		return true
-	}
-	return false
-}

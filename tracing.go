@@ -42,15 +42,12 @@ const (
 	attrOutcome      = attribute.Key("messaging.fusion_outbox.outcome")
 	attrFailureClass = attribute.Key("messaging.fusion_outbox.failure_class")
 	attrInserted     = attribute.Key("messaging.fusion_outbox.inserted")
-	attrProjects     = attribute.Key("messaging.fusion_outbox.projects")
-	attrAssigned     = attribute.Key("messaging.fusion_outbox.sequences_assigned")
 	attrReason       = attribute.Key("messaging.fusion_outbox.reconcile_reason")
 	attrPruned       = attribute.Key("messaging.fusion_outbox.pruned_rows")
 )
 
 // Span names that do not depend on the project.
 const (
-	spanSequence  = "outbox sequence"
 	spanReconcile = "outbox reconcile"
 	spanRetention = "outbox retention sweep"
 )
