@@ -329,15 +329,15 @@ func sustainedLine(t *testing.T, env *Env, seen func(map[string]any) bool) map[s
 func TestSustainedWithStatStatements(t *testing.T) {
 	t.Parallel()
 	m := sustainedLine(t, statsEnv(t), func(m map[string]any) bool {
-		return num(t, m, "sequencer_calls") > 0 && num(t, m, "server_cpu_seconds") > 0 && num(t, m, "sequencer_share") > 0
+		return num(t, m, "numbering_calls") > 0 && num(t, m, "server_cpu_seconds") > 0 && num(t, m, "numbering_share") > 0
 	})
-	require.Equal(t, "pg_stat_statements total_exec_time / server CPU", m["sequencer_share_source"])
-	require.Positive(t, num(t, m, "sequencer_calls"))
-	require.Positive(t, num(t, m, "sequencer_exec_ms"))
+	require.Equal(t, "pg_stat_statements total_exec_time / server CPU", m["numbering_share_source"])
+	require.Positive(t, num(t, m, "numbering_calls"))
+	require.Positive(t, num(t, m, "numbering_exec_ms"))
 	require.Positive(t, num(t, m, "server_cpu_seconds"))
-	require.Positive(t, num(t, m, "sequencer_share"))
-	require.GreaterOrEqual(t, num(t, m, "sequencer_lock_wait_ms"), 0.0)
-	require.LessOrEqual(t, num(t, m, "sequencer_share_less_lock_wait"), num(t, m, "sequencer_share"))
+	require.Positive(t, num(t, m, "numbering_share"))
+	require.GreaterOrEqual(t, num(t, m, "numbering_lock_wait_ms"), 0.0)
+	require.LessOrEqual(t, num(t, m, "numbering_share_less_lock_wait"), num(t, m, "numbering_share"))
 }
 
 // TestSustainedWithoutStatStatements runs on the test harness's server, which does not load
@@ -345,9 +345,9 @@ func TestSustainedWithStatStatements(t *testing.T) {
 func TestSustainedWithoutStatStatements(t *testing.T) {
 	t.Parallel()
 	m := sustainedLine(t, testEnv(t), func(map[string]any) bool { return true })
-	require.EqualValues(t, -1, num(t, m, "sequencer_share"))
-	require.EqualValues(t, -1, num(t, m, "sequencer_share_less_lock_wait"))
-	require.Contains(t, m["sequencer_share_source"], "unavailable")
+	require.EqualValues(t, -1, num(t, m, "numbering_share"))
+	require.EqualValues(t, -1, num(t, m, "numbering_share_less_lock_wait"))
+	require.Contains(t, m["numbering_share_source"], "unavailable")
 }
 
 // scaleLines runs the scale case and returns its lines by curve.
@@ -432,7 +432,7 @@ func TestScaleWithoutStatStatements(t *testing.T) {
 }
 
 // TestLatency runs on the harness's server and on one with pg_stat_statements, where the line
-// also says what the consumer's sequencer calls cost while the writers sent.
+// also says what the ticks and reads cost while the writers sent.
 func TestLatency(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
@@ -444,14 +444,14 @@ func TestLatency(t *testing.T) {
 			t.Parallel()
 			env := c.env(t)
 			var sent float64
-			// Scans and sequencer calls are counted while the writers send.
+			// Scans, ticks and reads are counted while the writers send.
 			m := growWindow(t, 0.5, func(seconds float64) map[string]any {
 				r, err := runLatency(ctxT(t), env, latencyOpts{rate: 200, seconds: seconds, writers: 2})
 				require.NoError(t, err)
 				sent = 200 * seconds
 				return line(t, r, "latency")
 			}, func(m map[string]any) bool {
-				return num(t, m, "scans_per_s") > 0 && num(t, m, "events_per_scan") > 0 && (!c.stats || num(t, m, "sequencer_calls") > 0)
+				return num(t, m, "scans_per_s") > 0 && num(t, m, "events_per_scan") > 0 && (!c.stats || num(t, m, "numbering_calls") > 0)
 			})
 			require.EqualValues(t, sent, num(t, m, "sent"))
 			require.EqualValues(t, sent, num(t, m, "received"))
@@ -465,8 +465,8 @@ func TestLatency(t *testing.T) {
 			require.InDelta(t, 1000/scans, num(t, m, "scan_period_ms"), 0.01*1000/scans+0.01)
 			require.Positive(t, num(t, m, "events_per_scan"))
 			if c.stats {
-				require.Positive(t, num(t, m, "sequencer_calls"))
-				require.Positive(t, num(t, m, "sequencer_exec_mean_ms"))
+				require.Positive(t, num(t, m, "numbering_calls"))
+				require.Positive(t, num(t, m, "numbering_exec_mean_ms"))
 			}
 		})
 	}
@@ -526,16 +526,16 @@ func TestLongTx(t *testing.T) {
 				w, ok := m[k].(map[string]any)
 				require.True(t, ok, "%s is an object: %v", k, m[k])
 				for _, f := range []string{"from_s", "seconds", "events", "events_per_s", "p50_ms", "p99_ms", "max_ms",
-					"server_cpu_seconds", "server_cpu_us_per_delete", "scans_per_s", "sequencer_calls", "sequencer_exec_mean_ms"} {
+					"server_cpu_seconds", "server_cpu_us_per_delete", "scans_per_s", "numbering_calls", "numbering_exec_mean_ms"} {
 					num(t, w, f)
 				}
 				require.GreaterOrEqual(t, num(t, w, "p99_ms"), num(t, w, "p50_ms"), k)
 				// The harness's server runs on this machine: its CPU is read, not -1.
 				require.GreaterOrEqual(t, num(t, w, "server_cpu_seconds"), 0.0, k)
 				if c.stats {
-					require.GreaterOrEqual(t, num(t, w, "sequencer_calls"), 0.0, k)
+					require.GreaterOrEqual(t, num(t, w, "numbering_calls"), 0.0, k)
 				} else {
-					require.EqualValues(t, -1, num(t, w, "sequencer_calls"), k)
+					require.EqualValues(t, -1, num(t, w, "numbering_calls"), k)
 				}
 			}
 			first, last := m["first_minute"].(map[string]any), m["last_minute"].(map[string]any)
@@ -545,9 +545,9 @@ func TestLongTx(t *testing.T) {
 			num(t, m, "last_over_first_p99")
 			num(t, m, "last_over_first_cpu")
 			if c.stats {
-				require.Equal(t, "pg_stat_statements", m["sequencer_source"])
+				require.Equal(t, "pg_stat_statements", m["numbering_source"])
 			} else {
-				require.Contains(t, m["sequencer_source"], "unavailable")
+				require.Contains(t, m["numbering_source"], "unavailable")
 			}
 			if c.hold {
 				require.Positive(t, num(t, m, "held_xid"))
@@ -615,7 +615,7 @@ func TestCommandLine(t *testing.T) {
 }
 
 // The bench's databases are owned, with the module's objects, by a role that is not a
-// superuser, as a deployment's schema owner is: the sequencer runs as that owner, and the
+// superuser, as a deployment's schema owner is: the ticker runs as that owner, and the
 // row-level security the tables force on it is then in the figures. The roles go with the
 // database.
 func TestServerEnvDatabasesHaveAnOwnerThatIsNotASuperuser(t *testing.T) {
@@ -633,15 +633,15 @@ func TestServerEnvDatabasesHaveAnOwnerThatIsNotASuperuser(t *testing.T) {
 
 	pool, err := db.Pool(ctx, 1, nil)
 	require.NoError(t, err)
-	var tableOwner, sequencerOwner string
+	var tableOwner, tickerOwner string
 	var super, bypass bool
 	require.NoError(t, pool.QueryRow(ctx, `SELECT r.rolname, r.rolsuper, r.rolbypassrls FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
-		WHERE c.oid = 'lifecycle_outbox'::regclass`).Scan(&tableOwner, &super, &bypass))
+		WHERE c.oid = 'lifecycle_event_log'::regclass`).Scan(&tableOwner, &super, &bypass))
 	require.NoError(t, pool.QueryRow(ctx, `SELECT proowner::regrole::text FROM pg_proc
-		WHERE oid = 'lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'::regprocedure`).Scan(&sequencerOwner))
+		WHERE oid = 'lifecycle_outbox_tick(text)'::regprocedure`).Scan(&tickerOwner))
 	pool.Close()
 	require.Equal(t, db.owner.name, tableOwner)
-	require.Equal(t, tableOwner, sequencerOwner, "the sequencer runs as the owner")
+	require.Equal(t, tableOwner, tickerOwner, "the ticker runs as the owner")
 	require.False(t, super)
 	require.False(t, bypass)
 
