@@ -160,7 +160,7 @@ func TestComponentPoolsRunAsBoundRoles(t *testing.T) {
 		require.False(t, bypass, name)
 		pool.Close()
 	}
-	// The writer may insert pending rows but not read the consumers' cursors.
+	// The writer may insert into the event log but not read the consumers' cursors.
 	writer, err := db.WriterPool(ctx, 1, nil)
 	require.NoError(t, err)
 	defer writer.Close()
@@ -190,16 +190,17 @@ func TestSequence(t *testing.T) {
 		r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 601, projects: 2, backlog: b})
 		require.NoError(t, err)
 		m := line(t, r, "sequence")
-		require.EqualValues(t, 601, num(t, m, "assigned"))
+		require.EqualValues(t, 601, num(t, m, "numbered"))
+		require.Positive(t, num(t, m, "numbering_events_per_s"))
 		requireBacklog(t, m, backlogUnsequenced, perTx)
 		require.EqualValues(t, -1, num(t, m, "copy_floor_rows_per_s"), "no floor for a backlog in several projects")
 	}
 	r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 601, projects: 1, backlog: defaultBacklog()})
 	require.NoError(t, err)
 	m := line(t, r, "sequence")
-	require.EqualValues(t, 601, num(t, m, "assigned"))
+	require.EqualValues(t, 601, num(t, m, "numbered"))
 	require.Positive(t, num(t, m, "copy_floor_rows_per_s"))
-	require.InDelta(t, num(t, m, "rows_per_s")/num(t, m, "copy_floor_rows_per_s"), num(t, m, "vs_copy_floor"), 0.01)
+	require.InDelta(t, num(t, m, "numbering_events_per_s")/num(t, m, "copy_floor_rows_per_s"), num(t, m, "vs_copy_floor"), 0.01)
 }
 
 func TestDrain(t *testing.T) {
@@ -296,8 +297,8 @@ func requireSustained(t *testing.T, m map[string]any) {
 
 // growWindow runs a case with a window of first seconds, doubled up to 8 times first until
 // seen finds in its line the figures that need the window to hold an event: the window is real
-// time, and on a busy machine a short one can end before the consumers' first scan or
-// sequencer call (a 400ms sustained run once counted no sequencer call). It returns the last
+// time, and on a busy machine a short one can end before the consumers' first scan, tick or
+// read (a 400ms sustained run once counted no sequencer call). It returns the last
 // line; the caller's assertions fail on it if the longest window held none either.
 func growWindow(t *testing.T, first float64, run func(seconds float64) map[string]any, seen func(map[string]any) bool) map[string]any {
 	t.Helper()
