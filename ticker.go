@@ -232,9 +232,10 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 		case elected && followUp:
 			wait = t.cfg.TickFloor - time.Since(last)
 		case elected:
-			// Hints come by NOTIFY, and a lost LISTEN session ends the election (its successor
-			// ticks at once), so the idle poll only backs up a hint lost some other way.
-			wait = fallback
+			// The idle poll: one statement per PollInterval for the whole database, which
+			// bounds the wait of an event whose writer sent no hint (NotifyDisabled, a
+			// writer that died between its commit and its hint).
+			wait = t.cfg.PollInterval
 		default:
 			wait = fallback - time.Since(last)
 		}
