@@ -35,10 +35,11 @@
 //
 // One ticker numbers for every consumer. Each consumer is a candidate, and the one that holds a
 // session advisory lock on its dedicated connection is elected: it ticks on the writers' hints,
-// at most once per Config.TickFloor, and the tick announces itself on Config.TickChannel, one
-// notification per project with new events. The other candidates wait for the lock without
-// sending a statement and tick only once per Config.TickFallbackInterval, so a lost hint or a
-// stalled ticker slows delivery to that interval and stops nothing. (With NOTIFY off, or behind
+// at most once per Config.TickFloor, and otherwise once per PollInterval, so a lost hint costs
+// at most that; the tick announces itself on Config.TickChannel, one notification per project
+// with new events. The other candidates wait for the lock without sending a statement and tick
+// only once per Config.TickFallbackInterval, so a stalled ticker slows delivery to that
+// interval and stops nothing. (With NOTIFY off, or behind
 // a transaction pooler without Config.ListenDSN, there is no election: every consumer ticks
 // once per PollInterval.) After commit the writer sends a coalesced NOTIFY naming the project;
 // it is only a hint to the ticker.
