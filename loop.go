@@ -270,12 +270,21 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	l.stats.scans.Add(1)
 	// One project's broken rows cost only that project: a step that failed for some projects
 	// skips them this scan and the others go on.
+	// The heads and the open deliveries are read at once, on two connections: a woken scan
+	// waits for one round trip before it reads events, not two.
+	var open map[string][]delivery
+	var openErr error
+	opened := make(chan struct{})
+	go func() {
+		defer close(opened)
+		open, openErr = l.store.open(ctx, l.pool, held)
+	}()
 	heads, err := l.readHeads(ctx, held)
+	<-opened
 	if held, failed = l.skipFailed("read heads", held, err); len(held) == 0 {
 		return failed
 	}
-	open, err := l.store.open(ctx, l.pool, held)
-	held, stepFailed := l.skipFailed("read open deliveries", held, err)
+	held, stepFailed := l.skipFailed("read open deliveries", held, openErr)
 	failed = failed || stepFailed
 	first, alone, err := l.readFirst(ctx, held, heads, open)
 	held, stepFailed = l.skipFailed("read events", held, err)
