@@ -45,26 +45,9 @@ func insertOldEvents(t *testing.T, pool *pgxpool.Pool, n int) {
 func outboxSequences(t *testing.T, pool *pgxpool.Pool, project string) []int64 {
 	t.Helper()
 	var out []int64
-	for _, e := range readStream(t, pool, project) {
+	for _, e := range readStream(t, context.Background(), pool, project) {
 		out = append(out, e.Sequence)
 	}
-	return out
-}
-
-// streamEvent is an event as lifecycle_outbox_read numbers it.
-type streamEvent struct {
-	Sequence int64
-	TaskID   string
-}
-
-// readStream reads every stored event of project through lifecycle_outbox_read, in order.
-func readStream(t *testing.T, pool *pgxpool.Pool, project string) []streamEvent {
-	t.Helper()
-	rows, err := pool.Query(context.Background(),
-		`SELECT sequence, task_id FROM lifecycle_outbox_read($1, 0, 100000, NULL, NULL, NULL) ORDER BY sequence`, project)
-	require.NoError(t, err)
-	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[streamEvent])
-	require.NoError(t, err)
 	return out
 }
 
@@ -519,10 +502,10 @@ func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 	logEvents(t, pool, "p", "d", 1)
 	tickNow(t, pool)
 
-	before := readStream(t, pool, "p")
+	before := readStream(t, context.Background(), pool, "p")
 	require.Equal(t, []streamEvent{{1, "a-1"}, {2, "a-2"}, {3, "late-1"}, {4, "b-1"}, {5, "b-2"},
 		{6, "c-1"}, {7, "c-2"}, {8, "c-3"}, {9, "d-1"}}, before)
-	beforeQ := readStream(t, pool, "q")
+	beforeQ := readStream(t, context.Background(), pool, "q")
 	require.Len(t, beforeQ, 2)
 
 	// p's consumer acknowledged everything but holds a dead letter at 4, inside tick 3's part;
@@ -542,8 +525,8 @@ func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"p": 6}, res.PrunedByProject, "parts of 2, 3 and 1 events in batches of 2: none split")
-	require.Equal(t, before[2:5], readStream(t, pool, "p"), "the held part keeps its events and their sequences")
-	require.Equal(t, beforeQ, readStream(t, pool, "q"), "the other project's events in the same ticks stay")
+	require.Equal(t, before[2:5], readStream(t, context.Background(), pool, "p"), "the held part keeps its events and their sequences")
+	require.Equal(t, beforeQ, readStream(t, context.Background(), pool, "q"), "the other project's events in the same ticks stay")
 	require.Equal(t, int64(9), floorOf(t, pool, "p"))
 	storedMatchCounted := func(project string) int {
 		t.Helper()
@@ -561,9 +544,9 @@ func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 	res, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"p": 3}, res.PrunedByProject)
-	require.Empty(t, readStream(t, pool, "p"))
+	require.Empty(t, readStream(t, context.Background(), pool, "p"))
 	require.Zero(t, storedMatchCounted("p"))
-	require.Equal(t, beforeQ, readStream(t, pool, "q"))
+	require.Equal(t, beforeQ, readStream(t, context.Background(), pool, "q"))
 	require.Equal(t, int64(9), floorOf(t, pool, "p"), "the floor never goes back")
 }
 
@@ -592,7 +575,7 @@ func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"p": 5}, res.PrunedByProject)
 	require.Equal(t, seq(3, 6), tickIDs(t, pool), "q's part at tick 4 keeps ticks 3 and 4; the newest stays")
-	require.Equal(t, []streamEvent{{1, "q-1"}}, readStream(t, pool, "q"))
+	require.Equal(t, []streamEvent{{1, "q-1"}}, readStream(t, context.Background(), pool, "q"))
 
 	// Its consumer retired, q's part goes; one call deletes at most its limit of ticks.
 	_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET retired_at = now(), retired_by = 'oncall', retired_reason = 'FN-1'`)
@@ -608,7 +591,7 @@ func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
 	// The ticker goes on from the tick kept, and the stream from the head.
 	logEvents(t, pool, "p", "new", 1)
 	require.Equal(t, int64(7), tickNow(t, pool))
-	require.Equal(t, []streamEvent{{6, "new-1"}}, readStream(t, pool, "p"))
+	require.Equal(t, []streamEvent{{6, "new-1"}}, readStream(t, context.Background(), pool, "p"))
 	require.Equal(t, []int64{6, 7}, tickIDs(t, pool))
 }
 
