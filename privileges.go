@@ -55,6 +55,7 @@ var consumerGrants = []grant{
 	{"SELECT", "TABLE lifecycle_tick"},
 	{"SELECT", "TABLE lifecycle_tick_project"},
 	{"SELECT", "TABLE lifecycle_outbox_heads"},
+	{"SELECT", "TABLE lifecycle_outbox_head"},
 	{"SELECT, INSERT (project_id, consumer_id), UPDATE (last_acked_sequence, acked_at, lease_owner, lease_epoch, " +
 		"lease_expires_at, heartbeat_at, reconciled_at, reconcile_reason)", "TABLE lifecycle_consumer_cursors"},
 	{"SELECT, INSERT (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, " +
@@ -86,6 +87,7 @@ var operatorGrants = []grant{
 	{"SELECT", "TABLE lifecycle_tick"},
 	{"SELECT", "TABLE lifecycle_tick_project"},
 	{"SELECT", "TABLE lifecycle_outbox_heads"},
+	{"SELECT", "TABLE lifecycle_outbox_head"},
 	{"SELECT, UPDATE (retired_at, retired_by, retired_reason, lease_owner, lease_expires_at)", "TABLE lifecycle_consumer_cursors"},
 	{"SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason)", "TABLE lifecycle_consumer_deliveries"},
 	{"SELECT, INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)", "TABLE lifecycle_audit"},
@@ -104,7 +106,7 @@ const (
 
 // moduleObjects is everything the grants above name, for RevokeModulePrivileges.
 var moduleObjects = []string{
-	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_pending", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_consumer_cursors",
+	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_pending", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_outbox_head", "TABLE lifecycle_consumer_cursors",
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE lifecycle_event_log", "TABLE lifecycle_tick", "TABLE lifecycle_tick_project",
 	"TABLE " + schemaTable, "FUNCTION " + tickSignature, "FUNCTION " + adoptSignature, "FUNCTION " + readSignature,

@@ -25,7 +25,7 @@ const (
 	ReasonStreamHole ReconcileReason = "stream_hole"
 )
 
-const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1), 0)`
+const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_head WHERE project_id = $1), 0)`
 
 const reconcileCursorSQL = `
 UPDATE lifecycle_consumer_cursors

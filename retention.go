@@ -101,7 +101,7 @@ SELECT h.project_id, h.last_sequence, h.pruned_through,
        coalesce(pg_catalog.min(coalesce(c.last_acked_sequence, 0)) FILTER (WHERE c.consumer_id IS NOT NULL), h.last_sequence) AS through,
        coalesce((pg_catalog.array_agg(c.consumer_id ORDER BY coalesce(c.last_acked_sequence, 0), c.consumer_id)
                  FILTER (WHERE c.consumer_id IS NOT NULL))[1], '') AS held_by
-FROM lifecycle_outbox_heads h
+FROM lifecycle_outbox_head h
 LEFT JOIN lifecycle_consumer_cursors c ON c.project_id = h.project_id AND c.retired_at IS NULL
 GROUP BY h.project_id, h.last_sequence, h.pruned_through
 ORDER BY h.project_id`

@@ -38,7 +38,7 @@ var errBelowFloor = errors.New("below the pruned floor")
 // sseHeadSQL is a project's last assigned sequence: where a new client of a project the
 // handler has not seen yet starts.
 const sseHeadSQL = `
-SELECT coalesce(pg_catalog.max(last_sequence), 0) FROM lifecycle_outbox_heads WHERE project_id = $1`
+SELECT coalesce(pg_catalog.max(last_sequence), 0) FROM lifecycle_outbox_head WHERE project_id = $1`
 
 // ssePageSQL reads one page of a project's events together with its head and pruned floor,
 // in one statement, so that the page and the bounds it is judged by come from one snapshot.
@@ -48,7 +48,7 @@ const ssePageSQL = `
 SELECT h.last_sequence, h.pruned_through,
        e.sequence, e.event_type, e.task_id, e.deleted_at, e.prior_column, e.archived,
        e.writer_process_id, e.occurred_at, e.payload_version
-FROM lifecycle_outbox_heads h
+FROM lifecycle_outbox_head h
 LEFT JOIN LATERAL (
     SELECT o.sequence, o.event_type::text AS event_type, o.task_id, o.deleted_at,
            coalesce(o.prior_column, '') AS prior_column, o.archived, o.writer_process_id,

@@ -51,10 +51,10 @@ const tickSQL = `SELECT coalesce(tick_id, 0), projects, events, legacy FROM life
 const adoptSQL = `SELECT lifecycle_outbox_adopt_legacy($1::integer)`
 
 // headsSQL reads the heads of projects.
-const headsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_heads WHERE project_id = ANY ($1::text[])`
+const headsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_head WHERE project_id = ANY ($1::text[])`
 
 // allHeadsSQL reads every head the role may see.
-const allHeadsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_heads`
+const allHeadsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_head`
 
 // adoptBatch is how many rows of older writers one statement adopts.
 const adoptBatch = 10000

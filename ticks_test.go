@@ -149,7 +149,7 @@ func TestTicksOrderOutOfOrderCommitsRollbacksAndALongWriter(t *testing.T) {
 func headOf(t *testing.T, ctx context.Context, db outbox.DBTX, project string) int64 {
 	t.Helper()
 	var h int64
-	require.NoError(t, db.QueryRow(ctx, `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1), 0)`, project).Scan(&h))
+	require.NoError(t, db.QueryRow(ctx, `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_head WHERE project_id = $1), 0)`, project).Scan(&h))
 	return h
 }
 
