@@ -118,7 +118,7 @@ SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
        coalesce(d.retrying, 0), coalesce(d.dead, 0), coalesce(d.replay, 0),
        c.reconciled_at, coalesce(c.reconcile_reason, '')
 FROM lifecycle_consumer_cursors c
-LEFT JOIN lifecycle_outbox_heads h ON h.project_id = c.project_id
+LEFT JOIN lifecycle_outbox_head h ON h.project_id = c.project_id
 LEFT JOIN LATERAL (
     SELECT r.occurred_at FROM lifecycle_outbox_read(c.project_id::text, coalesce(c.last_acked_sequence, 0), 1, NULL, NULL, NULL) r
     WHERE coalesce(c.last_acked_sequence, 0) < h.last_sequence

@@ -87,7 +87,7 @@ type Config struct {
 	// TickFloor is the shortest time between two ticks of the elected ticker. A hint after a
 	// quiet spell is ticked at once; while ticks keep finding events the ticker ticks again
 	// every TickFloor, so under load each tick numbers more events and delivery waits at most
-	// about TickFloor for its tick. Defaults to 5ms; 1ms to PollInterval.
+	// about TickFloor for its tick. Defaults to 2ms; 1ms to PollInterval.
 	TickFloor time.Duration `yaml:"tick_floor" json:"tick_floor"`
 
 	// TickFallbackInterval is how often a consumer that is not the elected ticker ticks anyway
@@ -190,9 +190,9 @@ type Config struct {
 
 	// TracerProvider, when set, turns on OpenTelemetry tracing (see tracing.go): the writer
 	// hook stores the W3C trace context of its span with each event, and consumers start one
-	// span per dispatch attempt linked to it, plus spans for the sequencer, reconciliation and
-	// retention. It is set in code, never from a file. With fx, a trace.TracerProvider in the
-	// graph fills it. Defaults to nil: no tracing, and no cost beyond a nil check.
+	// span per dispatch attempt linked to it, plus spans for reconciliation and retention. It is
+	// set in code, never from a file. With fx, a trace.TracerProvider in the graph fills it.
+	// Defaults to nil: no tracing, and no cost beyond a nil check.
 	TracerProvider trace.TracerProvider `yaml:"-" json:"-"`
 
 	// Clock moves time in tests. Defaults to RealClock.
@@ -244,7 +244,7 @@ func (c Config) WithDefaults() Config {
 	if c.TickChannel == "" {
 		c.TickChannel = c.NotifyChannel + "_tick"
 	}
-	def(&c.TickFloor, min(5*time.Millisecond, c.PollInterval))
+	def(&c.TickFloor, min(2*time.Millisecond, c.PollInterval))
 	def(&c.TickFallbackInterval, 5*c.PollInterval)
 	def(&c.NotifyGap, 20*time.Millisecond)
 	def(&c.FollowUpInterval, min(2*time.Millisecond, c.PollInterval))

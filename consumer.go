@@ -225,8 +225,7 @@ func (c *Consumer) Stop(ctx context.Context) error {
 // Done is closed when the consumer has stopped.
 func (c *Consumer) Done() <-chan struct{} { return c.lifecycle.Done() }
 
-// shutdown runs after every goroutine returned: flush acknowledgements, release leases and
-// sequencer holds.
+// shutdown runs after every goroutine returned: flush acknowledgements and release leases.
 func (c *Consumer) shutdown() {
 	ctx := c.lifecycle.StopContext()
 	c.loop.acks.await()

@@ -12,31 +12,60 @@
 // # The outbox
 //
 // The writer hook, Writer.RecordTaskDeletedTx, runs inside the host's delete transaction and
-// inserts one row into lifecycle_outbox for the first deleted_at transition only: its identity
-// is "task-deleted:<taskId>:<deletedAt>" with deletedAt in canonical UTC at the database's
-// microsecond precision, unique per project, so a repeated or concurrent delete records nothing
-// new and a rolled-back delete leaves nothing. The delete and its event commit together.
+// inserts one row into the event log, lifecycle_event_log, for the first deleted_at transition
+// only: its identity is "task-deleted:<taskId>:<deletedAt>" with deletedAt in canonical UTC at
+// the database's microsecond precision, unique per project, so a repeated or concurrent delete
+// records nothing new and a rolled-back delete leaves nothing. The delete and its event commit
+// together. The row carries the writing transaction's ID (txid), and nothing updates it after.
 //
 // Ordering is assigned after commit. A bigserial would be wrong: a transaction holding sequence
 // 10 can commit after one holding 11, and a reader that acknowledged 11 would never see 10. A
 // per-project counter row locked until commit would serialise every delete of a project. So the
-// writer inserts with a NULL sequence, and a sequencer (the database function
-// lifecycle_outbox_sequence, run by consumers) numbers the committed rows it can see, per
-// project, contiguously, under a row lock writers never take. A row that commits later is
-// numbered later, so readers of "sequence > cursor" cannot skip one, and an open transaction
-// anywhere in the database holds nothing back. After commit the writer sends a coalesced NOTIFY
-// naming the project; it is only a hint, and a lost one costs a poll interval.
+// ticker (the database function lifecycle_outbox_tick) stores the current transaction snapshot
+// as a tick whenever events committed since the last one. Tick n's batch is the events whose
+// transaction is visible in tick n's snapshot and was not in tick n-1's: every committed event
+// falls in exactly one batch, that of the first tick after its commit, and a rolled-back one in
+// none. The ticker counts each batch per project and moves the project's head by that count; an
+// event's sequence is derived when it is read (lifecycle_outbox_read): the project's count
+// before the tick plus the event's rank in the project's part of the batch, by (txid,
+// deleted_at, task_id). Sequences are contiguous per project, and an event that commits after a
+// tick falls in a later one, so readers of "sequence > cursor" cannot skip one. An open
+// transaction anywhere in the database holds nothing back: its own events arrive in the first
+// tick after it ends.
+//
+// One ticker numbers for every consumer. Each consumer is a candidate, and the one that holds a
+// session advisory lock on its dedicated connection is elected: it ticks on the writers' hints,
+// at most once per Config.TickFloor, and otherwise once per PollInterval, so a lost hint costs
+// at most that; the tick announces itself on Config.TickChannel, one notification per project
+// with new events. The other candidates wait for the lock without sending a statement and tick
+// only once per Config.TickFallbackInterval, so a stalled ticker slows delivery to that
+// interval and stops nothing. (With NOTIFY off, or behind
+// a transaction pooler without Config.ListenDSN, there is no election: every consumer ticks
+// once per PollInterval.) After commit the writer sends a coalesced NOTIFY naming the project;
+// it is only a hint to the ticker.
+//
+// The transaction ID timeline is load-bearing: ticks compare transaction IDs, which a physical
+// replica, a failover or pg_upgrade keeps but a logical dump restored into another cluster does
+// not. Such a move needs the new cluster's xid epoch raised before any writer uses it; the
+// ticker refuses to tick (ErrXIDTimeline) when it finds the cluster's transaction IDs behind
+// its last tick or the stored events. docs/operations.md, "Moving the database", has the
+// procedure.
 //
 // # Consumers
 //
 // A process observes only with a durable identity read from a named persisted setting (see
-// ResolveConsumerID); without one, observation stays off and the log says which setting to
-// set. A Consumer keeps one cursor per (project, consumer) in lifecycle_consumer_cursors, holds
-// each under a lease with a fencing epoch judged by the database clock, LISTENs on a dedicated
-// connection first and then catches up from its cursor in batches. Every cursor write names the
-// epoch it was granted: a process frozen past its lease, or replaced by another process with the
-// same identity, writes nothing. No transaction stays open while listeners run; acknowledgements
-// are batched, so delivery is at-least-once and listeners must be idempotent.
+// ResolveConsumerID); without one, observation stays off and the log says which setting to set.
+// A Consumer keeps one cursor per (project, consumer) in lifecycle_consumer_cursors, holds each
+// under a lease with a fencing epoch judged by the database clock, LISTENs on a dedicated
+// connection first and then catches up from its cursor in batches. It only reads: the heads,
+// then the events through lifecycle_outbox_read, continuing inside a tick after the key of the
+// last event it read. Every cursor write names the epoch it was granted: a process frozen past
+// its lease, or replaced by another process with the same identity, writes nothing. No
+// transaction stays open while listeners run. Acknowledgements go by time or count: a project's
+// cursor is written once Config.BatchSize events are dispatched beyond it or Config.AckInterval
+// after the first of them, whichever comes first, and on Stop. Delivery is at-least-once: after
+// a crash a project re-delivers at most BatchSize events or AckInterval's worth, so listeners
+// must be idempotent.
 //
 // The Dispatcher applies each deletion to the host's cache and hands it to the observed
 // listeners with a context marked observed (see WithObserved). The writer hook and the host's
@@ -52,9 +81,11 @@
 // it (Admin.RequestReplay) once the cause is fixed; only the owning consumer re-delivers it.
 //
 // When history is gone (a cursor never positioned, ahead of the head, or below the pruned
-// floor) the consumer reconciles: in one REPEATABLE READ snapshot it reads the head and the
-// live task IDs, replaces its cache's live set, removes again whatever was deleted after the
-// snapshot (the process's own deletes included), and restarts its cursor at that head.
+// floor, or a hole in the stream: an event its tick counted that is no longer stored, which
+// only the schema's owner can cause, reason stream_hole) the consumer reconciles: in one
+// REPEATABLE READ snapshot it reads the head and the live task IDs, replaces its cache's live
+// set, removes again whatever was deleted after the snapshot (the process's own deletes
+// included), and restarts its cursor at that head.
 //
 // Stop is bounded by its context: no event is handed to a listener after it is called, the
 // one in flight may finish and is acknowledged only if it did, and a consumer once stopped
@@ -81,24 +112,26 @@
 // consumer proves its wake-ups with a NOTIFY to itself and polls alone, saying so once, when
 // they do not arrive (Consumer.Wakeups). With TransactionPooler and no ListenDSN it sends no
 // LISTEN through the pool at all (one left on a server connection upsets PgBouncer's server
-// check) and polls, saying so once. The module keeps no session state on pooled
-// connections. With Config.TracerProvider set the writer stores the W3C trace context of its
-// insert's span with each event, and every dispatch attempt is a consumer span linked to it
-// (tracing.go). Config decodes from YAML and JSON with the keys of its field tags
-// (LoadConfigFile).
+// check) and polls, saying so once. The module keeps no session state on pooled connections
+// (the ticker's election lock is held on the consumer's dedicated connection). With
+// Config.TracerProvider set the writer stores the W3C trace context of its insert's span with
+// each event, and every dispatch attempt is a consumer span linked to it (tracing.go). Config
+// decodes from YAML and JSON with the keys of its field tags (LoadConfigFile).
 //
 // # Isolation
 //
 // Every role, row and client may be hostile or broken, and the database refuses what must never
 // happen. Each component runs as a role of its own (GrantWriterRole, GrantConsumerRole,
 // GrantOperatorRole) holding only the column privileges it uses, none of which allows a lock
-// that blocks another project; row-level security scopes every table by project and the writes
-// of cursors and deliveries by consumer identity; checks refuse malformed identifiers and times;
-// the functions pin their search_path and the module's SQL qualifies every built-in it calls.
-// One project's trouble stays in that project: the sequencer call, the read of open deliveries,
-// status and metrics fall back to one project at a time and report what they skipped
-// (ProjectErrors), and a row the consumer cannot decode becomes a dead letter of class
-// undecodable_event. docs/operations.md has the threat model.
+// that blocks another project (a consumer role's call of the ticker's function, in a
+// transaction it keeps open, holds back every tick: docs/operations.md); row-level security
+// scopes every table by project and the writes of cursors and deliveries by consumer identity;
+// checks refuse malformed identifiers and times; the functions pin their search_path and the
+// module's SQL qualifies every built-in it calls. One project's trouble stays in that project:
+// the read of events, the read of open deliveries, status and metrics fall back to one project
+// at a time (the last three report what they skipped, ProjectErrors), and a row the consumer
+// cannot decode becomes a dead letter of class undecodable_event. docs/operations.md has the
+// threat model.
 //
 // # Wiring
 //

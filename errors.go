@@ -39,8 +39,8 @@ var (
 
 	// ErrSchemaDrift is returned by VerifySchema when the version and checksums match but an
 	// object the isolation rests on was changed by hand: row-level security disabled or not
-	// forced, a policy dropped, a function's search_path no longer pinned, or the sequencer made
-	// executable by PUBLIC.
+	// forced, a policy dropped, a function's search_path no longer pinned, or one of the owner's
+	// functions (ticking, adoption, pruning) made executable by PUBLIC.
 	ErrSchemaDrift = errors.New("database objects differ from what the module's migrations made")
 )
 

@@ -82,6 +82,9 @@ var Statements = map[string]string{
 // the cursors between batches.
 func BeforePruneBatch(r *Retention, fn func(project string)) { r.beforeBatch = fn }
 
+// TickerElected reports whether the consumer's ticker is the elected one.
+func TickerElected(c *Consumer) bool { return c.ticker.leading.Load() }
+
 // ScanNow asks a consumer's loop for a full scan, as a poll would.
 func ScanNow(c *Consumer) { c.loop.scans.request() }
 

@@ -15,10 +15,10 @@ import (
 )
 
 // One project's trouble stays in that project. A step of the consumer's scan that serves
-// several projects at once (the sequencer call, the read of open deliveries) and fails for
-// some of them skips those this scan, says so, and lets the others go on; a row that cannot be
-// delivered is parked as a dead letter instead of wedging its stream; and a time read from the
-// database is clamped before it becomes a wait.
+// several projects at once (the read of open deliveries, the combined read of events) and fails
+// for some of them skips those this scan, or reads them alone, says so, and lets the others go
+// on; a row that cannot be delivered is parked as a dead letter instead of wedging its stream;
+// and a time read from the database is clamped before it becomes a wait.
 
 // maxRetryWait is the longest a consumer waits for a delivery's next attempt before it looks
 // again: the longest retry delay the configuration allows, and what the database's check on

@@ -188,13 +188,13 @@ func (r *scanRequests) take() (map[string]struct{}, bool) {
 }
 
 // wakeLimiter coalesces the scans that notifications start. Anyone who may connect can NOTIFY
-// on the channel, so without it a flood of notifications would cost a scan (a sequencer call and
-// a read) each. A notification for a project whose last notified scan found nothing to do, less
-// than the wake interval ago, is held, and the notifications held start one scan when the
-// interval has passed. A notified scan that found work does not hold the next one back: real
-// deletions are delivered at once however fast they come, since each scan then delivers
-// something, while a flood of empty notifications costs at most one scan per project per
-// interval. The poll interval's full scans are not limited and clear what is held. Only the
+// on the channel, so without it a flood of notifications would cost a scan (a read of heads and
+// one of open deliveries) each. A notification for a project whose last notified scan found
+// nothing to do, less than the wake interval ago, is held, and the notifications held start one
+// scan when the interval has passed. A notified scan that found work does not hold the next one
+// back: real deletions are delivered at once however fast they come, since each scan then
+// delivers something, while a flood of empty notifications costs at most one scan per project
+// per interval. The poll interval's full scans are not limited and clear what is held. Only the
 // consumer's loop goroutine uses it; it runs on the real clock, like the poll interval.
 type wakeLimiter struct {
 	interval time.Duration

@@ -270,12 +270,21 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	l.stats.scans.Add(1)
 	// One project's broken rows cost only that project: a step that failed for some projects
 	// skips them this scan and the others go on.
+	// The heads and the open deliveries are read at once, on two connections: a woken scan
+	// waits for one round trip before it reads events, not two.
+	var open map[string][]delivery
+	var openErr error
+	opened := make(chan struct{})
+	go func() {
+		defer close(opened)
+		open, openErr = l.store.open(ctx, l.pool, held)
+	}()
 	heads, err := l.readHeads(ctx, held)
+	<-opened
 	if held, failed = l.skipFailed("read heads", held, err); len(held) == 0 {
 		return failed
 	}
-	open, err := l.store.open(ctx, l.pool, held)
-	held, stepFailed := l.skipFailed("read open deliveries", held, err)
+	held, stepFailed := l.skipFailed("read open deliveries", held, openErr)
 	failed = failed || stepFailed
 	first, alone, err := l.readFirst(ctx, held, heads, open)
 	held, stepFailed = l.skipFailed("read events", held, err)
@@ -581,6 +590,15 @@ func (e errHole) Error() string {
 // reconciled (reason stream_hole, recorded on the cursor), so the stream goes on from the head
 // and the live set still reflects the lost event's deletion.
 func (l *scanLoop) hole(ctx context.Context, st *streamState, head Head, next int64) error {
+	// Retention may have pruned what the scan was about to read since it read the head: that
+	// is not a hole, and the cursor below the floor reconciles for that reason.
+	heads, err := readHeads(ctx, l.pool, []string{st.project})
+	if err != nil {
+		return err
+	}
+	if now := heads[st.project]; now.PrunedThrough >= next {
+		return l.reconcile(ctx, st, ReasonCursorBelowPrunedFloor)
+	}
 	l.stats.holes.Add(1)
 	l.metrics.streamHole(st.project, string(l.id))
 	l.log.Error("an event of the stream is missing (deleted by hand?): the project is reconciled",
@@ -602,7 +620,7 @@ func (l *scanLoop) restartFromCursor(ctx context.Context, st *streamState, head 
 		zap.String("project_id", st.project), zap.Int64("position", st.position), zap.Int64("head", head.LastSequence),
 		zap.Int64("cursor", cursor))
 	st.rewound, st.blocked = false, false
-	st.acked, st.position = cursor, max(cursor, 0)
+	st.acked, st.position, st.keyAt = cursor, max(cursor, 0), -1
 	st.checkDelivered = st.delivered > st.position
 	return nil
 }
@@ -683,7 +701,7 @@ func (l *scanLoop) syncStates() []string {
 		if st.lease != ls.grant {
 			// A new lease: start from the durable cursor it came with. What this instance
 			// delivered beyond it is suppressed, once checked to be still what is stored.
-			st.lease, st.epoch, st.acked, st.position = ls.grant, ls.epoch, ls.acked, max(ls.acked, 0)
+			st.lease, st.epoch, st.acked, st.position, st.keyAt = ls.grant, ls.epoch, ls.acked, max(ls.acked, 0), -1
 			st.checkDelivered = st.delivered > st.position
 		}
 		out = append(out, p)

@@ -10,13 +10,13 @@ import (
 // One component, one role. Each role gets only the privileges its component uses, column by
 // column where a table-level grant would give more: no role below holds table-level UPDATE,
 // DELETE or TRUNCATE, so none can take a lock that blocks another project (LOCK TABLE in any
-// mode stronger than ROW EXCLUSIVE needs one of those three). What needs to delete (the
-// sequencer's move, pruning) runs in functions owned by the schema owner (SECURITY DEFINER)
-// that decide themselves what the caller may touch. Row-level security then limits a role to
-// the projects granted in lifecycle_project_access and, for cursors, deliveries and audit rows,
-// to the consumer identities granted in lifecycle_consumer_access. None of the roles needs DDL,
-// ownership or BYPASSRLS. docs/operations.md ("Roles and grants") has the table and the threat
-// model.
+// mode stronger than ROW EXCLUSIVE needs one of those three). What needs more (ticking, which
+// writes every project's head; adopting older writers' rows, which deletes them; pruning) runs
+// in functions owned by the schema owner (SECURITY DEFINER) that decide themselves what the
+// caller may touch. Row-level security then limits a role to the projects granted in
+// lifecycle_project_access and, for cursors, deliveries and audit rows, to the consumer
+// identities granted in lifecycle_consumer_access. None of the roles needs DDL, ownership or
+// BYPASSRLS. docs/operations.md ("Roles and grants") has the table and the threat model.
 
 type grant struct{ privileges, object string }
 
@@ -55,6 +55,7 @@ var consumerGrants = []grant{
 	{"SELECT", "TABLE lifecycle_tick"},
 	{"SELECT", "TABLE lifecycle_tick_project"},
 	{"SELECT", "TABLE lifecycle_outbox_heads"},
+	{"SELECT", "TABLE lifecycle_outbox_head"},
 	{"SELECT, INSERT (project_id, consumer_id), UPDATE (last_acked_sequence, acked_at, lease_owner, lease_epoch, " +
 		"lease_expires_at, heartbeat_at, reconciled_at, reconcile_reason)", "TABLE lifecycle_consumer_cursors"},
 	{"SELECT, INSERT (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, " +
@@ -86,6 +87,7 @@ var operatorGrants = []grant{
 	{"SELECT", "TABLE lifecycle_tick"},
 	{"SELECT", "TABLE lifecycle_tick_project"},
 	{"SELECT", "TABLE lifecycle_outbox_heads"},
+	{"SELECT", "TABLE lifecycle_outbox_head"},
 	{"SELECT, UPDATE (retired_at, retired_by, retired_reason, lease_owner, lease_expires_at)", "TABLE lifecycle_consumer_cursors"},
 	{"SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason)", "TABLE lifecycle_consumer_deliveries"},
 	{"SELECT, INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)", "TABLE lifecycle_audit"},
@@ -104,7 +106,7 @@ const (
 
 // moduleObjects is everything the grants above name, for RevokeModulePrivileges.
 var moduleObjects = []string{
-	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_pending", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_consumer_cursors",
+	"TABLE lifecycle_outbox", "TABLE lifecycle_outbox_pending", "TABLE lifecycle_outbox_heads", "TABLE lifecycle_outbox_head", "TABLE lifecycle_consumer_cursors",
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE lifecycle_event_log", "TABLE lifecycle_tick", "TABLE lifecycle_tick_project",
 	"TABLE " + schemaTable, "FUNCTION " + tickSignature, "FUNCTION " + adoptSignature, "FUNCTION " + readSignature,

@@ -25,7 +25,7 @@ const (
 	ReasonStreamHole ReconcileReason = "stream_hole"
 )
 
-const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = $1), 0)`
+const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_head WHERE project_id = $1), 0)`
 
 const reconcileCursorSQL = `
 UPDATE lifecycle_consumer_cursors
@@ -81,6 +81,7 @@ func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason Reconc
 	// if this instance delivered events under those numbers before (a database restored to an
 	// older head reuses them).
 	st.acked, st.position, st.delivered, st.deliveredID, st.checkDelivered = head, head, head, "", false
+	st.keyAt = -1
 	st.blocked = false
 	l.stats.reconciliations.Add(1)
 	l.metrics.reconciled(st.project, string(l.id), string(reason))

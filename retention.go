@@ -13,17 +13,22 @@ import (
 // Retention prunes what no one needs any more. It is run by the host's self-healing sweep
 // (see Task), never by a consumer:
 //
-//   - an outbox row goes once it is older than the retention window AND every non-retired
+//   - an event goes once it is older than the retention window AND every non-retired
 //     consumer of its project has acknowledged it, unless an unresolved delivery of a
 //     non-retired consumer still points at it (a dead letter must stay replayable);
+//   - events of the log (schema 18 on) go a project's part of a tick at a time, whole: their
+//     sequences are ranks inside the part, so deleting some would renumber the others. A part
+//     stays while any of it is unacknowledged, inside the window or pointed at; the ticks no
+//     remaining part needs go too, except the newest;
 //   - each batch records the project's pruned floor in the same transaction, so a cursor left
 //     below it (a new or reinstated consumer) reconciles instead of silently skipping;
 //   - a resolved dead letter goes after DeadLetterRetention; an unresolved one stays until an
 //     operator resolves it or retires its consumer.
 //
 // Pruning never blocks writers: the delete transaction only inserts, and the rows pruned are
-// old rows no writer touches. The heads row (which sequencers lock) is updated last in each
-// batch, so a sequencer waits at most for one batch's commit.
+// old rows no writer touches. The heads row (which the ticker locks) is updated after the
+// deletes in each batch, and the ticks are deleted only when the ticker does not hold their
+// table, so the ticker waits at most for one batch's commit.
 type Retention struct {
 	pool    *pgxpool.Pool
 	cfg     Config
@@ -81,8 +86,8 @@ type PrunePlan struct {
 	PrunedThrough int64  `json:"prunedThrough"`
 	// Through is the highest sequence every non-retired consumer acknowledged.
 	Through int64 `json:"through"`
-	// Prunable rows are at or below Through, older than the window, and no open delivery of a
-	// non-retired consumer points at them.
+	// Prunable events are at or below Through, older than the window, and no open delivery of
+	// a non-retired consumer points at them; in the log, whole parts of ticks that are.
 	Prunable int64 `json:"prunable"`
 	// HeldBy names the slowest non-retired consumer, the one holding pruning back.
 	HeldBy string `json:"heldBy,omitempty"`
@@ -96,32 +101,45 @@ SELECT h.project_id, h.last_sequence, h.pruned_through,
        coalesce(pg_catalog.min(coalesce(c.last_acked_sequence, 0)) FILTER (WHERE c.consumer_id IS NOT NULL), h.last_sequence) AS through,
        coalesce((pg_catalog.array_agg(c.consumer_id ORDER BY coalesce(c.last_acked_sequence, 0), c.consumer_id)
                  FILTER (WHERE c.consumer_id IS NOT NULL))[1], '') AS held_by
-FROM lifecycle_outbox_heads h
+FROM lifecycle_outbox_head h
 LEFT JOIN lifecycle_consumer_cursors c ON c.project_id = h.project_id AND c.retired_at IS NULL
 GROUP BY h.project_id, h.last_sequence, h.pruned_through
 ORDER BY h.project_id`
 
-// prunableWhere selects the rows of project $1 that may go: at or below $2, older than the
+// countPrunableSQL counts the events of project $1 that may go: at or below $2, older than the
 // window ($4 before now shifted by $3), not pointed at by an open delivery of a live consumer.
-// Plan counts them; lifecycle_outbox_prune deletes by the same rule.
-const prunableWhere = `
-o.project_id = $1 AND o.sequence IS NOT NULL AND o.sequence <= $2
-AND o.occurred_at < pg_catalog.now() + $3::interval - $4::interval
-AND NOT EXISTS (
-    SELECT 1 FROM lifecycle_consumer_deliveries d
-    JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
-    WHERE d.project_id = o.project_id AND d.sequence = o.sequence
-      AND d.state <> 'resolved' AND c.retired_at IS NULL)`
+// Rows of the frozen stream (before schema 18) count one by one; the log counts whole parts
+// of ticks, whose last sequence is at or below $2, whose tick is older than the window and
+// that no such delivery points into, since a part is pruned whole or not at all.
+// lifecycle_outbox_prune deletes by the same rules (migration 0019).
+const countPrunableSQL = `
+SELECT (SELECT pg_catalog.count(*) FROM lifecycle_outbox o
+        WHERE o.project_id = $1 AND o.sequence IS NOT NULL AND o.sequence <= $2
+          AND o.occurred_at < pg_catalog.now() + $3::interval - $4::interval
+          AND NOT EXISTS (
+              SELECT 1 FROM lifecycle_consumer_deliveries d
+              JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
+              WHERE d.project_id = o.project_id AND d.sequence = o.sequence
+                AND d.state <> 'resolved' AND c.retired_at IS NULL))
+     + coalesce((SELECT pg_catalog.sum(tp.events) FROM lifecycle_tick_project tp
+                 JOIN lifecycle_tick t ON t.tick_id = tp.tick_id
+                 WHERE tp.project_id = $1 AND tp.first_sequence + tp.events - 1 <= $2
+                   AND t.ticked_at < pg_catalog.now() + $3::interval - $4::interval
+                   AND NOT EXISTS (
+                       SELECT 1 FROM lifecycle_consumer_deliveries d
+                       JOIN lifecycle_consumer_cursors c ON c.project_id = d.project_id AND c.consumer_id = d.consumer_id
+                       WHERE d.project_id = tp.project_id
+                         AND d.sequence >= tp.first_sequence AND d.sequence <= tp.first_sequence + tp.events - 1
+                         AND d.state <> 'resolved' AND c.retired_at IS NULL)), 0)`
 
-const countPrunableSQL = `SELECT pg_catalog.count(*) FROM lifecycle_outbox o WHERE ` + prunableWhere
-
-// pruneBatchSQL deletes, as the schema owner (migration 0017), up to $2 rows of project $1
-// above $3, the highest sequence this sweep pruned in the project before, that every live
-// cursor acknowledged (read again inside the call: a cursor created or reinstated since the
-// plan holds its rows back too) and that are older than the window $5 on the clock shifted by
-// $4; it raises the project's floor to the highest sequence it deleted. Starting above $3
-// keeps a batch from stepping over the index entries of every row the sweep deleted so far,
-// which cannot be marked dead while a snapshot from before their deletion lives.
+// pruneBatchSQL deletes, as the schema owner (migrations 0017 and 0019), up to $2 events of
+// project $1 above $3, the highest sequence this sweep pruned in the project before (more than
+// $2 when one part of a tick holds more: parts go whole), that every live cursor acknowledged
+// (read again inside the call: a cursor created or reinstated since the plan holds its events
+// back too) and that are older than the window $5 on the clock shifted by $4; it raises the
+// project's floor to the highest sequence it deleted. Starting above $3 keeps a batch from
+// stepping over the index entries of every row the sweep deleted so far, which cannot be
+// marked dead while a snapshot from before their deletion lives.
 const pruneBatchSQL = `SELECT pruned, max_sequence FROM lifecycle_outbox_prune($1, $2, $3, $4::interval, $5::interval)`
 
 // pruneDeadLettersSQL deletes, as the schema owner, up to $1 deliveries of the caller's

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap/zaptest"
@@ -26,8 +27,8 @@ func newRetention(t *testing.T, pool *pgxpool.Pool, cfg outbox.Config) *outbox.R
 	return r
 }
 
-// insertOldEvents writes events 1..n of project "p", numbered and 40 days old (past the
-// default retention window), and its head.
+// insertOldEvents writes events 1..n of project "p" into the frozen stream of before schema
+// 18, numbered and 40 days old (past the default retention window), and its head.
 func insertOldEvents(t *testing.T, pool *pgxpool.Pool, n int) {
 	t.Helper()
 	ctx := ctxT(t)
@@ -39,18 +40,31 @@ func insertOldEvents(t *testing.T, pool *pgxpool.Pool, n int) {
 	require.NoError(t, err)
 }
 
+// outboxSequences lists the sequences of project's events still stored, as a consumer reads
+// them: the frozen stream, then the log tick by tick.
 func outboxSequences(t *testing.T, pool *pgxpool.Pool, project string) []int64 {
 	t.Helper()
-	rows, err := pool.Query(context.Background(), `SELECT sequence FROM lifecycle_outbox WHERE project_id = $1 ORDER BY sequence`, project)
-	require.NoError(t, err)
-	defer rows.Close()
 	var out []int64
-	for rows.Next() {
-		var s int64
-		require.NoError(t, rows.Scan(&s))
-		out = append(out, s)
+	for _, e := range readStream(t, context.Background(), pool, project) {
+		out = append(out, e.Sequence)
 	}
 	return out
+}
+
+// seedTickedDeletes writes n deletions in project p through a writer process and ticks after
+// each, so that each is a part of its own tick (retention removes a tick's part whole).
+func seedTickedDeletes(t *testing.T, ctx context.Context, url, p string, n int) *process {
+	t.Helper()
+	w := startProcess(t, url, processOpts{projects: []string{p}})
+	_, err := w.store.CreateMany(ctx, p, "t", n)
+	require.NoError(t, err)
+	for i := range n {
+		_, err := w.store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
+		require.NoError(t, err)
+		_, err = outbox.Tick(ctx, w.pool)
+		require.NoError(t, err)
+	}
+	return w
 }
 
 func floorOf(t *testing.T, pool *pgxpool.Pool, project string) int64 {
@@ -78,7 +92,7 @@ func TestRetentionKeepsWhatAnyoneStillNeeds(t *testing.T) {
 	cfg.LeaseTTL = 24 * 365 * time.Hour // the fake clock jumps months; keep leases out of the way
 	cfg.HeartbeatInterval = time.Hour
 
-	w := seedDeletes(t, ctx, db.URL, "p", 10)
+	w := seedTickedDeletes(t, ctx, db.URL, "p", 10)
 	_, err := w.store.CreateMany(ctx, "p", "live", 3)
 	require.NoError(t, err)
 	fast := startProcess(t, db.URL, processOpts{id: "fast", projects: []string{"p"}, cfg: cfg})
@@ -131,6 +145,9 @@ func TestRetentionKeepsWhatAnyoneStillNeeds(t *testing.T) {
 	slow.start(t)
 	waitCursor(t, ctx, w.pool, "p", "slow", 10)
 	require.Equal(t, []string{"live-1", "live-2", "live-3"}, slow.store.Cache().Live("p"), "no deletion lost across the pruned gap")
+	require.Equal(t, "cursor_below_pruned_floor", queryString(t, w.pool,
+		`SELECT coalesce(reconcile_reason, '') FROM lifecycle_consumer_cursors WHERE project_id = 'p' AND consumer_id = 'slow'`),
+		"reconciled because its cursor was below the floor the sweep raised")
 	_, err = w.store.Delete(ctx, "p", "live-2")
 	require.NoError(t, err)
 	evs := slow.rec.waitCount(t, ctx, 1)
@@ -148,7 +165,7 @@ func TestRetentionOfDeadLetters(t *testing.T) {
 	cfg.LeaseTTL = 24 * 365 * time.Hour
 	cfg.HeartbeatInterval = time.Hour
 
-	w := seedDeletes(t, ctx, db.URL, "p", 3)
+	w := seedTickedDeletes(t, ctx, db.URL, "p", 3)
 	var fixed atomic.Bool
 	broken := startProcess(t, db.URL, processOpts{id: "broken", projects: []string{"p"}, cfg: cfg, noStart: true})
 	broken.rec.setFail(func(ev outbox.ObservedEvent) error {
@@ -253,15 +270,13 @@ func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 	}
 	_, err = outbox.Sequence(ctx, pool, nil, 100)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '40 days'`)
-	require.NoError(t, err)
 
-	// One prune batch holds its locks, uncommitted.
+	// One prune batch, on a clock 40 days ahead, holds its locks, uncommitted.
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
 	var n, maxSeq int64
-	require.NoError(t, tx.QueryRow(ctx, outbox.PruneBatchSQL, "p", 100, 0, time.Duration(0), 30*24*time.Hour).Scan(&n, &maxSeq))
+	require.NoError(t, tx.QueryRow(ctx, outbox.PruneBatchSQL, "p", 100, 0, 40*24*time.Hour, 30*24*time.Hour).Scan(&n, &maxSeq))
 	require.Equal(t, int64(10), n)
 	require.Equal(t, int64(10), maxSeq)
 
@@ -283,10 +298,8 @@ func TestSweepRechecksCursorsInEachBatch(t *testing.T) {
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
-	w := seedDeletes(t, ctx, db.URL, "p", 12)
-	_, err := outbox.Sequence(ctx, w.pool, nil, 100)
-	require.NoError(t, err)
-	_, err = w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, retired_at, retired_by, retired_reason)
+	w := seedTickedDeletes(t, ctx, db.URL, "p", 12)
+	_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, retired_at, retired_by, retired_reason)
 		VALUES ('p', 'fast', 12, NULL, NULL, NULL), ('p', 'gone', 2, now(), 'oncall', 'FN-1')`)
 	require.NoError(t, err)
 	clock.Advance(month)
@@ -320,15 +333,15 @@ func TestSweepPrunesOtherProjectsWhenOneFails(t *testing.T) {
 	pool := pgtest.NewPool(t)
 	seedEvents(t, pool, "a", 5)
 	seedEvents(t, pool, "b", 5)
-	_, err := pool.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = now() - interval '2 hours'`)
-	require.NoError(t, err)
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(2 * time.Hour)
 	holder, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = holder.Rollback(ctx) }()
 	_, err = holder.Exec(ctx, `SELECT 1 FROM lifecycle_outbox_heads WHERE project_id = 'a' FOR UPDATE`)
 	require.NoError(t, err)
 
-	r := newRetention(t, pool, outbox.Config{RetentionWindow: time.Hour, LockTimeout: 100 * time.Millisecond})
+	r := newRetention(t, pool, outbox.Config{RetentionWindow: time.Hour, LockTimeout: 100 * time.Millisecond, Clock: clock})
 	res, err := r.Sweep(ctx)
 	var pe *outbox.ProjectErrors
 	require.ErrorAs(t, err, &pe)
@@ -379,4 +392,266 @@ func TestSweepBatchesStartWhereTheLastOneEnded(t *testing.T) {
 	steppedOver := batch * res.Batches * (res.Batches + 1) / 2
 	t.Logf("index entries read by a sweep of %d batches of %d: %d", res.Batches, batch, read)
 	require.Less(t, read, steppedOver, "batches stepped over the entries of the rows the sweep had deleted")
+}
+
+// logEvents commits n events of project into the event log in one transaction, with task IDs
+// prefix-1 .. prefix-n in that order.
+func logEvents(t *testing.T, db outbox.DBTX, project, prefix string, n int) {
+	t.Helper()
+	_, err := db.Exec(ctxT(t), `
+INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT $1, $2 || '-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, $3) g`, project, prefix, n)
+	require.NoError(t, err)
+}
+
+// tickNow takes one tick and returns its ID.
+func tickNow(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	res, err := outbox.Tick(ctxT(t), pool)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Ticks)
+	return res.TickID
+}
+
+// tickIDs lists the stored ticks.
+func tickIDs(t *testing.T, pool *pgxpool.Pool) []int64 {
+	t.Helper()
+	rows, err := pool.Query(ctxT(t), `SELECT tick_id FROM lifecycle_tick ORDER BY tick_id`)
+	require.NoError(t, err)
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
+	return ids
+}
+
+// planOf is the plan of project among plans.
+func planOf(t *testing.T, plans []outbox.PrunePlan, project string) outbox.PrunePlan {
+	t.Helper()
+	for _, p := range plans {
+		if p.ProjectID == project {
+			return p
+		}
+	}
+	t.Fatalf("no plan for project %s in %+v", project, plans)
+	return outbox.PrunePlan{}
+}
+
+// TestRetentionKeepsAPartACursorIsInside: an event's sequence is its rank in its project's part
+// of its tick, so a part goes whole or not at all, and a live cursor inside a part keeps all of
+// it: no event above a live cursor is ever removed.
+func TestRetentionKeepsAPartACursorIsInside(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	for _, prefix := range []string{"a", "b", "c"} { // parts 1-3, 4-6 and 7-9
+		logEvents(t, pool, "p", prefix, 3)
+		tickNow(t, pool)
+	}
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'c', 5)`)
+	require.NoError(t, err)
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(month)
+	r := newRetention(t, pool, outbox.Config{Clock: clock})
+
+	plans, err := r.Plan(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []outbox.PrunePlan{{ProjectID: "p", Head: 9, Through: 5, Prunable: 3, HeldBy: "c"}}, plans)
+	res, err := r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int64{"p": 3}, res.PrunedByProject, "the plan and the sweep agree")
+	require.Equal(t, seq(4, 9), outboxSequences(t, pool, "p"), "the part holding the cursor stays whole, with 6 above the cursor")
+	require.Equal(t, int64(3), floorOf(t, pool, "p"))
+
+	// Acknowledged to the end of the part, the part goes.
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 6 WHERE consumer_id = 'c'`)
+	require.NoError(t, err)
+	plans, err = r.Plan(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), planOf(t, plans, "p").Prunable)
+	res, err = r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int64{"p": 3}, res.PrunedByProject)
+	require.Equal(t, seq(7, 9), outboxSequences(t, pool, "p"))
+	require.Equal(t, int64(6), floorOf(t, pool, "p"))
+}
+
+// TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences: parts of several events, one of
+// them holding the event of a transaction that was still open at the tick before (its batch
+// takes it from the transactions that tick saw open), a part a dead letter points into, and
+// another project's parts in the same ticks. Pruning with batches smaller than a part removes
+// every event of each part it takes and its count, leaves no event of another tick or project,
+// and every remaining event reads with the sequence it had before.
+func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+
+	late, err := pool.Begin(ctx) // open across tick 2; its event is numbered by tick 3
+	require.NoError(t, err)
+	defer func() { _ = late.Rollback(ctx) }()
+	logEvents(t, late, "p", "late", 1)
+	logEvents(t, pool, "p", "a", 2)
+	logEvents(t, pool, "q", "qa", 1)
+	require.Equal(t, int64(2), tickNow(t, pool))
+	require.NoError(t, late.Commit(ctx))
+	logEvents(t, pool, "p", "b", 2)
+	logEvents(t, pool, "q", "qb", 1)
+	require.Equal(t, int64(3), tickNow(t, pool))
+	logEvents(t, pool, "p", "c", 3)
+	tickNow(t, pool)
+	logEvents(t, pool, "p", "d", 1)
+	tickNow(t, pool)
+
+	before := readStream(t, context.Background(), pool, "p")
+	require.Equal(t, []streamEvent{{1, "a-1"}, {2, "a-2"}, {3, "late-1"}, {4, "b-1"}, {5, "b-2"},
+		{6, "c-1"}, {7, "c-2"}, {8, "c-3"}, {9, "d-1"}}, before)
+	beforeQ := readStream(t, context.Background(), pool, "q")
+	require.Len(t, beforeQ, 2)
+
+	// p's consumer acknowledged everything but holds a dead letter at 4, inside tick 3's part;
+	// q's has not read yet.
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'c', 9), ('q', 'c', NULL)`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at)
+		VALUES ('p', 'c', 4, 'x', 'dead', 1, now())`)
+	require.NoError(t, err)
+
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(month)
+	r := newRetention(t, pool, outbox.Config{Clock: clock, RetentionBatchSize: 2})
+	plans, err := r.Plan(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(6), planOf(t, plans, "p").Prunable)
+	res, err := r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int64{"p": 6}, res.PrunedByProject, "parts of 2, 3 and 1 events in batches of 2: none split")
+	require.Equal(t, before[2:5], readStream(t, context.Background(), pool, "p"), "the held part keeps its events and their sequences")
+	require.Equal(t, beforeQ, readStream(t, context.Background(), pool, "q"), "the other project's events in the same ticks stay")
+	require.Equal(t, int64(9), floorOf(t, pool, "p"))
+	storedMatchCounted := func(project string) int {
+		t.Helper()
+		stored := pgtest.QueryInt(t, pool, `SELECT count(*)::int FROM lifecycle_event_log WHERE project_id = $1`, project)
+		counted := pgtest.QueryInt(t, pool, `SELECT coalesce(sum(events), 0)::int FROM lifecycle_tick_project WHERE project_id = $1`, project)
+		require.Equal(t, counted, stored, "the log holds exactly the events its remaining parts count in %s", project)
+		return stored
+	}
+	require.Equal(t, 3, storedMatchCounted("p"))
+	require.Equal(t, 2, storedMatchCounted("q"))
+
+	// Resolved, the dead letter lets its part go: all of it, the late transaction's event too.
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_deliveries SET state = 'resolved', resolved_at = now() WHERE project_id = 'p'`)
+	require.NoError(t, err)
+	res, err = r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int64{"p": 3}, res.PrunedByProject)
+	require.Empty(t, readStream(t, context.Background(), pool, "p"))
+	require.Zero(t, storedMatchCounted("p"))
+	require.Equal(t, beforeQ, readStream(t, context.Background(), pool, "q"))
+	require.Equal(t, int64(9), floorOf(t, pool, "p"), "the floor never goes back")
+}
+
+// TestRetentionDeletesTheTicksNoPartNeeds: reading a part needs its tick and the one before;
+// the ticks below those of the oldest remaining part go, a bounded number per call, and the
+// newest always stays, since the ticker takes the next batch from it.
+func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	for i := range 5 { // p's parts at ticks 2 to 6, q's at tick 4
+		logEvents(t, pool, "p", fmt.Sprintf("p%d", i), 1)
+		if i == 2 {
+			logEvents(t, pool, "q", "q", 1)
+		}
+		tickNow(t, pool)
+	}
+	require.Equal(t, seq(1, 6), tickIDs(t, pool))
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('q', 'c', NULL)`)
+	require.NoError(t, err)
+
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(month)
+	r := newRetention(t, pool, outbox.Config{Clock: clock})
+	res, err := r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, map[string]int64{"p": 5}, res.PrunedByProject)
+	require.Equal(t, seq(3, 6), tickIDs(t, pool), "q's part at tick 4 keeps ticks 3 and 4; the newest stays")
+	require.Equal(t, []streamEvent{{1, "q-1"}}, readStream(t, context.Background(), pool, "q"))
+
+	// Its consumer retired, q's part goes; one call deletes at most its limit of ticks.
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET retired_at = now(), retired_by = 'oncall', retired_reason = 'FN-1'`)
+	require.NoError(t, err)
+	var n, maxSeq int64
+	require.NoError(t, pool.QueryRow(ctx, outbox.PruneBatchSQL, "q", 1, 0, month, 30*24*time.Hour).Scan(&n, &maxSeq))
+	require.Equal(t, []int64{1, 1}, []int64{n, maxSeq})
+	require.Equal(t, seq(4, 6), tickIDs(t, pool), "one tick for a limit of one")
+	_, err = r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []int64{6}, tickIDs(t, pool), "no part left: only the newest tick stays")
+
+	// The ticker goes on from the tick kept, and the stream from the head.
+	logEvents(t, pool, "p", "new", 1)
+	require.Equal(t, int64(7), tickNow(t, pool))
+	require.Equal(t, []streamEvent{{6, "new-1"}}, readStream(t, context.Background(), pool, "p"))
+	require.Equal(t, []int64{6, 7}, tickIDs(t, pool))
+}
+
+// TestRetentionDoesNotWaitForTheTicker: deleting ticks conflicts with the ticker's lock on the
+// tick table. A sweep that finds the ticker holding it prunes the events all the same and
+// leaves the ticks to a later call, instead of waiting (and holding the ticker back behind it,
+// or deadlocking with a ticker that waits for the heads row the sweep updated).
+func TestRetentionDoesNotWaitForTheTicker(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	for _, prefix := range []string{"a", "b"} {
+		logEvents(t, pool, "p", prefix, 1)
+		tickNow(t, pool)
+	}
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(month)
+	r := newRetention(t, pool, outbox.Config{Clock: clock, LockTimeout: time.Minute, StatementTimeout: time.Minute})
+
+	ticker, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = ticker.Rollback(ctx) }()
+	_, err = ticker.Exec(ctx, `LOCK TABLE lifecycle_tick IN SHARE ROW EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	sweepCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	res, err := r.Sweep(sweepCtx)
+	require.NoError(t, err, "the sweep waited for the ticker's lock")
+	require.Equal(t, map[string]int64{"p": 2}, res.PrunedByProject)
+	require.Equal(t, seq(1, 3), tickIDs(t, pool), "the ticks wait for a call that finds the table free")
+
+	require.NoError(t, ticker.Rollback(ctx))
+	_, err = r.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []int64{3}, tickIDs(t, pool))
+}
+
+// TestStreamReadsFromBelowThePrunedFloor: once the oldest parts are gone, a read that starts
+// below the first stored part (the event stream's replay reads pages from aligned starts, a
+// tool reads from 0) returns every stored event with its sequence, not just the first part.
+func TestStreamReadsFromBelowThePrunedFloor(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	for _, prefix := range []string{"a", "b", "c", "d"} { // parts 1-2, 3-4, 5-6, 7-8
+		logEvents(t, pool, "p", prefix, 2)
+		tickNow(t, pool)
+	}
+	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'c', 4)`)
+	require.NoError(t, err)
+	clock := outboxtest.NewFakeClock()
+	clock.Advance(month)
+	_, err = newRetention(t, pool, outbox.Config{Clock: clock}).Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(4), floorOf(t, pool, "p"))
+	for _, after := range []int64{0, 2, 4} {
+		rows, err := pool.Query(ctx, `SELECT sequence FROM lifecycle_outbox_read('p', $1, 100, NULL, NULL, NULL)`, after)
+		require.NoError(t, err)
+		got, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		require.NoError(t, err)
+		require.Equal(t, seq(5, 8), got, "read after %d", after)
+	}
 }

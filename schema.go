@@ -14,7 +14,7 @@ import (
 
 // SchemaVersion is the migration version this build needs. VerifySchema fails unless the
 // database is at exactly this version with unchanged migration checksums.
-const SchemaVersion = 18
+const SchemaVersion = 20
 
 // schemaTable records the module's applied migrations.
 const schemaTable = "lifecycle_outbox_schema"
@@ -75,11 +75,11 @@ func MarkMigrationAppliedTx(ctx context.Context, tx pgx.Tx, m Migration) error {
 	return migrate.MarkAppliedTx(ctx, tx, schemaTable, m)
 }
 
-// VerifySchema checks that the database is at SchemaVersion with unchanged checksums, and
-// that what the migrations set up for isolation is still in place: row-level security enabled
-// (and forced) on every table, every policy present, both functions with their search_path
-// pinned, and the sequencer not executable by PUBLIC. The error wraps ErrSchemaBehind,
-// ErrSchemaAhead, ErrSchemaChecksum or ErrSchemaDrift.
+// VerifySchema checks that the database is at SchemaVersion with unchanged checksums, and that
+// what the migrations set up for isolation is still in place: row-level security enabled (and
+// forced) on every table, every policy present, every function with its search_path pinned, and
+// the owner's functions (ticking, adoption, pruning) not executable by PUBLIC. The error wraps
+// ErrSchemaBehind, ErrSchemaAhead, ErrSchemaChecksum or ErrSchemaDrift.
 func VerifySchema(ctx context.Context, db DBTX) error {
 	if err := migrationSet.Verify(ctx, db); err != nil {
 		return fmt.Errorf("verify outbox schema: %w", err)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -50,10 +51,10 @@ const tickSQL = `SELECT coalesce(tick_id, 0), projects, events, legacy FROM life
 const adoptSQL = `SELECT lifecycle_outbox_adopt_legacy($1::integer)`
 
 // headsSQL reads the heads of projects.
-const headsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_heads WHERE project_id = ANY ($1::text[])`
+const headsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_head WHERE project_id = ANY ($1::text[])`
 
 // allHeadsSQL reads every head the role may see.
-const allHeadsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_heads`
+const allHeadsSQL = `SELECT project_id, last_sequence, pruned_through FROM lifecycle_outbox_head`
 
 // adoptBatch is how many rows of older writers one statement adopts.
 const adoptBatch = 10000
@@ -191,6 +192,7 @@ type ticker struct {
 	stats   *stats
 	elected chan bool // tells the tick loop when this candidate is elected or not
 	hints   chan struct{}
+	leading atomic.Bool // the tick loop's view: elected
 	// tickHook, when set (by tests), runs before each tick with whether it is the elected one's.
 	tickHook func(elected bool)
 }
@@ -216,8 +218,8 @@ func (t *ticker) run(ctx context.Context) {
 	<-done
 }
 
-// loop ticks when elected (on hints, follow-ups and the poll interval) and, elected or not,
-// once per fallback when no tick of its own happened for that long.
+// loop ticks when elected (on hints and follow-ups) and, elected or not, once per fallback when
+// no tick of its own happened for that long.
 func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 	elected := false
 	last := time.Time{}
@@ -230,6 +232,9 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 		case elected && followUp:
 			wait = t.cfg.TickFloor - time.Since(last)
 		case elected:
+			// The idle poll: one statement per PollInterval for the whole database, which
+			// bounds the wait of an event whose writer sent no hint (NotifyDisabled, a
+			// writer that died between its commit and its hint).
 			wait = t.cfg.PollInterval
 		default:
 			wait = fallback - time.Since(last)
@@ -240,6 +245,7 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 			return
 		case elected = <-t.elected:
 			timer.Stop()
+			t.leading.Store(elected)
 			if elected {
 				t.log.Info("elected as the ticker")
 			}
@@ -356,7 +362,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 // and the others did not: what it returned holds every other project. One project's broken
 // rows cost only that project.
 type ProjectErrors struct {
-	Op     string           // what failed, e.g. "sequence"
+	Op     string           // what failed, e.g. "status"
 	Failed map[string]error // by project ID
 }
 
@@ -377,26 +383,4 @@ func (e *ProjectErrors) Projects() []string {
 	}
 	sort.Strings(out)
 	return out
-}
-
-// perProject reports whether err may be the doing of one project's rows or locks, which
-// calling the projects one by one can isolate: a data exception, an integrity violation, a
-// lock not granted in time, a deadlock, or the function's own gap check. Anything else (the
-// connection, the context, a privilege, the transaction's state) would fail every call alike.
-func perProject(err error) bool {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return false
-	}
-	switch {
-	case pgErr.Code == "22023": // invalid_parameter_value: the call's own arguments
-		return false
-	case strings.HasPrefix(pgErr.Code, "22"), strings.HasPrefix(pgErr.Code, "23"):
-		return true
-	}
-	switch pgErr.Code {
-	case "55P03", "40P01", "XX000": // lock_not_available, deadlock_detected, internal_error (the gap check)
-		return true
-	}
-	return false
 }

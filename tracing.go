@@ -28,8 +28,8 @@ import (
 //     the messaging conventions' way to tie a consumer to a producer whose trace it does not
 //     continue, since one creation is processed many times (by every consumer, on every retry
 //     and replay). The listeners' context carries the span, so a host's own spans nest under it.
-//   - The sequencer call ("outbox sequence"), a reconciliation ("outbox reconcile") and a
-//     retention sweep ("outbox retention sweep") get internal spans of their own.
+//   - A reconciliation ("outbox reconcile") and a retention sweep ("outbox retention sweep")
+//     get internal spans of their own. Ticks get none.
 
 // TraceMessagingSystem is the messaging.system attribute of the module's spans.
 const TraceMessagingSystem = "fusion_outbox"
@@ -42,15 +42,12 @@ const (
 	attrOutcome      = attribute.Key("messaging.fusion_outbox.outcome")
 	attrFailureClass = attribute.Key("messaging.fusion_outbox.failure_class")
 	attrInserted     = attribute.Key("messaging.fusion_outbox.inserted")
-	attrProjects     = attribute.Key("messaging.fusion_outbox.projects")
-	attrAssigned     = attribute.Key("messaging.fusion_outbox.sequences_assigned")
 	attrReason       = attribute.Key("messaging.fusion_outbox.reconcile_reason")
 	attrPruned       = attribute.Key("messaging.fusion_outbox.pruned_rows")
 )
 
 // Span names that do not depend on the project.
 const (
-	spanSequence  = "outbox sequence"
 	spanReconcile = "outbox reconcile"
 	spanRetention = "outbox retention sweep"
 )

@@ -176,6 +176,7 @@ DECLARE
     v_events   bigint;
     v_legacy   boolean;
     v_xmax     numeric;
+    v_newest   xid8;
 BEGIN
     IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
         RAISE EXCEPTION 'lifecycle_outbox_tick must run in a READ COMMITTED transaction' USING ERRCODE = '25001';
@@ -187,13 +188,21 @@ BEGIN
     IF v_last_id IS NULL THEN
         RAISE EXCEPTION 'lifecycle_tick holds no tick: the schema was changed by hand' USING ERRCODE = 'LX002';
     END IF;
+    -- The newest stored event, read before the snapshot below: its transaction had ended by
+    -- then, so its ID is below the snapshot's xmax. (One backward probe of the batch index.)
+    SELECT pg_catalog.max(e.txid) INTO v_newest FROM lifecycle_event_log e;
     -- A new statement, so a new snapshot: taken after the lock, after the last tick committed.
     SELECT pg_catalog.pg_current_snapshot() INTO v_cur;
 
-    IF pg_catalog.pg_snapshot_xmax(v_last) OPERATOR(pg_catalog.>) pg_catalog.pg_snapshot_xmax(v_cur) THEN
-        v_xmax := pg_catalog.pg_snapshot_xmax(v_last)::text::numeric;
-        RAISE EXCEPTION 'the cluster''s transaction IDs are behind tick % (its xmax is %, the cluster is at %): the database was moved into another cluster by a logical dump or logical replication, and ticking now would hide events',
-            v_last_id, pg_catalog.pg_snapshot_xmax(v_last), pg_catalog.pg_snapshot_xmax(v_cur)
+    -- Every transaction ID the last tick or a stored event names was handed out before this
+    -- snapshot, so each is below its xmax; one that is not comes from another cluster.
+
+    IF pg_catalog.pg_snapshot_xmax(v_last) OPERATOR(pg_catalog.>) pg_catalog.pg_snapshot_xmax(v_cur)
+       OR v_newest OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(v_cur) THEN
+        v_xmax := GREATEST(pg_catalog.pg_snapshot_xmax(v_last)::text::numeric,
+                           coalesce(v_newest::text::numeric OPERATOR(pg_catalog.+) 1, 0));
+        RAISE EXCEPTION 'the cluster''s transaction IDs are behind tick % or the events stored (up to %; the cluster is at %): the database was moved into another cluster by a logical dump or logical replication, and ticking now would hide events',
+            v_last_id, v_xmax, pg_catalog.pg_snapshot_xmax(v_cur)
             USING ERRCODE = 'LX001',
                   HINT = pg_catalog.format('Stop the new cluster and run pg_resetwal --epoch=%s on it before opening it (docs/operations.md, "Moving the database").',
                                            pg_catalog.floor(v_xmax OPERATOR(pg_catalog./) 4294967296) OPERATOR(pg_catalog.+) 1);

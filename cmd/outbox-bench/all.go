@@ -96,7 +96,7 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 			return runFanout(ctx, env, fanoutOpts{consumers: 4, events: size(20000, 2000), backlog: defaultBacklog()})
 		}),
 	)
-	for _, k := range []int{2, 8} {
+	for _, k := range []int{1, 2, 4, 8, 16} {
 		steps = append(steps, one(func(ctx context.Context, env *Env) (sustainedResult, error) {
 			return runSustained(ctx, env, sustainedOpts{writers: 16, consumers: k, projects: 16, seconds: float64(size(20, 3)),
 				tasks: size(400000, 100000), mailbox: mailboxIncluded})

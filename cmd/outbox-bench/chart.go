@@ -26,7 +26,7 @@ import (
 func init() {
 	register(benchCase{name: "chart", offline: true, usage: "render a results file's scale curves, drains and sustained runs as a PNG (no database)",
 		flags: func(fs *flag.FlagSet) runner {
-			o := chartOpts{in: "bench/results.jsonl", out: "bench/scale.png", width: 1400, height: 1400}
+			o := chartOpts{in: "bench/results.jsonl", out: "bench/scale.png", width: 1400, height: 1800}
 			fs.StringVar(&o.in, "in", o.in, "JSON lines written by the bench")
 			fs.StringVar(&o.out, "out", o.out, "PNG to write")
 			fs.IntVar(&o.width, "width", o.width, "image width in pixels")
@@ -62,6 +62,9 @@ type chartRecord struct {
 	// ClientStatementsPerS is what the idle consumers' pools sent, by the driver's count.
 	ClientStatementsPerS float64 `json:"client_statements_per_s"`
 	ServerCPUMSPerS      float64 `json:"server_cpu_ms_per_s"`
+	// The sustained runs' server CPU per delete transaction, with the module and without it.
+	ServerCPUPerTx         float64 `json:"server_cpu_us_per_tx"`
+	BaselineServerCPUPerTx float64 `json:"baseline_server_cpu_us_per_tx"`
 }
 
 func readRecords(r io.Reader) ([]chartRecord, error) {
@@ -148,9 +151,10 @@ func (p *panel) add(name string, x, y float64, label string) {
 	p.series = append(p.series, &series{name: name, pts: plotter.XYs{{X: x, Y: y}}, labels: []string{label}})
 }
 
-// renderChart draws four panels: the two idle curves, drain rate against backlog size (the
-// scale curve's points and the drain lines, one series per backlog kind) and the sustained
-// runs' throughput ratio against the consumer count, each point labelled with its p99 lag.
+// renderChart draws eight panels: the two idle curves (statements and CPU), drain rate against
+// backlog size (the scale curve's points and the drain lines, one series per backlog kind), and
+// the sustained runs against the consumer count: throughput ratio (each point labelled with its
+// p99 lag), the module's server CPU per delete, and the p99 lag.
 func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	if o.width < 200 || o.height < 200 {
 		return errors.New("the image needs at least 200x200 pixels")
@@ -163,6 +167,9 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	idlePC := &panel{title: "Idle: one consumer of P projects", xLabel: "projects", yLabel: "server CPU ms per second"}
 	drain := &panel{title: "Drain: one fresh consumer", xLabel: "backlog (events)", yLabel: "events/s"}
 	sust := &panel{title: "Sustained: writers at full speed, outbox vs baseline", xLabel: "consumers", yLabel: "tx/s with outbox ÷ without"}
+	sustCPU := &panel{title: "Sustained: the module's server CPU per delete", xLabel: "consumers",
+		yLabel: "µs per delete (with outbox − baseline)"}
+	sustLag := &panel{title: "Sustained: delivery lag", xLabel: "consumers", yLabel: "p99 lag (ms)"}
 	var first *chartRecord
 	commits := map[string]bool{}
 	var commitOrder []string
@@ -184,6 +191,8 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 			drain.add(drainSeriesName(r.Backlog, r.PerTx), r.Events, r.EventsPerS, "")
 		case r.Bench == "sustained":
 			sust.add("tx/s with outbox ÷ without, labelled with the p99 lag", r.Consumers, r.Ratio, fmt.Sprintf("p99 lag %s ms", strconv.FormatFloat(r.LagP99MS, 'f', 0, 64)))
+			sustCPU.add("server CPU µs per delete, with outbox − without", r.Consumers, r.ServerCPUPerTx-r.BaselineServerCPUPerTx, "")
+			sustLag.add("p99 commit-to-delivery lag", r.Consumers, r.LagP99MS, "")
 		default:
 			continue
 		}
@@ -199,7 +208,7 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	if n == 0 {
 		return errors.New("no scale, drain or sustained lines to draw")
 	}
-	panels := [][]*panel{{idleKS, idlePS}, {idleKC, idlePC}, {drain, sust}}
+	panels := [][]*panel{{idleKS, idlePS}, {idleKC, idlePC}, {drain, sust}, {sustCPU, sustLag}}
 	plots := make([][]*plot.Plot, len(panels))
 	for j, row := range panels {
 		for _, pn := range row {

@@ -12,7 +12,7 @@ import (
 )
 
 func init() {
-	register(benchCase{name: "sequence", usage: "sequencer rate over a backlog the host's deletes wrote while no consumer ran",
+	register(benchCase{name: "sequence", usage: "numbering rate of one tick over a backlog the host's deletes wrote while no consumer ran",
 		flags: func(fs *flag.FlagSet) runner {
 			o := sequenceOpts{events: 200000, projects: 1, backlog: defaultBacklog()}
 			fs.IntVar(&o.events, "events", o.events, "unsequenced events in the backlog")
@@ -47,26 +47,30 @@ type sequenceOpts struct {
 type sequenceResult struct {
 	Header
 	Backlog
-	Events    int     `json:"events"`
-	Projects  int     `json:"projects"`
-	BatchSize int     `json:"batch_size"`
-	Assigned  int     `json:"assigned"`
-	Seconds   float64 `json:"seconds"`
-	RowsPerS  float64 `json:"rows_per_s"`
-	// The copy floor, measured just before on the same backlog: its rows copied once, in the
-	// same batches, into a table with the stream's columns, indexes and checks, without
-	// removing them from the pending table, locks or row-level security (see copyFloor). -1
-	// for a backlog in several projects.
+	Events   int `json:"events"`
+	Projects int `json:"projects"`
+	// BatchSize is the copy floor's batch, the one the sequencer that schema 18 replaced
+	// numbered per project and call; a tick has none.
+	BatchSize int `json:"batch_size"`
+	// Numbered is what the one tick numbered (every event of the backlog), Seconds how long
+	// the call took, NumberingEventsPerS the two together.
+	Numbered            int64   `json:"numbered"`
+	Seconds             float64 `json:"seconds"`
+	NumberingEventsPerS float64 `json:"numbering_events_per_s"`
+	// The copy floor, measured just before on the same backlog: its events copied once, in
+	// batches, into a table with the stream's columns, indexes and checks, without locks or
+	// row-level security (see copyFloor). -1 for a backlog in several projects.
 	CopyFloorSeconds  float64 `json:"copy_floor_seconds"`
 	CopyFloorRowsPerS float64 `json:"copy_floor_rows_per_s"`
 	VsCopyFloor       float64 `json:"vs_copy_floor"`
 }
 
-// runSequence times outbox.Sequence, as a consumer calls it, over an unsequenced backlog that
-// the reference host's deletes wrote through the writer hook while no consumer ran.
+// runSequence times one outbox.Tick, as the consumers' ticker calls it (as the consumer
+// role), over an unsequenced backlog that the reference host's deletes wrote through the
+// writer hook while no consumer ran: the tick numbers the whole backlog at once, as the first
+// consumer's ticker does when it is elected. Reading it is the drain case's.
 func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult, error) {
-	batch := outbox.Config{}.WithDefaults().SequenceBatchSize
-	res := sequenceResult{Header: env.Header("sequence"), Events: o.events, Projects: o.projects, BatchSize: batch}
+	res := sequenceResult{Header: env.Header("sequence"), Events: o.events, Projects: o.projects, BatchSize: floorBatch}
 	o.backlog.kind = backlogUnsequenced
 	if o.events < 1 || o.projects < 1 {
 		return res, errors.New("sequence: need events >= 1 and projects >= 1")
@@ -90,12 +94,12 @@ func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult,
 	if res.Backlog, err = writeBacklog(ctx, env, db, projects, counts, "s", o.backlog); err != nil {
 		return res, err
 	}
-	env.Logf("sequence: %d unsequenced events in %d project(s): the copy floor, then the sequencer", o.events, o.projects)
-	// The copy floor takes one statement per batch of one project, where one sequencer call
-	// serves every project: it bounds a backlog in one project only.
+	env.Logf("sequence: %d unsequenced events in %d project(s): the copy floor, then one tick", o.events, o.projects)
+	// The copy floor takes one statement per batch of one project, where one tick serves
+	// every project: it bounds a backlog in one project only.
 	res.CopyFloorSeconds, res.CopyFloorRowsPerS, res.VsCopyFloor = -1, -1, -1
 	if o.projects == 1 {
-		floor, copied, err := copyFloor(ctx, pool, projects, batch)
+		floor, copied, err := copyFloor(ctx, pool, projects, floorBatch)
 		if err != nil {
 			return res, err
 		}
@@ -104,21 +108,24 @@ func runSequence(ctx context.Context, env *Env, o sequenceOpts) (sequenceResult,
 		}
 		res.CopyFloorSeconds, res.CopyFloorRowsPerS = seconds(floor), perSecond(copied, floor)
 	}
+	ticker, err := db.ConsumerPool(ctx, 1, nil)
+	if err != nil {
+		return res, err
+	}
+	defer ticker.Close()
 	started := time.Now()
-	heads, err := outbox.Sequence(ctx, pool, projects, batch)
+	tick, err := outbox.Tick(ctx, ticker)
 	elapsed := time.Since(started)
 	if err != nil {
 		return res, err
 	}
-	for _, h := range heads {
-		res.Assigned += h.Assigned
-	}
-	res.Seconds, res.RowsPerS = seconds(elapsed), perSecond(int64(res.Assigned), elapsed)
+	res.Numbered = tick.Events
+	res.Seconds, res.NumberingEventsPerS = seconds(elapsed), perSecond(tick.Events, elapsed)
 	if res.CopyFloorRowsPerS > 0 {
-		res.VsCopyFloor = ratio(res.RowsPerS, res.CopyFloorRowsPerS)
+		res.VsCopyFloor = ratio(res.NumberingEventsPerS, res.CopyFloorRowsPerS)
 	}
-	if res.Assigned != o.events {
-		return res, fmt.Errorf("sequence: assigned %d of %d events", res.Assigned, o.events)
+	if res.Numbered != int64(o.events) || tick.Ticks != 1 {
+		return res, fmt.Errorf("sequence: %d tick(s) numbered %d of %d events", tick.Ticks, res.Numbered, o.events)
 	}
 	return res, nil
 }
@@ -164,7 +171,8 @@ func drainTimeout(events int) time.Duration {
 // hook while no consumer ran; -backlog sequenced bulk-loads it already numbered) and times one
 // fresh consumer (cursor "oldest", durable acknowledgements) from Start until its listener has
 // every event, and until its cursor row says so. An unsequenced backlog's time includes its
-// numbering, which the consumer does as it reads.
+// numbering: the consumer's ticker, elected at Start, numbers it in one tick, and the
+// consumer reads it as the tick announces it.
 func runDrain(ctx context.Context, env *Env, o drainOpts) (drainResult, error) {
 	res := drainResult{Header: env.Header("drain"), Events: o.events, BatchSize: o.batch, PollIntervalMS: o.poll.Milliseconds()}
 	if o.events < 1 {

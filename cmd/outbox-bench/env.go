@@ -37,11 +37,11 @@ type Header struct {
 	Load1m float64 `json:"load_1m"`
 	// Roles says as whom the host's deletes, the consumers and retention ran, and who owns
 	// the module's objects: "component+owner", a writer, a consumer and an operator role
-	// granted as the README says, and an owner that is not a superuser (the sequencer runs as
-	// the owner), so that row-level security and column privileges cost what they cost a real
-	// host. Lines that say "component" came from builds whose databases the superuser owned, so
-	// that the sequencer's statements skipped row-level security. Setup and measurement run as
-	// the superuser.
+	// granted as the README says, and an owner that is not a superuser (the ticker, as the
+	// sequencer before it, runs as the owner), so that row-level security and column privileges
+	// cost what they cost a real host. Lines that say "component" came from builds whose
+	// databases the superuser owned, so that the sequencer's statements skipped row-level
+	// security. Setup and measurement run as the superuser.
 	Roles string `json:"roles"`
 	// Commit is the VCS revision the bench was built from ("-dirty" when the tree had
 	// changes); empty when the build carries no VCS stamp and make bench passed none. It comes
@@ -250,7 +250,7 @@ func newHeader(ctx context.Context, cfg *pgx.ConnConfig) (Header, error) {
 }
 
 // statStatementsSettings load pg_stat_statements and have it track the statements that
-// functions run too (the sequencer is one), so that the sustained and scale cases can read
+// functions run too (the ticker and the reader are two), so that the sustained and scale cases can read
 // what the server executed. The extension's own cost (a hash lookup and a counter update per
 // statement) is in every figure of a run on the throwaway cluster.
 var statStatementsSettings = map[string]string{
@@ -394,9 +394,9 @@ func (d *DB) connectWithOID(ctx context.Context) (*pgx.Conn, int64, error) {
 
 // createOwner makes a role that is not a superuser the owner of the database, and so of
 // its public schema and of everything the migrations create there, as a deployment's schema
-// owner is. The sequencer runs as that owner (SECURITY DEFINER), and the tables force
-// row-level security on it: owned by the superuser, its statements would skip the policies
-// that a deployment's sequencer pays for.
+// owner is. The ticker runs as that owner (SECURITY DEFINER), and the tables force row-level
+// security on it: owned by the superuser, its statements would skip the policies that a
+// deployment's ticker pays for.
 func (d *DB) createOwner(ctx context.Context) error {
 	conn, oid, err := d.connectWithOID(ctx)
 	if err != nil {

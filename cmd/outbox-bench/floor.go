@@ -11,21 +11,21 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// The copy floor: what writing each event once into a table laid out as the stream costs,
-// measured on the backlog the sequencer then numbers. Any sequencer that gives every event a
-// stream row pays at least this; ours also removes the row from the pending table, locks and
-// moves the project's head, and runs under row-level security.
+// The copy floor: what writing each event once more, into a table laid out as the stream
+// numbered before schema 18, costs, measured on the backlog that one tick then numbers. The
+// sequencer that schema 18 replaced paid at least this (it moved every event from the pending
+// table into the stream); a tick writes nothing per event, it counts them.
 const (
 	floorTableDDL = `CREATE TABLE bench_stream_floor (LIKE lifecycle_outbox INCLUDING ALL)`
 	floorDropDDL  = `DROP TABLE bench_stream_floor`
-	// floorCopySQL copies one batch of a project's pending rows, in the key order the
-	// sequencer takes them and numbered as it numbers them, and returns the batch's last key.
+	// floorCopySQL copies one batch of a project's logged events, in the log's key order,
+	// numbered in that order, and returns the batch's last key.
 	floorCopySQL = `
 WITH b AS (
     SELECT q.project_id::text AS project_id, q.task_id::text AS task_id, q.deleted_at::timestamptz AS deleted_at,
            q.event_type, q.archived, q.payload_version::smallint AS payload_version, q.occurred_at::timestamptz AS occurred_at,
            q.writer_process_id::text AS writer_process_id, q.prior_column::text AS prior_column, q.trace_context::text AS trace_context
-    FROM lifecycle_outbox_pending q
+    FROM lifecycle_event_log q
     WHERE q.project_id = $1 AND (q.deleted_at, q.task_id) > ($2::timestamptz, $3::text)
     ORDER BY q.project_id, q.deleted_at, q.task_id
     LIMIT $4
@@ -34,7 +34,7 @@ WITH b AS (
         (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
          writer_process_id, prior_column, trace_context)
     SELECT b.project_id, b.task_id, b.deleted_at,
-           $5::bigint + row_number() OVER (ORDER BY b.occurred_at, b.task_id, b.deleted_at),
+           $5::bigint + row_number() OVER (ORDER BY b.deleted_at, b.task_id),
            b.event_type, b.archived, b.payload_version, b.occurred_at, b.writer_process_id, b.prior_column, b.trace_context
     FROM b
     RETURNING 1
@@ -43,9 +43,13 @@ SELECT (SELECT count(*) FROM copied), b.deleted_at, b.task_id
 FROM b ORDER BY b.deleted_at DESC, b.task_id DESC LIMIT 1`
 )
 
-// copyFloor copies every pending row of projects into a fresh table with the stream's
-// columns, indexes and checks (no row-level security, no delete), batch rows per statement,
-// and returns how long the copies took and how many rows they wrote.
+// floorBatch is how many events one statement of the copy floor copies: the batch the
+// sequencer that schema 18 replaced numbered per project and call by default.
+const floorBatch = 10000
+
+// copyFloor copies every logged event of projects into a fresh table with the stream's
+// columns, indexes and checks (no row-level security), batch rows per statement, and returns
+// how long the copies took and how many rows they wrote.
 func copyFloor(ctx context.Context, admin *pgxpool.Pool, projects []string, batch int) (time.Duration, int64, error) {
 	if _, err := admin.Exec(ctx, floorTableDDL); err != nil {
 		return 0, 0, fmt.Errorf("create floor table: %w", err)

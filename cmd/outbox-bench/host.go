@@ -82,35 +82,69 @@ func createTasks(ctx context.Context, db outbox.DBTX, project, prefix string, fr
 	return nil
 }
 
-// backlogSQL inserts n task:deleted events of project $1 for tasks "<prefix>-1" .. "-n", each
-// deleted at its own microsecond and occurred $5 ago; sequenced 1..n when $4, else unsequenced.
-const backlogSQL = `
+// backlogEventsSQL inserts task:deleted events of project $1 for tasks "<prefix>-$3" ..
+// "<prefix>-$4" into the log, in one transaction, each deleted at its own microsecond.
+const backlogEventsSQL = `
+INSERT INTO lifecycle_event_log
+    (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT $1, x.t, x.d, 'task:deleted', false, 1, now(), 'bench-prewrite'
+FROM generate_series($3::bigint, $4::bigint) AS i,
+     LATERAL (SELECT $2::text || '-' || i AS t,
+                     timestamptz '2024-01-01 00:00:00+00' + i * interval '1 microsecond' AS d) AS x`
+
+// backlogTickEvents is how many events each tick of a bulk-loaded backlog numbers: about what
+// the consumers' ticker finds per tick, at its default floor of 5 ms, behind writers committing
+// 20,000 deletes a second.
+const backlogTickEvents = 100
+
+// insertBacklog bulk-loads n events into an empty project, numbered 1..n as the ticker leaves a
+// stream that it kept up with: a transaction of backlogTickEvents events, then a tick, and so on.
+// The log is then vacuumed and analysed, as autovacuum would have done by the time an observer
+// restarts onto such a backlog, and a checkpoint writes the load out so that it does not land
+// inside the measurement.
+func insertBacklog(ctx context.Context, pool *pgxpool.Pool, project, prefix string, n int) error {
+	for from := 1; from <= n; from += backlogTickEvents {
+		if _, err := pool.Exec(ctx, backlogEventsSQL, project, prefix, from, min(from+backlogTickEvents-1, n)); err != nil {
+			return fmt.Errorf("insert backlog: %w", err)
+		}
+		if _, err := outbox.Tick(ctx, pool); err != nil {
+			return fmt.Errorf("number backlog: %w", err)
+		}
+	}
+	return settleBacklog(ctx, pool, "lifecycle_event_log", "lifecycle_tick_project")
+}
+
+// streamBacklogSQL inserts n task:deleted events of project $1 for tasks "<prefix>-1" ..
+// "-n" into the stream frozen at schema 18, numbered 1..n, each deleted at its own
+// microsecond and occurred $4 ago.
+const streamBacklogSQL = `
 INSERT INTO lifecycle_outbox
     (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
-SELECT $1, CASE WHEN $4::boolean THEN i END,
-       'task:deleted', x.t, x.d, false, 'bench-prewrite', 1, now() - $5::interval
+SELECT $1, i, 'task:deleted', x.t, x.d, false, 'bench-prewrite', 1, now() - $4::interval
 FROM generate_series(1, $3::bigint) AS i,
      LATERAL (SELECT $2::text || '-' || i AS t,
                      timestamptz '2024-01-01 00:00:00+00' + i * interval '1 microsecond' AS d) AS x`
 
-const backlogHeadSQL = `
+const streamBacklogHeadSQL = `
 INSERT INTO lifecycle_outbox_heads (project_id, last_sequence, sequenced_at) VALUES ($1, $2, now())
 ON CONFLICT (project_id) DO UPDATE SET last_sequence = excluded.last_sequence, sequenced_at = excluded.sequenced_at`
 
-// insertBacklog bulk-loads n events into an empty project. Sequenced rows get 1..n and the
-// heads row, the state the sequencer leaves; the table is then vacuumed and analysed, as
-// autovacuum would have done by the time an observer restarts onto such a backlog, and a
-// checkpoint writes the load out so that it does not land inside the measurement.
-func insertBacklog(ctx context.Context, pool *pgxpool.Pool, project, prefix string, n int, sequenced bool, age time.Duration) error {
-	if _, err := pool.Exec(ctx, backlogSQL, project, prefix, n, sequenced, age); err != nil {
+// insertStreamBacklog bulk-loads n events, occurred age ago, into an empty project's part of
+// the stream numbered before schema 18, with its heads row: what a database upgraded from an
+// earlier schema holds. Only retention still removes rows from it.
+func insertStreamBacklog(ctx context.Context, pool *pgxpool.Pool, project, prefix string, n int, age time.Duration) error {
+	if _, err := pool.Exec(ctx, streamBacklogSQL, project, prefix, n, age); err != nil {
 		return fmt.Errorf("insert backlog: %w", err)
 	}
-	if sequenced {
-		if _, err := pool.Exec(ctx, backlogHeadSQL, project, n); err != nil {
-			return fmt.Errorf("insert backlog head: %w", err)
-		}
+	if _, err := pool.Exec(ctx, streamBacklogHeadSQL, project, n); err != nil {
+		return fmt.Errorf("insert backlog head: %w", err)
 	}
-	if _, err := pool.Exec(ctx, "VACUUM ANALYZE lifecycle_outbox"); err != nil {
+	return settleBacklog(ctx, pool, "lifecycle_outbox")
+}
+
+// settleBacklog vacuums and analyses tables and takes a checkpoint.
+func settleBacklog(ctx context.Context, pool *pgxpool.Pool, tables ...string) error {
+	if _, err := pool.Exec(ctx, "VACUUM ANALYZE "+strings.Join(tables, ", ")); err != nil {
 		return fmt.Errorf("vacuum backlog: %w", err)
 	}
 	if _, err := pool.Exec(ctx, "CHECKPOINT"); err != nil {

@@ -46,11 +46,11 @@ type latencyResult struct {
 	ScansPerS     float64 `json:"scans_per_s"`
 	ScanPeriodMS  float64 `json:"scan_period_ms"`
 	EventsPerScan float64 `json:"events_per_scan"`
-	// The sequencer's share of each scan, from pg_stat_statements over the same phase: its
-	// calls and their mean executor time (the commit after it is not in it); -1 without the
-	// extension.
-	SequencerCalls      int64   `json:"sequencer_calls"`
-	SequencerExecMeanMS float64 `json:"sequencer_exec_mean_ms"`
+	// Numbering's share of the cycle, from pg_stat_statements over the same phase: the calls
+	// of the ticker and of the reader (see numberingSQL) and their mean executor time (the
+	// commit after a tick is not in it); -1 without the extension.
+	NumberingCalls      int64   `json:"numbering_calls"`
+	NumberingExecMeanMS float64 `json:"numbering_exec_mean_ms"`
 }
 
 // runLatency commits deletes at a fixed rate through the reference host with the writer hook
@@ -96,8 +96,8 @@ func runLatency(ctx context.Context, env *Env, o latencyOpts) (latencyResult, er
 
 	stats := openStatStatements(ctx, admin)
 	if !stats.ok {
-		res.SequencerCalls, res.SequencerExecMeanMS = -1, -1
-		env.Logf("latency: no sequencer figures: %s", stats.why)
+		res.NumberingCalls, res.NumberingExecMeanMS = -1, -1
+		env.Logf("latency: no numbering figures: %s", stats.why)
 	}
 	before := c.Stats()
 	env.Logf("latency: %d deletes/s for %.1fs on %d writers", o.rate, o.seconds, o.writers)
@@ -146,13 +146,13 @@ func runLatency(ctx context.Context, env *Env, o latencyOpts) (latencyResult, er
 		res.EventsPerScan = round1(float64(after.Delivered-before.Delivered) / float64(scans))
 	}
 	if stats.ok {
-		st, err := stats.sequencer(ctx)
+		st, err := stats.numbering(ctx)
 		if err != nil {
 			return res, err
 		}
-		res.SequencerCalls = st.calls
+		res.NumberingCalls = st.calls
 		if st.calls > 0 {
-			res.SequencerExecMeanMS = round3(st.execMS / float64(st.calls))
+			res.NumberingExecMeanMS = round3(st.execMS / float64(st.calls))
 		}
 	}
 	if firstErr != nil {

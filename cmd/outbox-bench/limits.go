@@ -177,13 +177,13 @@ func closeSides(sides []*side) {
 	}
 }
 
+// keysetSQL reads a page of a project's stream as the consumer does (readEventsSQL): through
+// lifecycle_outbox_read, after the position $2, continuing after the key ($4, $5, $6) of the
+// event at it inside its tick.
 const keysetSQL = `
 SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version
-FROM lifecycle_outbox
-WHERE project_id = $1 AND sequence > $2
-ORDER BY sequence
-LIMIT $3`
+       writer_process_id, occurred_at, payload_version, txid::text
+FROM lifecycle_outbox_read($1::text, $2::bigint, $3::integer, $4::text::xid8, $5::timestamptz, $6::text)`
 
 const keysetAckSQL = `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = $3, acked_at = now()
 WHERE project_id = $1 AND consumer_id = $2`
@@ -200,7 +200,7 @@ func keysetLimits(ctx context.Context, env *Env, o limitsOpts) (plain, withCommi
 	}
 	defer pool.Close()
 	const project = "read"
-	if err := insertBacklog(ctx, pool, project, "r", o.readEvents, true, 0); err != nil {
+	if err := insertBacklog(ctx, pool, project, "r", o.readEvents); err != nil {
 		return 0, 0, err
 	}
 	if _, err := pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ($1, 'bench-read')`, project); err != nil {
@@ -233,27 +233,31 @@ func keysetLimits(ctx context.Context, env *Env, o limitsOpts) (plain, withCommi
 }
 
 // keysetWalk reads the project's stream page by page, decoding every column as the consumer
-// does, and optionally writes the cursor (autocommit, durable) after each page.
+// does and passing each page's last key to the next read, and optionally writes the cursor
+// (autocommit, durable) after each page.
 func keysetWalk(ctx context.Context, pool *pgxpool.Pool, project string, page int, commit bool) (int, error) {
 	var after int64
+	var keyTxid, keyTask *string
+	var keyDeletedAt *time.Time
 	total := 0
 	for {
-		rows, err := pool.Query(ctx, keysetSQL, project, after, page)
+		rows, err := pool.Query(ctx, keysetSQL, project, after, page, keyTxid, keyDeletedAt, keyTask)
 		if err != nil {
 			return total, fmt.Errorf("keyset read: %w", err)
 		}
 		n := 0
 		for rows.Next() {
 			var p, typ, task, prior, writer string
+			var txid *string
 			var seq int64
 			var deletedAt, occurredAt time.Time
 			var archived bool
 			var version int16
-			if err := rows.Scan(&p, &seq, &typ, &task, &deletedAt, &prior, &archived, &writer, &occurredAt, &version); err != nil {
+			if err := rows.Scan(&p, &seq, &typ, &task, &deletedAt, &prior, &archived, &writer, &occurredAt, &version, &txid); err != nil {
 				rows.Close()
 				return total, fmt.Errorf("keyset decode: %w", err)
 			}
-			after = seq
+			after, keyTxid, keyDeletedAt, keyTask = seq, txid, &deletedAt, &task
 			n++
 		}
 		rows.Close()

@@ -54,9 +54,11 @@ type longTxWindow struct {
 	ServerCPUSeconds     float64 `json:"server_cpu_seconds"`
 	ServerCPUUSPerDelete float64 `json:"server_cpu_us_per_delete"`
 	ScansPerS            float64 `json:"scans_per_s"`
-	SequencerCalls       int64   `json:"sequencer_calls"`
-	SequencerExecMeanMS  float64 `json:"sequencer_exec_mean_ms"`
-	SequencerExecTotalMS float64 `json:"sequencer_exec_ms"`
+	// Numbering's calls in the window (the ticks and the reads, see numberingSQL) and their
+	// executor time; -1 without pg_stat_statements.
+	NumberingCalls       int64   `json:"numbering_calls"`
+	NumberingExecMeanMS  float64 `json:"numbering_exec_mean_ms"`
+	NumberingExecTotalMS float64 `json:"numbering_exec_ms"`
 }
 
 type longTxResult struct {
@@ -97,9 +99,9 @@ type longTxResult struct {
 	HeldXIDAge    int64   `json:"held_xid_age"`
 	HeldOpenAtEnd bool    `json:"held_open_at_end"`
 	HeldSeconds   float64 `json:"held_seconds"`
-	// SequencerSource says where the windows' sequencer figures come from; they are -1 without
+	// NumberingSource says where the windows' numbering figures come from; they are -1 without
 	// pg_stat_statements.
-	SequencerSource string `json:"sequencer_source"`
+	NumberingSource string `json:"numbering_source"`
 	// Load1mEnd is the load average when the sending ended; load_1m is the one at the start.
 	Load1mEnd float64 `json:"load_1m_end"`
 }
@@ -184,19 +186,19 @@ func (m windowMeter) stop(ctx context.Context, t0 time.Time, server *serverCPU, 
 	end := time.Now()
 	scans := c.Stats().Scans - m.scans
 	w := longTxWindow{FromSeconds: seconds(m.started.Sub(t0)), Seconds: seconds(end.Sub(m.started)),
-		ServerCPUSeconds: -1, ServerCPUUSPerDelete: -1, SequencerCalls: -1, SequencerExecMeanMS: -1, SequencerExecTotalMS: -1}
+		ServerCPUSeconds: -1, ServerCPUUSPerDelete: -1, NumberingCalls: -1, NumberingExecMeanMS: -1, NumberingExecTotalMS: -1}
 	w.ScansPerS = perSecond(scans, end.Sub(m.started))
 	if server != nil {
 		w.ServerCPUSeconds = seconds(srv)
 	}
 	if stats.ok {
-		st, err := stats.sequencer(ctx)
+		st, err := stats.numbering(ctx)
 		if err != nil {
 			return w, end, err
 		}
-		w.SequencerCalls, w.SequencerExecTotalMS = st.calls, round3(st.execMS)
+		w.NumberingCalls, w.NumberingExecTotalMS = st.calls, round3(st.execMS)
 		if st.calls > 0 {
-			w.SequencerExecMeanMS = round3(st.execMS / float64(st.calls))
+			w.NumberingExecMeanMS = round3(st.execMS / float64(st.calls))
 		}
 	}
 	return w, end, nil
@@ -278,10 +280,10 @@ func runLongTx(ctx context.Context, env *Env, o longTxOpts) (longTxResult, error
 	}
 	stats := openStatStatements(ctx, admin)
 	if stats.ok {
-		res.SequencerSource = "pg_stat_statements"
+		res.NumberingSource = "pg_stat_statements"
 	} else {
-		res.SequencerSource = "unavailable: pg_stat_statements: " + stats.why
-		env.Logf("longtx: no sequencer figures: %s", stats.why)
+		res.NumberingSource = "unavailable: pg_stat_statements: " + stats.why
+		env.Logf("longtx: no numbering figures: %s", stats.why)
 	}
 	if _, err := admin.Exec(ctx, "CHECKPOINT"); err != nil {
 		return res, fmt.Errorf("checkpoint: %w", err)

@@ -160,7 +160,7 @@ func TestComponentPoolsRunAsBoundRoles(t *testing.T) {
 		require.False(t, bypass, name)
 		pool.Close()
 	}
-	// The writer may insert pending rows but not read the consumers' cursors.
+	// The writer may insert into the event log but not read the consumers' cursors.
 	writer, err := db.WriterPool(ctx, 1, nil)
 	require.NoError(t, err)
 	defer writer.Close()
@@ -190,16 +190,17 @@ func TestSequence(t *testing.T) {
 		r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 601, projects: 2, backlog: b})
 		require.NoError(t, err)
 		m := line(t, r, "sequence")
-		require.EqualValues(t, 601, num(t, m, "assigned"))
+		require.EqualValues(t, 601, num(t, m, "numbered"))
+		require.Positive(t, num(t, m, "numbering_events_per_s"))
 		requireBacklog(t, m, backlogUnsequenced, perTx)
 		require.EqualValues(t, -1, num(t, m, "copy_floor_rows_per_s"), "no floor for a backlog in several projects")
 	}
 	r, err := runSequence(ctxT(t), testEnv(t), sequenceOpts{events: 601, projects: 1, backlog: defaultBacklog()})
 	require.NoError(t, err)
 	m := line(t, r, "sequence")
-	require.EqualValues(t, 601, num(t, m, "assigned"))
+	require.EqualValues(t, 601, num(t, m, "numbered"))
 	require.Positive(t, num(t, m, "copy_floor_rows_per_s"))
-	require.InDelta(t, num(t, m, "rows_per_s")/num(t, m, "copy_floor_rows_per_s"), num(t, m, "vs_copy_floor"), 0.01)
+	require.InDelta(t, num(t, m, "numbering_events_per_s")/num(t, m, "copy_floor_rows_per_s"), num(t, m, "vs_copy_floor"), 0.01)
 }
 
 func TestDrain(t *testing.T) {
@@ -296,8 +297,8 @@ func requireSustained(t *testing.T, m map[string]any) {
 
 // growWindow runs a case with a window of first seconds, doubled up to 8 times first until
 // seen finds in its line the figures that need the window to hold an event: the window is real
-// time, and on a busy machine a short one can end before the consumers' first scan or
-// sequencer call (a 400ms sustained run once counted no sequencer call). It returns the last
+// time, and on a busy machine a short one can end before the consumers' first scan, tick or
+// read (a 400ms sustained run once counted no sequencer call). It returns the last
 // line; the caller's assertions fail on it if the longest window held none either.
 func growWindow(t *testing.T, first float64, run func(seconds float64) map[string]any, seen func(map[string]any) bool) map[string]any {
 	t.Helper()
@@ -329,15 +330,15 @@ func sustainedLine(t *testing.T, env *Env, seen func(map[string]any) bool) map[s
 func TestSustainedWithStatStatements(t *testing.T) {
 	t.Parallel()
 	m := sustainedLine(t, statsEnv(t), func(m map[string]any) bool {
-		return num(t, m, "sequencer_calls") > 0 && num(t, m, "server_cpu_seconds") > 0 && num(t, m, "sequencer_share") > 0
+		return num(t, m, "numbering_calls") > 0 && num(t, m, "server_cpu_seconds") > 0 && num(t, m, "numbering_share") > 0
 	})
-	require.Equal(t, "pg_stat_statements total_exec_time / server CPU", m["sequencer_share_source"])
-	require.Positive(t, num(t, m, "sequencer_calls"))
-	require.Positive(t, num(t, m, "sequencer_exec_ms"))
+	require.Equal(t, "pg_stat_statements total_exec_time / server CPU", m["numbering_share_source"])
+	require.Positive(t, num(t, m, "numbering_calls"))
+	require.Positive(t, num(t, m, "numbering_exec_ms"))
 	require.Positive(t, num(t, m, "server_cpu_seconds"))
-	require.Positive(t, num(t, m, "sequencer_share"))
-	require.GreaterOrEqual(t, num(t, m, "sequencer_lock_wait_ms"), 0.0)
-	require.LessOrEqual(t, num(t, m, "sequencer_share_less_lock_wait"), num(t, m, "sequencer_share"))
+	require.Positive(t, num(t, m, "numbering_share"))
+	require.GreaterOrEqual(t, num(t, m, "numbering_lock_wait_ms"), 0.0)
+	require.LessOrEqual(t, num(t, m, "numbering_share_less_lock_wait"), num(t, m, "numbering_share"))
 }
 
 // TestSustainedWithoutStatStatements runs on the test harness's server, which does not load
@@ -345,9 +346,9 @@ func TestSustainedWithStatStatements(t *testing.T) {
 func TestSustainedWithoutStatStatements(t *testing.T) {
 	t.Parallel()
 	m := sustainedLine(t, testEnv(t), func(map[string]any) bool { return true })
-	require.EqualValues(t, -1, num(t, m, "sequencer_share"))
-	require.EqualValues(t, -1, num(t, m, "sequencer_share_less_lock_wait"))
-	require.Contains(t, m["sequencer_share_source"], "unavailable")
+	require.EqualValues(t, -1, num(t, m, "numbering_share"))
+	require.EqualValues(t, -1, num(t, m, "numbering_share_less_lock_wait"))
+	require.Contains(t, m["numbering_share_source"], "unavailable")
 }
 
 // scaleLines runs the scale case and returns its lines by curve.
@@ -432,7 +433,7 @@ func TestScaleWithoutStatStatements(t *testing.T) {
 }
 
 // TestLatency runs on the harness's server and on one with pg_stat_statements, where the line
-// also says what the consumer's sequencer calls cost while the writers sent.
+// also says what the ticks and reads cost while the writers sent.
 func TestLatency(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
@@ -444,14 +445,14 @@ func TestLatency(t *testing.T) {
 			t.Parallel()
 			env := c.env(t)
 			var sent float64
-			// Scans and sequencer calls are counted while the writers send.
+			// Scans, ticks and reads are counted while the writers send.
 			m := growWindow(t, 0.5, func(seconds float64) map[string]any {
 				r, err := runLatency(ctxT(t), env, latencyOpts{rate: 200, seconds: seconds, writers: 2})
 				require.NoError(t, err)
 				sent = 200 * seconds
 				return line(t, r, "latency")
 			}, func(m map[string]any) bool {
-				return num(t, m, "scans_per_s") > 0 && num(t, m, "events_per_scan") > 0 && (!c.stats || num(t, m, "sequencer_calls") > 0)
+				return num(t, m, "scans_per_s") > 0 && num(t, m, "events_per_scan") > 0 && (!c.stats || num(t, m, "numbering_calls") > 0)
 			})
 			require.EqualValues(t, sent, num(t, m, "sent"))
 			require.EqualValues(t, sent, num(t, m, "received"))
@@ -465,8 +466,8 @@ func TestLatency(t *testing.T) {
 			require.InDelta(t, 1000/scans, num(t, m, "scan_period_ms"), 0.01*1000/scans+0.01)
 			require.Positive(t, num(t, m, "events_per_scan"))
 			if c.stats {
-				require.Positive(t, num(t, m, "sequencer_calls"))
-				require.Positive(t, num(t, m, "sequencer_exec_mean_ms"))
+				require.Positive(t, num(t, m, "numbering_calls"))
+				require.Positive(t, num(t, m, "numbering_exec_mean_ms"))
 			}
 		})
 	}
@@ -526,16 +527,16 @@ func TestLongTx(t *testing.T) {
 				w, ok := m[k].(map[string]any)
 				require.True(t, ok, "%s is an object: %v", k, m[k])
 				for _, f := range []string{"from_s", "seconds", "events", "events_per_s", "p50_ms", "p99_ms", "max_ms",
-					"server_cpu_seconds", "server_cpu_us_per_delete", "scans_per_s", "sequencer_calls", "sequencer_exec_mean_ms"} {
+					"server_cpu_seconds", "server_cpu_us_per_delete", "scans_per_s", "numbering_calls", "numbering_exec_mean_ms"} {
 					num(t, w, f)
 				}
 				require.GreaterOrEqual(t, num(t, w, "p99_ms"), num(t, w, "p50_ms"), k)
 				// The harness's server runs on this machine: its CPU is read, not -1.
 				require.GreaterOrEqual(t, num(t, w, "server_cpu_seconds"), 0.0, k)
 				if c.stats {
-					require.GreaterOrEqual(t, num(t, w, "sequencer_calls"), 0.0, k)
+					require.GreaterOrEqual(t, num(t, w, "numbering_calls"), 0.0, k)
 				} else {
-					require.EqualValues(t, -1, num(t, w, "sequencer_calls"), k)
+					require.EqualValues(t, -1, num(t, w, "numbering_calls"), k)
 				}
 			}
 			first, last := m["first_minute"].(map[string]any), m["last_minute"].(map[string]any)
@@ -545,9 +546,9 @@ func TestLongTx(t *testing.T) {
 			num(t, m, "last_over_first_p99")
 			num(t, m, "last_over_first_cpu")
 			if c.stats {
-				require.Equal(t, "pg_stat_statements", m["sequencer_source"])
+				require.Equal(t, "pg_stat_statements", m["numbering_source"])
 			} else {
-				require.Contains(t, m["sequencer_source"], "unavailable")
+				require.Contains(t, m["numbering_source"], "unavailable")
 			}
 			if c.hold {
 				require.Positive(t, num(t, m, "held_xid"))
@@ -615,7 +616,7 @@ func TestCommandLine(t *testing.T) {
 }
 
 // The bench's databases are owned, with the module's objects, by a role that is not a
-// superuser, as a deployment's schema owner is: the sequencer runs as that owner, and the
+// superuser, as a deployment's schema owner is: the ticker runs as that owner, and the
 // row-level security the tables force on it is then in the figures. The roles go with the
 // database.
 func TestServerEnvDatabasesHaveAnOwnerThatIsNotASuperuser(t *testing.T) {
@@ -633,15 +634,15 @@ func TestServerEnvDatabasesHaveAnOwnerThatIsNotASuperuser(t *testing.T) {
 
 	pool, err := db.Pool(ctx, 1, nil)
 	require.NoError(t, err)
-	var tableOwner, sequencerOwner string
+	var tableOwner, tickerOwner string
 	var super, bypass bool
 	require.NoError(t, pool.QueryRow(ctx, `SELECT r.rolname, r.rolsuper, r.rolbypassrls FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
-		WHERE c.oid = 'lifecycle_outbox'::regclass`).Scan(&tableOwner, &super, &bypass))
+		WHERE c.oid = 'lifecycle_event_log'::regclass`).Scan(&tableOwner, &super, &bypass))
 	require.NoError(t, pool.QueryRow(ctx, `SELECT proowner::regrole::text FROM pg_proc
-		WHERE oid = 'lifecycle_outbox_sequence(text[], integer, text, interval, text, interval)'::regprocedure`).Scan(&sequencerOwner))
+		WHERE oid = 'lifecycle_outbox_tick(text)'::regprocedure`).Scan(&tickerOwner))
 	pool.Close()
 	require.Equal(t, db.owner.name, tableOwner)
-	require.Equal(t, tableOwner, sequencerOwner, "the sequencer runs as the owner")
+	require.Equal(t, tableOwner, tickerOwner, "the ticker runs as the owner")
 	require.False(t, super)
 	require.False(t, bypass)
 

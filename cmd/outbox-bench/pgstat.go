@@ -53,29 +53,37 @@ func (s *statStatements) reset(ctx context.Context) error {
 	return nil
 }
 
-// sequencerSQL sums the top-level statements that call the sequencer function (the call
-// Sequence and the consumer make): exec_ms is pg_stat_statements' total_exec_time, time in
-// the executor with lock and I/O waits included. The statements the function runs inside are
-// tracked too (track = all) and are part of that time; lock_ms sums the one among them that
-// locks the project's heads row (SELECT ... FROM lifecycle_outbox_heads ... FOR UPDATE),
-// where concurrent sequencers of the same project wait for each other: nearly all of its time
-// is waiting. It is matched by its text, so it reads 0 if the function changes.
-const sequencerSQL = `
-SELECT coalesce(sum(total_exec_time) FILTER (WHERE toplevel AND query LIKE '%lifecycle_outbox_sequence(%'), 0),
-       coalesce(sum(calls) FILTER (WHERE toplevel AND query LIKE '%lifecycle_outbox_sequence(%'), 0)::bigint,
-       coalesce(sum(total_exec_time) FILTER (WHERE NOT toplevel AND query LIKE '%lifecycle_outbox_heads%' AND query ILIKE '%for update%'), 0)
+// numberingSQL sums the top-level statements that call the two functions that number the
+// stream since schema 18: lifecycle_outbox_tick, which counts each tick's events per project
+// (the consumers' elected ticker calls it, a fallback ticker and Tick too), and
+// lifecycle_outbox_read, which ranks a tick's events as it returns them (every read of a
+// consumer, a replay or a status goes through it). exec_ms is pg_stat_statements'
+// total_exec_time, time in the executor with lock and I/O waits included. The statements the
+// functions run inside are tracked too (track = all) and are part of that time; lock_ms sums
+// the one among them that takes the tick table's lock (LOCK TABLE lifecycle_tick ...), where
+// two tickers wait for each other: nearly all of its time is waiting. It is matched by its
+// text, so it reads 0 if the function changes. It is a lower bound: PostgreSQL 15's
+// pg_stat_statements counts a utility statement of a function's cached plan on its first run
+// in a session only (seen there: five ticks on one connection, one LOCK counted).
+const numberingSQL = `
+SELECT coalesce(sum(total_exec_time) FILTER (WHERE toplevel AND ` + numberingCall + `), 0),
+       coalesce(sum(calls) FILTER (WHERE toplevel AND ` + numberingCall + `), 0)::bigint,
+       coalesce(sum(total_exec_time) FILTER (WHERE NOT toplevel AND query ILIKE 'lock table lifecycle_tick %'), 0)
 FROM pg_stat_statements
 WHERE dbid = ` + thisDB
 
-// sequencerStats is what the sequencer cost since the last reset.
-type sequencerStats struct {
+// numberingCall matches a statement that calls the ticker or the reader function.
+const numberingCall = `(query LIKE '%lifecycle_outbox_tick(%' OR query LIKE '%lifecycle_outbox_read(%')`
+
+// numberingStats is what numbering cost since the last reset.
+type numberingStats struct {
 	execMS, lockMS float64
 	calls          int64
 }
 
-func (s *statStatements) sequencer(ctx context.Context) (sequencerStats, error) {
-	var st sequencerStats
-	if err := s.pool.QueryRow(ctx, sequencerSQL).Scan(&st.execMS, &st.calls, &st.lockMS); err != nil {
+func (s *statStatements) numbering(ctx context.Context) (numberingStats, error) {
+	var st numberingStats
+	if err := s.pool.QueryRow(ctx, numberingSQL).Scan(&st.execMS, &st.calls, &st.lockMS); err != nil {
 		return st, fmt.Errorf("read pg_stat_statements: %w", err)
 	}
 	return st, nil

@@ -32,9 +32,10 @@ const (
 // (drain_vs_backlog) lines carry it.
 type Backlog struct {
 	// Kind is "unsequenced" when the backlog was written through real delete transactions
-	// while no consumer ran, so that a consumer must number it before it can read it (the
-	// realistic case after an outage or for a new observer), or "sequenced" when it was
-	// bulk-loaded already numbered, the state that a consumer running alongside the writers
+	// while no consumer ran, so that a tick must number it before a consumer can read it (the
+	// realistic case after an outage or for a new observer: the first consumer's ticker
+	// numbers it all in one tick), or "sequenced" when it was bulk-loaded already numbered,
+	// in ticks of backlogTickEvents, the state that a ticker running alongside the writers
 	// leaves.
 	Kind string `json:"backlog"`
 	// Prewrite is how the rows got there: "host_deletes" (the reference host's delete with the
@@ -86,8 +87,8 @@ func (o backlogOpts) validate(what string) error {
 
 // writeBacklog writes counts[p] task:deleted events into project projects[p], for tasks
 // "<prefix>-1" .. "<prefix>-<counts[p]>", and leaves the database as a restarted observer
-// would find it: the outbox vacuumed and analysed (as autovacuum would have done by then) and
-// a checkpoint taken, so that neither lands inside the measurement.
+// would find it: the event log vacuumed and analysed (as autovacuum would have done by then)
+// and a checkpoint taken, so that neither lands inside the measurement.
 func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, counts []int, prefix string, o backlogOpts) (Backlog, error) {
 	if o.kind == backlogSequenced {
 		b := Backlog{Kind: backlogSequenced, Prewrite: prewriteBulk, Order: orderID}
@@ -98,7 +99,7 @@ func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, coun
 		defer pool.Close()
 		t0 := time.Now()
 		for p, project := range projects {
-			if err := insertBacklog(ctx, pool, project, prefix, counts[p], true, 0); err != nil {
+			if err := insertBacklog(ctx, pool, project, prefix, counts[p]); err != nil {
 				return b, err
 			}
 		}
@@ -127,7 +128,7 @@ func writeBacklog(ctx context.Context, env *Env, db *DB, projects []string, coun
 		return b, err
 	}
 	b.Seconds = seconds(time.Since(t0))
-	for _, sql := range []string{"VACUUM ANALYZE lifecycle_outbox", "CHECKPOINT"} {
+	for _, sql := range []string{"VACUUM ANALYZE lifecycle_event_log", "CHECKPOINT"} {
 		if _, err := admin.Exec(ctx, sql); err != nil {
 			return b, fmt.Errorf("after prewrite: %s: %w", sql, err)
 		}
@@ -142,9 +143,9 @@ const (
 
 // batchJobs cuts each project's deletes into transactions of perTx, one project per
 // transaction as a host's delete has, interleaving the projects so that they fill alike. A
-// project's tasks are deleted in a fixed random order, not in the order of their IDs: rows
-// then reach the outbox's keys at random places, as a host's real deletes do, rather than
-// nearly in key order.
+// project's tasks are deleted in a fixed random order, not in the order of their IDs, as a
+// host's real deletes are: the tasks' rows are then updated at random places, and the log's
+// events (keyed by deletion time first) are in no order of their task IDs.
 func batchJobs(projects []string, counts []int, prefix string, perTx int) [][]deleteJob {
 	per := make([][][]deleteJob, len(projects))
 	rounds := 0

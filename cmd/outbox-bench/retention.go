@@ -49,8 +49,8 @@ type retentionResult struct {
 	DeleteP99BeforeMS float64 `json:"delete_p99_before_ms"`
 }
 
-// runRetention loads rows prunable events (sequenced, 60 days old, no consumer holding them
-// back) and times one Retention.Sweep with the default batch size and a budget of rows, while
+// runRetention loads rows prunable events (numbered, in the stream frozen at schema 18, whose
+// rows retention removes one by one; 60 days old; no consumer holding them back) and times one Retention.Sweep with the default batch size and a budget of rows, while
 // writers keep deleting tasks of the same project through the reference host.
 func runRetention(ctx context.Context, env *Env, o retentionOpts) (retentionResult, error) {
 	cfg := outbox.Config{RetentionBudget: o.rows}.WithDefaults()
@@ -71,7 +71,7 @@ func runRetention(ctx context.Context, env *Env, o retentionOpts) (retentionResu
 	defer closePools()
 	const project = "ret"
 	env.Logf("retention: loading %d prunable rows", o.rows)
-	if err := insertBacklog(ctx, pool, project, "old", o.rows, true, 60*24*time.Hour); err != nil {
+	if err := insertStreamBacklog(ctx, pool, project, "old", o.rows, 60*24*time.Hour); err != nil {
 		return res, err
 	}
 	if err := createTasks(ctx, pool, project, "t", 1, o.tasks, 1); err != nil {

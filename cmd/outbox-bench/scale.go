@@ -74,7 +74,7 @@ type IdlePoint struct {
 	// approximate over a short window; the bench's two reads are included).
 	Source string `json:"source"`
 	// Top-level statements (what the consumers sent) and all statements (with those that
-	// functions such as the sequencer ran) per second; -1 without pg_stat_statements.
+	// functions such as the ticker and the reader ran) per second; -1 without pg_stat_statements.
 	StatementsPerS       float64 `json:"statements_per_s"`
 	NestedStatementsPerS float64 `json:"statements_with_nested_per_s"`
 	XactsPerS            float64 `json:"xacts_per_s,omitempty"`

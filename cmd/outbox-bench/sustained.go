@@ -74,27 +74,27 @@ type sustainedResult struct {
 	// CatchUpSeconds is how long, after the writers stopped, the last consumer took to have
 	// every committed event.
 	CatchUpSeconds float64 `json:"catch_up_seconds"`
-	// SequencerShare is the sequencer's summed execution time over the outbox phase
+	// NumberingShare is numbering's summed execution time over the outbox phase
 	// (pg_stat_statements total_exec_time of the top-level statements calling
-	// lifecycle_outbox_sequence, from every consumer) divided by the CPU time every server
-	// process used in that phase (the postmaster and its children, from /proc). It is
-	// executor time, not CPU time: lock and I/O waits inside the calls count, which overstates
-	// the calls' own CPU, while the background work they cause (WAL writing, vacuuming the row
-	// versions they leave) is not in it. -1 when pg_stat_statements or the server's
-	// CPU could not be read (SequencerShareSource says why). With several consumers it can
-	// exceed 1: their sequencer calls for the same projects wait on each other's lock of the
-	// heads row, and every waiting call's time counts.
-	SequencerShare       float64 `json:"sequencer_share"`
-	SequencerShareSource string  `json:"sequencer_share_source"`
-	SequencerExecMS      float64 `json:"sequencer_exec_ms"`
-	SequencerCalls       int64   `json:"sequencer_calls"`
-	// SequencerLockWaitMS is the part of sequencer_exec_ms spent in the function's lock of a
-	// project's heads row, where K consumers sequencing the same projects wait for each other
-	// (pg_stat_statements' nested entry for that statement; almost all of it is waiting).
-	// SequencerShareLessLockWait is (sequencer_exec_ms - sequencer_lock_wait_ms) over the
-	// same server CPU: closer to the CPU share when consumers contend, still an upper bound.
-	SequencerLockWaitMS        float64 `json:"sequencer_lock_wait_ms"`
-	SequencerShareLessLockWait float64 `json:"sequencer_share_less_lock_wait"`
+	// lifecycle_outbox_tick or lifecycle_outbox_read, from every consumer: the ticks that count
+	// the events and the reads that rank them) divided by the CPU time every server process
+	// used in that phase (the postmaster and its children, from /proc). It is executor time,
+	// not CPU time: lock and I/O waits inside the calls count, which overstates the calls' own
+	// CPU, while the background work they cause (WAL writing, vacuuming) is not in it. -1 when
+	// pg_stat_statements or the server's CPU could not be read (NumberingShareSource says why).
+	// One consumer ticks for all; every consumer reads, so the reads' part grows with K.
+	NumberingShare       float64 `json:"numbering_share"`
+	NumberingShareSource string  `json:"numbering_share_source"`
+	NumberingExecMS      float64 `json:"numbering_exec_ms"`
+	NumberingCalls       int64   `json:"numbering_calls"`
+	// NumberingLockWaitMS is the part of numbering_exec_ms spent waiting for the tick table's
+	// lock, where a second ticker (a fallback tick, or an election changing hands) waits for
+	// the one ticking (pg_stat_statements' nested entry for that statement; almost all of it is
+	// waiting; a lower bound, see numberingSQL). NumberingShareLessLockWait is
+	// (numbering_exec_ms - numbering_lock_wait_ms) over the same server CPU: closer to the CPU
+	// share when tickers contend, still an upper bound.
+	NumberingLockWaitMS        float64 `json:"numbering_lock_wait_ms"`
+	NumberingShareLessLockWait float64 `json:"numbering_share_less_lock_wait"`
 	ServerCPUSeconds           float64 `json:"server_cpu_seconds"`
 	// Server CPU per delete on each side (0 when the server does not run on this machine).
 	ServerCPUPerTx         float64 `json:"server_cpu_us_per_tx"`
@@ -264,7 +264,7 @@ func (s *sustainedDB) phase(ctx context.Context, env *Env, name string, writers 
 // phase, baseline half, so that drift over the run weighs on both sides.
 func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResult, error) {
 	res := sustainedResult{Header: env.Header("sustained"), Writers: o.writers, Consumers: o.consumers, Projects: o.projects,
-		Seconds: o.seconds, Mailbox: o.mailbox, SequencerShare: -1, SequencerShareLessLockWait: -1}
+		Seconds: o.seconds, Mailbox: o.mailbox, NumberingShare: -1, NumberingShareLessLockWait: -1}
 	if o.writers < 1 || o.consumers < 1 || o.projects < 1 || o.seconds <= 0 || o.tasks < o.projects {
 		return res, errors.New("sustained: need writers, consumers, projects >= 1, seconds > 0 and tasks >= projects")
 	}
@@ -331,19 +331,19 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 	}
 	switch {
 	case !stats.ok:
-		res.SequencerShareSource = "unavailable: pg_stat_statements: " + stats.why
+		res.NumberingShareSource = "unavailable: pg_stat_statements: " + stats.why
 	case ob.server == nil:
-		res.SequencerShareSource = "unavailable: the server's CPU cannot be read from this machine"
+		res.NumberingShareSource = "unavailable: the server's CPU cannot be read from this machine"
 	default:
-		st, err := stats.sequencer(ctx)
+		st, err := stats.numbering(ctx)
 		if err != nil {
 			return res, err
 		}
-		res.SequencerExecMS, res.SequencerLockWaitMS, res.SequencerCalls = round3(st.execMS), round3(st.lockMS), st.calls
-		res.SequencerShareSource = "pg_stat_statements total_exec_time / server CPU"
+		res.NumberingExecMS, res.NumberingLockWaitMS, res.NumberingCalls = round3(st.execMS), round3(st.lockMS), st.calls
+		res.NumberingShareSource = "pg_stat_statements total_exec_time / server CPU"
 		if cpuMS := float64(runCPU.Milliseconds()); cpuMS > 0 {
-			res.SequencerShare = round3(st.execMS / cpuMS)
-			res.SequencerShareLessLockWait = round3((st.execMS - st.lockMS) / cpuMS)
+			res.NumberingShare = round3(st.execMS / cpuMS)
+			res.NumberingShareLessLockWait = round3((st.execMS - st.lockMS) / cpuMS)
 		}
 	}
 	res.ServerCPUSeconds = seconds(runCPU)

@@ -243,7 +243,8 @@ func waitCursor(t *testing.T, ctx context.Context, pool *pgxpool.Pool, project, 
 //	       dashboard read all; engine read all but parked sequence 2 as a dead letter.
 //	beta:  2 deletions, read by dashboard.
 //
-// Every event is backdated 40 days, past the 30-day retention window.
+// Every event, and the tick that numbered it, is backdated 40 days, past the 30-day retention
+// window.
 type fixture struct {
 	db        pgtest.DB
 	pool      *pgxpool.Pool // superuser, for assertions
@@ -264,9 +265,13 @@ func newFixture(t *testing.T) *fixture {
 	require.NoError(t, err)
 	_, err = store.CreateMany(ctx, "beta", "t", 2)
 	require.NoError(t, err)
+	// Each deletion is numbered by a tick of its own: retention prunes a project's part of a
+	// tick whole, and the prune tests count event by event.
 	del := func(project string, ids ...int) {
 		for _, i := range ids {
 			_, err := store.Delete(ctx, project, fmt.Sprintf("t-%d", i))
+			require.NoError(t, err)
+			_, err = outbox.Tick(ctx, pool)
 			require.NoError(t, err)
 		}
 	}
@@ -286,7 +291,11 @@ func newFixture(t *testing.T) *fixture {
 	waitCursor(t, ctx, pool, "alpha", "dashboard", 5)
 	waitCursor(t, ctx, pool, "beta", "dashboard", 2)
 	waitCursor(t, ctx, pool, "alpha", "engine", 5)
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '40 days'`)
+	// The events are in the log (schema 18), and retention judges a part of a tick by when it
+	// was ticked: both are backdated (only the test's superuser may rewrite them).
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_event_log SET occurred_at = occurred_at - interval '40 days'`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_tick SET ticked_at = ticked_at - interval '40 days'`)
 	require.NoError(t, err)
 	return f
 }
@@ -300,8 +309,8 @@ func (f *fixture) ctl(t *testing.T, args ...string) result {
 func (f *fixture) eventID(t *testing.T, project string, seq int64) string {
 	t.Helper()
 	var id string
-	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox WHERE project_id = $1 AND sequence = $2`,
-		project, seq).Scan(&id))
+	require.NoError(t, f.pool.QueryRow(context.Background(), `SELECT lifecycle_event_id(task_id, deleted_at)
+		FROM lifecycle_outbox_read($1, $2 - 1, 1, NULL, NULL, NULL) WHERE sequence = $2`, project, seq).Scan(&id))
 	return id
 }
 

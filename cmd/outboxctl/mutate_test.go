@@ -131,7 +131,7 @@ func TestRetirePruneReinstate(t *testing.T) {
 	res := decode[pruned](t, f.ctl(t, "prune", "--yes", "--json"))
 	require.Equal(t, pruned{PrunedByProject: map[string]int64{"alpha": 4, "beta": 2}, Pruned: 6}, res)
 	var left []int64
-	rows2, err := f.pool.Query(ctx, `SELECT sequence FROM lifecycle_outbox WHERE project_id = 'alpha' ORDER BY sequence`)
+	rows2, err := f.pool.Query(ctx, `SELECT sequence FROM lifecycle_outbox_read('alpha', 0, 100000, NULL, NULL, NULL)`)
 	require.NoError(t, err)
 	for rows2.Next() {
 		var s int64

@@ -127,10 +127,11 @@ func verifyCommand(a *app) *cobra.Command {
 		Long: fmt.Sprintf(`verify checks that the outbox schema is at version %d with the same migration checksums as
 this build, and lists the applied migrations. It also checks what the isolation rests on:
 row-level security enabled and forced, every policy present, the functions' search_path pinned
-and the sequencer not executable by PUBLIC. It only reads, so any of the module's roles can run
-it. It fails (exit 1) when the schema is behind (run outboxctl migrate), ahead (use a newer
-build) or was changed (a checksum differs, or an object was altered by hand). It notes the
-checks that rows written before an upgrade violate.`, outbox.SchemaVersion),
+and the functions that run as their owner (the ticker, pruning) not executable by PUBLIC. It
+only reads, so any of the module's roles can run it. It fails (exit 1) when the schema is
+behind (run outboxctl migrate), ahead (use a newer build) or was changed (a checksum differs,
+or an object was altered by hand). It notes the checks that rows written before an upgrade
+violate.`, outbox.SchemaVersion),
 		Example: `  outboxctl verify
   outboxctl verify --json`,
 		Args: cobra.NoArgs,

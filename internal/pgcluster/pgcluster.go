@@ -64,6 +64,11 @@ func FindBinDir() (string, error) {
 		return versionOf(candidates[i]) > versionOf(candidates[j])
 	})
 	if p, err := exec.LookPath("pg_ctl"); err == nil {
+		// A symlink on PATH leads to the server's own directory, which also holds the tools
+		// that are not linked (pg_resetwal, pg_dump, pgbench).
+		if real, err := filepath.EvalSymlinks(p); err == nil {
+			p = real
+		}
 		dir := filepath.Dir(p)
 		if _, err := os.Stat(filepath.Join(dir, "postgres")); err == nil {
 			return dir, nil
@@ -186,11 +191,33 @@ func (c *Cluster) Restart(ctx context.Context) error {
 	return c.run(ctx, "pg_ctl", "restart", "-w", "-t", "60", "-m", "fast", "-D", c.dataDir, "-l", c.logFile, "-o", c.serverOptions())
 }
 
-func (c *Cluster) run(ctx context.Context, tool string, args ...string) error {
+// StopServer stops the server cleanly (fast mode) and keeps its data directory, so that a tool
+// which needs a cleanly stopped cluster (pg_resetwal) can work on it before StartServer. Stop
+// still removes everything afterwards, and the reaper still does if the process dies.
+func (c *Cluster) StopServer(ctx context.Context) error {
+	return c.run(ctx, "pg_ctl", "stop", "-w", "-t", "60", "-m", "fast", "-D", c.dataDir)
+}
+
+// StartServer starts a server stopped by StopServer again, with the same options and socket.
+func (c *Cluster) StartServer(ctx context.Context) error {
+	return c.start(ctx)
+}
+
+// DataDir is the cluster's data directory.
+func (c *Cluster) DataDir() string { return c.dataDir }
+
+// Command returns the named tool of the cluster's binary directory (pg_dump, pg_restore,
+// pg_resetwal, ...) ready to run as the OS user that owns the data directory: pg_resetwal, like
+// initdb, refuses root. The caller sets its standard streams and runs it.
+func (c *Cluster) Command(ctx context.Context, tool string, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, filepath.Join(c.binDir, tool), args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
 	cmd.Dir = c.baseDir
-	out, err := cmd.CombinedOutput()
+	return cmd
+}
+
+func (c *Cluster) run(ctx context.Context, tool string, args ...string) error {
+	out, err := c.Command(ctx, tool, args...).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("%s: %w: %s%s", tool, err, strings.TrimSpace(string(out)), c.logTail())
 	}
