@@ -365,7 +365,7 @@ func TestReconciliation(t *testing.T) {
 		tag, err := w.pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id IN ('t-1', 't-2', 't-3')`)
 		require.NoError(t, err)
 		require.Equal(t, int64(3), tag.RowsAffected())
-		_, err = w.pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 3 WHERE project_id = 'p'`)
+		_, err = w.pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 3, last_sequence = GREATEST(last_sequence, 3) WHERE project_id = 'p'`)
 		require.NoError(t, err)
 		obs := startProcess(t, db.URL, processOpts{id: "behind", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
 		all := make([]string, 10)

@@ -210,7 +210,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 			SELECT 'proj-b', 'dash', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, now() FROM lifecycle_outbox_read('proj-b', 0, 1, NULL, NULL, NULL)`)
 		require.NoError(t, err)
 
-		for _, table := range []string{"lifecycle_event_log", "lifecycle_tick_project", "lifecycle_outbox_heads", "lifecycle_consumer_cursors", "lifecycle_consumer_deliveries"} {
+		for _, table := range []string{"lifecycle_event_log", "lifecycle_tick_project", "lifecycle_outbox_heads", "lifecycle_outbox_head", "lifecycle_consumer_cursors", "lifecycle_consumer_deliveries"} {
 			require.Zero(t, pgtest.QueryInt(t, rtA, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s read across projects", table)
 			require.Positive(t, pgtest.QueryInt(t, rtB, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s is there for B", table)
 		}

@@ -262,7 +262,7 @@ func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 	require.False(t, bypass)
 	require.False(t, super)
 
-	for _, table := range []string{"lifecycle_event_log", "lifecycle_tick_project", "lifecycle_outbox_heads", "lifecycle_consumer_cursors"} {
+	for _, table := range []string{"lifecycle_event_log", "lifecycle_tick_project", "lifecycle_outbox_heads", "lifecycle_outbox_head", "lifecycle_consumer_cursors"} {
 		var projects []string
 		require.NoError(t, rolePool.QueryRow(ctx, `SELECT coalesce(array_agg(DISTINCT project_id), '{}') FROM `+table).Scan(&projects))
 		require.Equal(t, []string{"proj-a"}, projects, table)

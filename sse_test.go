@@ -220,7 +220,7 @@ func TestSSEResets(t *testing.T) {
 	tag, err := pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id LIKE 'seed-%'`)
 	require.NoError(t, err)
 	require.Equal(t, int64(100), tag.RowsAffected())
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100 WHERE project_id = 'p'`)
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100, last_sequence = GREATEST(last_sequence, 100) WHERE project_id = 'p'`)
 	require.NoError(t, err)
 	sse := newSSE(t, pool, []string{"p", "q"}, func(o *outbox.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
 	srv := httptest.NewServer(sse)

@@ -143,7 +143,7 @@ func TestOutOfOrderCommitsAreReadWithoutGaps(t *testing.T) {
 		require.Equal(t, 1, times, id)
 	}
 	var head int64
-	require.NoError(t, pool.QueryRow(ctx, `SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = 'p1'`).Scan(&head))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT last_sequence FROM lifecycle_outbox_head WHERE project_id = 'p1'`).Scan(&head))
 	require.EqualValues(t, n-1, head, "the rolled-back event took no sequence")
 }
 
@@ -288,26 +288,12 @@ func TestCompetingTickersNeverDuplicateOrSkip(t *testing.T) {
 	require.Equal(t, []int64{1, count}, []int64{minSeq, maxSeq}, "1..n with none skipped")
 	require.Equal(t, events, pgtest.QueryInt(t, pool, `SELECT count(DISTINCT task_id) FROM lifecycle_outbox_read('p', 0, 100000, NULL, NULL, NULL)`),
 		"each event once")
-	require.Equal(t, events, pgtest.QueryInt(t, pool, `SELECT last_sequence::int FROM lifecycle_outbox_heads WHERE project_id = 'p'`))
+	require.Equal(t, events, pgtest.QueryInt(t, pool, `SELECT last_sequence::int FROM lifecycle_outbox_head WHERE project_id = 'p'`))
 	require.Zero(t, pgtest.QueryInt(t, pool, `
 		SELECT count(*) FROM (
 		    SELECT first_sequence, lag(first_sequence + events) OVER (ORDER BY first_sequence) AS expected
 		    FROM lifecycle_tick_project WHERE project_id = 'p') x
 		WHERE first_sequence <> coalesce(expected, 1)`), "each tick's count starts where the last one ended")
-}
-
-// TestTickerRefusesRepeatableRead: a tick's snapshot must be taken after the last tick
-// committed, which a REPEATABLE READ transaction's older snapshot is not.
-func TestTickerRefusesRepeatableRead(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	pool := pgtest.NewPool(t)
-	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = outbox.Tick(ctx, tx)
-	require.ErrorContains(t, err, "must run in a READ COMMITTED transaction")
-	requireSQLState(t, err, "25001")
 }
 
 // hostWithOutbox is a reference host wired with the writer hook.
