@@ -187,8 +187,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 
 	r, err := outbox.NewRetention(rtA, outbox.Config{RetentionWindow: time.Hour}, zaptest.NewLogger(t), nil)
 	require.NoError(t, err)
-	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"proj-a": 2}, res.PrunedByProject, "retention runs under the runtime role")

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -50,8 +51,8 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	var n, maxSeq int64
 	require.NoError(t, operator.QueryRow(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`).Scan(&n, &maxSeq))
 	require.Zero(t, n, "events younger than the window went")
-	_, err := lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
+	var err error
 	require.NoError(t, operator.QueryRow(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`).Scan(&n, &maxSeq))
 	require.Equal(t, []int64{4, 4}, []int64{n, maxSeq}, "pruned through the slowest cursor only")
 	require.Equal(t, int64(4), floorOf(t, lp.owner, "proj-a"), "the floor follows what was deleted")
@@ -76,8 +77,7 @@ func TestPruneFunctionKeepsToTheCallersProjects(t *testing.T) {
 	deleteTasksAs(t, lp, writer, "proj-b", 2)
 	_, err := outbox.Sequence(ctx, consumer, nil, 100)
 	require.NoError(t, err)
-	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
 
 	_, err = operatorA.Exec(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-b', 100, 0, interval '0', interval '1 hour')`)
 	requireSQLState(t, err, "42501")
@@ -203,8 +203,7 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 		requireSQLState(t, err, "42501")
 	}
 
-	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
 	res, err := newRetention(t, operator, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"proj-a": 3}, res.PrunedByProject, "the operator prunes through the owner's function")
@@ -411,8 +410,10 @@ func deletedInProjectA(t *testing.T, n int) (*leastPrivilege, *pgxpool.Pool, *pg
 	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
 	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", n)
-	_, err := outbox.Sequence(ctxT(t), dash, []string{"proj-a"}, 100)
-	require.NoError(t, err)
+	for i := 1; i <= n; i++ { // a tick each, so that retention can take any prefix of them whole
+		deletePrefixedTasksAs(t, lp, writer, "proj-a", fmt.Sprintf("t%d", i), 1)
+		_, err := outbox.Sequence(ctxT(t), dash, []string{"proj-a"}, 100)
+		require.NoError(t, err)
+	}
 	return lp, dash, operator
 }

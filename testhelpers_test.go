@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -182,6 +183,20 @@ func numberedEvents(t *testing.T, ctx context.Context, db outbox.DBTX, project s
 	events, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	return events
+}
+
+// ageEvents makes every stored event older by d as retention sees it: the frozen stream's by
+// their occurred_at, the log's by the time of the tick that numbered them (retention takes the
+// log by whole parts of ticks).
+func ageEvents(t *testing.T, ctx context.Context, db outbox.DBTX, d time.Duration) {
+	t.Helper()
+	for _, stmt := range []string{
+		`UPDATE lifecycle_outbox SET occurred_at = occurred_at - $1::interval`,
+		`UPDATE lifecycle_tick SET ticked_at = ticked_at - $1::interval`,
+	} {
+		_, err := db.Exec(ctx, stmt, d)
+		require.NoError(t, err, stmt)
+	}
 }
 
 // indexScans is how many scans of index the session's statistics count.
