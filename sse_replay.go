@@ -42,20 +42,23 @@ SELECT coalesce(pg_catalog.max(last_sequence), 0) FROM lifecycle_outbox_head WHE
 
 // ssePageSQL reads one page of a project's events together with its head and pruned floor,
 // in one statement, so that the page and the bounds it is judged by come from one snapshot.
-// LEAST and GREATEST are SQL syntax, not functions: pg_catalog holds no function of that name
-// to qualify, and the search path cannot redirect them.
+// The read starts at the floor when the page starts below it: the reader stops at the first
+// event it cannot find, and the pruned ones are gone. LEAST and GREATEST are SQL syntax, not
+// functions: pg_catalog holds no function of that name to qualify, and the search path cannot
+// redirect them.
 const ssePageSQL = `
 SELECT h.last_sequence, h.pruned_through,
        e.sequence, e.event_type, e.task_id, e.deleted_at, e.prior_column, e.archived,
        e.writer_process_id, e.occurred_at, e.payload_version
 FROM lifecycle_outbox_head h
+CROSS JOIN LATERAL (SELECT GREATEST($2::bigint, h.pruned_through) AS after) s
 LEFT JOIN LATERAL (
     SELECT o.sequence, o.event_type::text AS event_type, o.task_id, o.deleted_at,
            coalesce(o.prior_column, '') AS prior_column, o.archived, o.writer_process_id,
            o.occurred_at, o.payload_version
-    FROM lifecycle_outbox_read(h.project_id, $2::bigint, LEAST(GREATEST($3::bigint - $2::bigint, 1), 100000)::integer,
+    FROM lifecycle_outbox_read(h.project_id, s.after, LEAST(GREATEST($3::bigint - s.after, 1), 100000)::integer,
                                NULL, NULL, NULL) o
-    WHERE o.sequence <= $3 AND $2::bigint < h.last_sequence
+    WHERE o.sequence <= $3 AND s.after < h.last_sequence
 ) e ON true
 WHERE h.project_id = $1
 ORDER BY e.sequence`
