@@ -38,6 +38,7 @@ var Statements = map[string]string{
 	"grantProjectAccessSQL":   grantProjectAccessSQL,
 	"headSQL":                 headSQL,
 	"headsSQL":                headsSQL,
+	"loopHeadsSQL":            loopHeadsSQL,
 	"insertAuditSQL":          insertAuditSQL,
 	"insertEventSQL":          insertEventSQL,
 	"lockDeliverySQL":         lockDeliverySQL,

@@ -40,6 +40,11 @@ type scanLoop struct {
 	// without failing. Owned by the loop goroutine.
 	readSuspects map[string]bool
 	skipLog      logEvery // owned by the loop goroutine
+	// seenTick is the newest tick the last read of heads saw, and when it was taken: a restore
+	// that takes ticks away shows as that tick gone or taken again at another time. Owned by the
+	// loop goroutine.
+	seenTick   int64
+	seenTickAt time.Time
 	// rest, when set (by tests), is called each time the loop waits with nothing armed but the
 	// poll interval: what one poll costs is the scans between two rests.
 	rest func()
@@ -387,15 +392,53 @@ func headOfLineRetry(open []delivery, position int64) *delivery {
 	return nil
 }
 
+// loopHeadsSQL reads the heads of projects ($1) with the newest tick and the time tick $2 was
+// taken, if it is still stored, in one statement. The tick table always holds a tick.
+const loopHeadsSQL = `
+SELECT h.project_id, h.last_sequence, h.pruned_through, t.tick_id, t.ticked_at,
+       (SELECT s.ticked_at FROM lifecycle_tick s WHERE s.tick_id = $2)
+FROM (SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
+LEFT JOIN lifecycle_outbox_head h ON h.project_id = ANY ($1::text[])`
+
 // readHeads returns the heads of projects, as the ticker left them. A head below what the
-// stream reached marks the stream rewound: only a restored database moves a head back.
+// stream reached marks the stream rewound: only a restored database moves a head back. So does
+// a tick this loop saw that is gone while no newer one is stored, or that was taken again: a
+// restore took ticks back, and the ticks taken since may have brought the head back to where
+// the stream was with other events. Every stream then restarts from its durable cursor, as a
+// new lease does; what it delivered and is still stored stays suppressed (verifyDelivered).
 func (l *scanLoop) readHeads(ctx context.Context, projects []string) (map[string]Head, error) {
-	heads, err := readHeads(ctx, l.pool, projects)
+	rows, err := l.pool.Query(ctx, loopHeadsSQL, projects, l.seenTick)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("read heads: %w", err)
 	}
+	heads := make(map[string]Head, len(projects))
+	var newest int64
+	var newestAt time.Time
+	var seenAt *time.Time
+	for rows.Next() {
+		var project *string
+		var h Head
+		var last, floor *int64
+		if err := rows.Scan(&project, &last, &floor, &newest, &newestAt, &seenAt); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("read heads: %w", err)
+		}
+		if project != nil {
+			h.ProjectID, h.LastSequence, h.PrunedThrough = *project, *last, *floor
+			heads[h.ProjectID] = h
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read heads: %w", err)
+	}
+	restored := l.seenTick > 0 && ((seenAt == nil && newest < l.seenTick) || (seenAt != nil && !seenAt.Equal(l.seenTickAt)))
+	if restored {
+		l.log.Warn("ticks this consumer saw were taken back (a restored database?): every stream restarts from its durable cursor",
+			zap.Int64("tick_seen", l.seenTick), zap.Int64("newest_tick", newest))
+	}
+	l.seenTick, l.seenTickAt = newest, newestAt
 	for p, h := range heads {
-		if st := l.state[p]; st != nil && h.LastSequence < st.position {
+		if st := l.state[p]; st != nil && (h.LastSequence < st.position || (restored && st.position > 0)) {
 			st.rewound = true
 		}
 	}
