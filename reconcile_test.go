@@ -116,13 +116,21 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 	subtestCtx := func(t *testing.T) context.Context {
 		return ctxT(t)
 	}
+	// tickNow numbers what committed in one tick and announces it, as the ticker would.
+	tickNow := func(t *testing.T, ctx context.Context, w *process) {
+		_, err := outbox.Tick(ctx, w.pool)
+		require.NoError(t, err)
+		_, err = w.pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox_tick', 'p')`)
+		require.NoError(t, err)
+	}
 
 	// setup delivers 6 deletions to a running consumer and then "restores" the outbox to a
 	// backup taken at head 3, in one transaction as a restore is: the events above it, the
 	// ticks that numbered them and the head go back, and with restoreCursor the consumer's
 	// cursor row too (at 3, under the previous, expired lease, so that taking it again gives
 	// the epoch number it holds now). With sameLease the cursor goes back to 3 and the lease
-	// stays as it is: the backup was taken while this instance held it.
+	// stays as it is: the backup was taken while this instance held it; and the test ticks, one
+	// tick for each batch of deletions, while another session holds the ticker's election.
 	setup := func(t *testing.T, ctx context.Context, restoreCursor bool) (*process, *process) {
 		return setupRestore(t, ctx, fastConfig(), restoreCursor, false)
 	}
@@ -131,11 +139,17 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 		w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
 		_, err := w.store.CreateMany(ctx, "p", "t", 9)
 		require.NoError(t, err)
+		if sameLease {
+			holdTickerElection(t, ctx, db.URL)
+		}
 		obs := startProcess(t, db.URL, processOpts{id: "dash", projects: []string{"p"}, cfg: cfg})
 		deleteTasks := func(from, to int) {
 			for i := from; i <= to; i++ {
 				_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 				require.NoError(t, err)
+			}
+			if sameLease {
+				tickNow(t, ctx, w)
 			}
 		}
 		deleteTasks(1, 3)
@@ -208,9 +222,10 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 
 	// Issue 28: the cursor went back under the lease the consumer holds, and no scan ran
 	// between the restore and the new deletions (no poll within the hour; the restore sends
-	// no notification): the first scan finds the head back at or above its position and must
-	// still see that it went below it, restart from the durable cursor and deliver the new
-	// events, without reconciling (the cursor is where the restored history wants it).
+	// no notification): the first scan finds the head back at its position (one tick numbered
+	// the new deletions) and must still see that it went below it, restart from the durable
+	// cursor and deliver the new events, without reconciling (the cursor is where the restored
+	// history wants it).
 	t.Run("the cursor was restored under the same lease", func(t *testing.T) {
 		t.Parallel()
 		ctx := subtestCtx(t)
@@ -218,6 +233,7 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 		cfg.PollInterval = time.Hour
 		w, obs := setupRestore(t, ctx, cfg, false, true)
 		deleteNew(t, ctx, w)
+		tickNow(t, ctx, w) // one tick for the three: the head goes from 3 to 6, the stream's position, at once
 		requireNewOnes(t, ctx, obs)
 		waitCursor(t, ctx, w.pool, "p", "dash", 6)
 		require.Zero(t, obs.consumer.Stats().Reconciliations)
