@@ -43,7 +43,7 @@ func TestQueueTaskDeletedRecordsOnceInTheHostsBatch(t *testing.T) {
 	require.False(t, inserted, "the second insert of one deletion records nothing")
 	require.Equal(t, ev.OccurredAt, stored.OccurredAt, "and returns the stored event")
 	require.NoError(t, tx.Commit(ctx))
-	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't1'`))
+	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't1'`))
 
 	// A batch that rolls back records nothing.
 	tx, err = pool.Begin(ctx)
@@ -53,7 +53,7 @@ func TestQueueTaskDeletedRecordsOnceInTheHostsBatch(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tx.SendBatch(ctx, b).Close())
 	require.NoError(t, tx.Rollback(ctx))
-	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't2'`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't2'`))
 }
 
 func TestQueueTaskDeletedRefusesWhatRecordRefuses(t *testing.T) {

@@ -15,6 +15,9 @@ func HeartbeatNow(ctx context.Context, c *Consumer) { c.leases.heartbeat(ctx) }
 // transaction does not wait for it.
 const PruneBatchSQL = pruneBatchSQL
 
+// TickerLockKey is the advisory lock that elects the ticker, so a test can hold the election.
+const TickerLockKey = tickerLockKey
+
 // ValidateEvent exposes the check the consumer applies to every row it decodes.
 func ValidateEvent(e Event) error { return e.validate() }
 

@@ -20,27 +20,38 @@ import (
 // for NotifyGap; a consumer that found events scans the project again every FollowUpInterval
 // for FollowUpWindow, so it finds what the quiet writer did not announce.
 
-// TestFollowUpScansFindUnannouncedEvents: after one announced event, the next ones arrive
-// without any notification and with an hour-long poll: only follow-up scans can find them.
+// TestFollowUpScansFindUnannouncedEvents: after one announced tick, the next events are numbered
+// by ticks that nobody announces (outbox.Tick, while another session holds the ticker's election,
+// so the consumer's own ticker never ticks on them) and with an hour-long poll: only follow-up
+// scans can find them.
 func TestFollowUpScansFindUnannouncedEvents(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	pool := pgtest.NewPool(t)
+	db := pgtest.NewDB(t)
+	pool := pgtest.Pool(t, db.URL)
+	holdTickerElection(t, ctx, db.URL)
 	cfg := fastConfig()
 	cfg.PollInterval, cfg.FollowUpInterval, cfg.FollowUpWindow = time.Hour, 2*time.Millisecond, time.Minute
 	c, rec := startConsumer(t, pool, "c1", []string{"p"}, cfg, nil)
 	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, waitLimit, time.Millisecond, "the first scan")
 
-	_, err := pool.Exec(ctx, insertPendingRow, "p", "t0")
+	_, err := pool.Exec(ctx, insertLogRow, "p", "t0")
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`)
+	_, err = outbox.Tick(ctx, pool)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox_tick', 'p')`)
 	require.NoError(t, err)
 	rec.waitCount(t, ctx, 1)
+	ticks := c.Stats().Ticks
 	for i := 1; i <= 4; i++ {
-		_, err := pool.Exec(ctx, insertPendingRow, "p", fmt.Sprintf("t%d", i)) // no notification
+		_, err := pool.Exec(ctx, insertLogRow, "p", fmt.Sprintf("t%d", i))
 		require.NoError(t, err)
+		res, err := outbox.Tick(ctx, pool) // no notification
+		require.NoError(t, err)
+		require.Equal(t, int64(1), res.Events)
 		rec.waitCount(t, ctx, i+1)
 	}
+	require.Equal(t, ticks, c.Stats().Ticks, "the consumer's own ticker numbered none of them")
 }
 
 // TestNoFollowUpScansWhileWaitingOnARetry: a project whose head-of-line event waits for its
@@ -56,14 +67,14 @@ func TestNoFollowUpScansWhileWaitingOnARetry(t *testing.T) {
 	cfg.FollowUpInterval, cfg.FollowUpWindow = time.Millisecond, 20*time.Millisecond
 	c, rec := startConsumer(t, pool, "c1", []string{"p"}, cfg, nil)
 	rec.setFail(func(outbox.ObservedEvent) error { return errors.New("listener down") })
-	_, err := pool.Exec(ctx, insertPendingRow, "p", "t0")
+	_, err := pool.Exec(ctx, insertLogRow, "p", "t0")
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`)
+	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`) // the writer's hint: the ticker ticks and announces
 	require.NoError(t, err)
 	_, err = waitForRetry(ctx, clock) // the event failed once and waits 1s on the fake clock
 	require.NoError(t, err)
 
-	// The follow-ups the scan that numbered the event earned end with its 20ms window: at most
+	// The follow-ups the scan that delivered the event earned end with its 20ms window: at most
 	// 20 of them, however late they run on a busy machine, below the 50 that tell a spin.
 	before := c.Stats().Scans
 	require.Never(t, func() bool { return c.Stats().Scans-before >= 50 }, time.Second, 10*time.Millisecond,

@@ -19,7 +19,7 @@ import (
 )
 
 // Isolation checks that need no second role: clamped waits, the migration lock, the wake-up
-// flood, the schema verification, the sequencer's grants and ListenDSN validation.
+// flood, the schema verification, the ticker's grants and ListenDSN validation.
 
 // TestRetryWaitFarInTheFutureIsClamped: a retry due 300 years ahead (written before the
 // database refused it) would overflow a time.Duration into a negative wait; the consumer waits
@@ -93,8 +93,8 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, waitLimit, 5*time.Millisecond, "the first scan")
 	before := c.Stats().Scans
 
-	for range 200 {
-		_, err := writer.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`)
+	for range 200 { // on the channel consumers listen to (the ticker's announcements)
+		_, err := writer.Exec(ctx, `SELECT pg_notify('lifecycle_outbox_tick', 'p')`)
 		require.NoError(t, err)
 	}
 	w, err := outbox.NewWriter(writer, cfg, zaptest.NewLogger(t))
@@ -114,8 +114,14 @@ func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 		{`ALTER TABLE lifecycle_consumer_cursors NO FORCE ROW LEVEL SECURITY`, "row-level security is not forced on lifecycle_consumer_cursors"},
 		{`ALTER TABLE lifecycle_outbox DISABLE ROW LEVEL SECURITY`, "row-level security is not enabled on lifecycle_outbox"},
 		{`DROP POLICY lifecycle_consumer_deliveries_consumer_update ON lifecycle_consumer_deliveries`, "policy lifecycle_consumer_deliveries_consumer_update on lifecycle_consumer_deliveries is missing"},
-		{`ALTER FUNCTION lifecycle_outbox_sequence(text[], integer) RESET search_path`, "function lifecycle_outbox_sequence(text[], integer) does not pin search_path"},
-		{`GRANT EXECUTE ON FUNCTION lifecycle_outbox_sequence(text[], integer) TO PUBLIC`, "PUBLIC may execute lifecycle_outbox_sequence"},
+		{`ALTER TABLE lifecycle_event_log NO FORCE ROW LEVEL SECURITY`, "row-level security is not forced on lifecycle_event_log"},
+		{`DROP POLICY lifecycle_tick_project_project_scope ON lifecycle_tick_project`, "policy lifecycle_tick_project_project_scope on lifecycle_tick_project is missing"},
+		{`ALTER FUNCTION lifecycle_outbox_tick(text) RESET search_path`, "function lifecycle_outbox_tick(text) does not pin search_path"},
+		{`ALTER FUNCTION lifecycle_outbox_read(text, bigint, integer, xid8, timestamptz, text) RESET search_path`,
+			"function lifecycle_outbox_read(text, bigint, integer, xid8, timestamp with time zone, text) does not pin search_path"},
+		{`GRANT EXECUTE ON FUNCTION lifecycle_outbox_tick(text) TO PUBLIC`, "PUBLIC may execute lifecycle_outbox_tick"},
+		{`GRANT EXECUTE ON FUNCTION lifecycle_outbox_adopt_legacy(integer) TO PUBLIC`, "PUBLIC may execute lifecycle_outbox_adopt_legacy"},
+		{`ALTER FUNCTION lifecycle_outbox_tick(text) SECURITY INVOKER`, "lifecycle_outbox_tick(text) does not run as its owner"},
 	} {
 		t.Run(c.says, func(t *testing.T) {
 			t.Parallel()
@@ -131,20 +137,29 @@ func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 	}
 }
 
-// TestSequencerIsNotExecutableByPublic: a role that may read the tables the sequencer reads,
-// but was not granted it, cannot run it: PUBLIC has no EXECUTE.
-func TestSequencerIsNotExecutableByPublic(t *testing.T) {
+// TestTickerIsNotExecutableByPublic: a role that may read the tables the ticker reads and
+// writes, but was not granted its functions, cannot run them (PUBLIC has no EXECUTE): it can
+// neither number events nor move older writers' rows into the log.
+func TestTickerIsNotExecutableByPublic(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	lp := newLeastPrivilege(t)
 	reader, _ := lp.component(t, "reader", func(ctx context.Context, db outbox.DBTX, role string) error {
-		_, err := db.Exec(ctx, `GRANT SELECT ON lifecycle_outbox, lifecycle_outbox_heads, lifecycle_project_access TO `+pgx.Identifier{role}.Sanitize())
+		_, err := db.Exec(ctx, `GRANT SELECT ON lifecycle_outbox, lifecycle_outbox_pending, lifecycle_event_log, lifecycle_tick,
+			lifecycle_tick_project, lifecycle_outbox_heads, lifecycle_project_access TO `+pgx.Identifier{role}.Sanitize())
 		return err
 	})
-	_, err := reader.Exec(ctx, `SELECT * FROM lifecycle_outbox_sequence(NULL, 1)`)
-	require.Error(t, err)
+	for fn, call := range map[string]string{
+		"lifecycle_outbox_tick":         `SELECT * FROM lifecycle_outbox_tick(NULL)`,
+		"lifecycle_outbox_adopt_legacy": `SELECT lifecycle_outbox_adopt_legacy(1)`,
+	} {
+		_, err := reader.Exec(ctx, call)
+		require.Error(t, err, fn)
+		requireSQLState(t, err, "42501")
+		require.Contains(t, err.Error(), "permission denied for function "+fn)
+	}
+	_, err := outbox.Tick(ctx, reader)
 	requireSQLState(t, err, "42501")
-	require.Contains(t, err.Error(), "permission denied for function lifecycle_outbox_sequence")
 }
 
 // TestConfigValidatesListenDSNWithoutEchoingIt: a ListenDSN that does not parse is refused by

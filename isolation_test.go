@@ -168,8 +168,10 @@ func TestSearchPathHijackIsRefused(t *testing.T) {
 	calls, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	require.Empty(t, calls, "no planted overload ran")
-	require.Zero(t, pgtest.QueryInt(t, attacker, `SELECT count(*) FROM lifecycle_outbox WHERE project_id <> 'proj-a'`),
-		"the attacker still sees only its project")
+	require.Zero(t, pgtest.QueryInt(t, attacker, `SELECT (SELECT count(*) FROM lifecycle_outbox WHERE project_id <> 'proj-a')
+		+ (SELECT count(*) FROM lifecycle_event_log WHERE project_id <> 'proj-a')`), "the attacker still sees only its project")
+	require.Equal(t, 2, pgtest.QueryInt(t, attacker, `SELECT count(*) FROM lifecycle_event_log WHERE project_id = 'proj-a'`),
+		"the attacker sees its own project's events")
 }
 
 // TestModuleInADedicatedSchema installs the module (and the host's tables) in a schema of
@@ -183,7 +185,8 @@ func TestModuleInADedicatedSchema(t *testing.T) {
 	require.NoError(t, lp.owner.QueryRow(ctx, `SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = 'lifecycle_outbox'::regclass`).Scan(&schemaOf))
 	require.Equal(t, "lifecycle", schemaOf)
 	require.Zero(t, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM pg_class WHERE relnamespace = 'public'::regnamespace AND relname LIKE 'lifecycle%'`))
-	for _, fn := range []string{"lifecycle_outbox_sequence(text[], integer)", "lifecycle_event_id(text, timestamptz)"} {
+	for _, fn := range []string{"lifecycle_outbox_tick(text)", "lifecycle_outbox_adopt_legacy(integer)",
+		"lifecycle_outbox_read(text, bigint, integer, xid8, timestamptz, text)", "lifecycle_event_id(text, timestamptz)"} {
 		var config []string
 		require.NoError(t, lp.owner.QueryRow(ctx, `SELECT coalesce(proconfig, '{}') FROM pg_proc WHERE oid = $1::regprocedure`, fn).Scan(&config))
 		require.Contains(t, config, "search_path=pg_catalog, lifecycle, pg_temp", fn)
@@ -204,12 +207,14 @@ func TestModuleInADedicatedSchema(t *testing.T) {
 	}, waitLimit, 10*time.Millisecond)
 }
 
-var moduleTables = []string{"lifecycle_outbox", "lifecycle_outbox_heads", "lifecycle_consumer_cursors",
-	"lifecycle_consumer_deliveries", "lifecycle_audit", "lifecycle_project_access"}
+var moduleTables = []string{"lifecycle_outbox", "lifecycle_event_log", "lifecycle_tick", "lifecycle_tick_project", "lifecycle_outbox_heads",
+	"lifecycle_consumer_cursors", "lifecycle_consumer_deliveries", "lifecycle_audit", "lifecycle_project_access"}
 
 // TestComponentRolesHoldOnlyWhatTheyUse: neither the writer role nor the consumer role can
-// take a lock that would block other projects, truncate, or delete an event; the writer
-// cannot choose a sequence or rewrite a row, and cannot run the sequencer.
+// take a lock that would block other projects or the ticker, truncate, or delete an event; neither
+// can number an event or renumber one (write a tick, a tick's count or a head, or change an
+// event); the writer cannot choose its event's transaction (which decides its tick) and cannot
+// run the ticker.
 func TestComponentRolesHoldOnlyWhatTheyUse(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
@@ -239,22 +244,41 @@ func TestComponentRolesHoldOnlyWhatTheyUse(t *testing.T) {
 		}
 		for _, stmt := range []string{
 			`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-a'`,
+			`DELETE FROM lifecycle_event_log WHERE project_id = 'proj-a'`,
 			`DELETE FROM lifecycle_consumer_deliveries WHERE project_id = 'proj-a'`,
 			`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at, writer_process_id)
 			 VALUES ('proj-a', 'preset', now(), 3, 'task:deleted', false, 1, now(), 'w-0000000000000000')`,
 			`UPDATE lifecycle_outbox SET writer_process_id = 'someone-else' WHERE project_id = 'proj-a'`,
+			`UPDATE lifecycle_outbox SET sequence = sequence + 10 WHERE project_id = 'proj-a'`,
+			`UPDATE lifecycle_event_log SET writer_process_id = 'someone-else' WHERE project_id = 'proj-a'`,
+			`UPDATE lifecycle_event_log SET txid = txid WHERE project_id = 'proj-a'`,
+			`INSERT INTO lifecycle_tick (tick_id, snapshot) VALUES (1000, pg_current_snapshot())`,
+			`UPDATE lifecycle_tick SET snapshot = pg_current_snapshot()`,
+			`DELETE FROM lifecycle_tick`,
+			`INSERT INTO lifecycle_tick_project (tick_id, project_id, first_sequence, events) VALUES (1000, 'proj-a', 3, 1)`,
+			`UPDATE lifecycle_tick_project SET first_sequence = first_sequence + 10 WHERE project_id = 'proj-a'`,
+			`DELETE FROM lifecycle_tick_project WHERE project_id = 'proj-a'`,
+			`INSERT INTO lifecycle_outbox_heads (project_id) VALUES ('proj-a') ON CONFLICT DO NOTHING`,
+			`UPDATE lifecycle_outbox_heads SET last_sequence = last_sequence + 10 WHERE project_id = 'proj-a'`,
 		} {
 			_, err := pool.Exec(ctx, stmt)
 			require.Error(t, err, "%s: %s", name, stmt)
 			requireSQLState(t, err, "42501")
 		}
 	}
-	_, err = writer.Exec(ctx, `SELECT * FROM lifecycle_outbox_sequence(NULL, 1)`)
+	// The writer inserts into the log, but the database sets the transaction.
+	_, err = writer.Exec(ctx, `INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version,
+		occurred_at, writer_process_id, txid) VALUES ('proj-a', 'early', now(), 'task:deleted', false, 1, now(), 'w-0000000000000000', '1')`)
 	requireSQLState(t, err, "42501")
-	tag, err := consumer.Exec(ctx, `UPDATE lifecycle_outbox SET sequence = sequence + 10 WHERE project_id = 'proj-a'`)
-	require.NoError(t, err)
-	require.Zero(t, tag.RowsAffected(), "a consumer cannot renumber events once sequenced")
-	require.Equal(t, []int64{1, 2}, outboxSequences(t, lp.owner, "proj-a"))
+	for _, call := range []string{`SELECT * FROM lifecycle_outbox_tick(NULL)`, `SELECT lifecycle_outbox_adopt_legacy(1)`} {
+		_, err = writer.Exec(ctx, call)
+		requireSQLState(t, err, "42501")
+	}
+	// The consumer ticks (the owner's function numbers) but inserts no event.
+	_, err = consumer.Exec(ctx, `INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version,
+		occurred_at, writer_process_id) VALUES ('proj-a', 'forged', now(), 'task:deleted', false, 1, now(), 'w-0000000000000000')`)
+	requireSQLState(t, err, "42501")
+	require.Equal(t, []string{"1=t-1", "2=t-2"}, numberedEvents(t, ctx, lp.owner, "proj-a"), "nothing was renumbered")
 }
 
 // TestConsumerRoleMovesOnlyItsOwnCursor: a consumer role reads every cursor of its projects
@@ -276,10 +300,11 @@ func TestConsumerRoleMovesOnlyItsOwnCursor(t *testing.T) {
 		`UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 1 WHERE consumer_id = 'engine'`,
 		`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, parked_at)
 		 SELECT 'proj-a', 'engine', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, 'listener_error', now()
-		 FROM lifecycle_outbox WHERE project_id = 'proj-a' AND sequence = 1`,
+		 FROM lifecycle_outbox_read('proj-a', 0, 1, NULL, NULL, NULL)`,
 	} {
-		_, err := engine.Exec(ctx, stmt)
+		tag, err := engine.Exec(ctx, stmt)
 		require.NoError(t, err, stmt)
+		require.Equal(t, int64(1), tag.RowsAffected(), stmt)
 	}
 	_, err = dash.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('proj-a', 'dash')`)
 	require.NoError(t, err)
@@ -348,10 +373,11 @@ func TestModuleTransactionsBoundTheirLockWaits(t *testing.T) {
 	requireSQLState(t, err, "55P03") // lock_not_available
 }
 
-// TestPoisonedProjectDoesNotStopAnother: project A holds a row numbered by hand where the
-// sequencer numbers next and a lease that never expires; project C a retry due at 'infinity'
-// (all written before the database refused them). Project B is delivered in full, and status
-// and metrics report B (and C) while A is left out and counted.
+// TestPoisonedProjectDoesNotStopAnother: project A holds a row numbered by hand above its head
+// (where the old sequencer numbered next) and a lease that never expires; project C a retry due
+// at 'infinity' (all written before the database refused them). Project B is delivered in full,
+// A's row hides none of A's events (the log is numbered after it), and status and metrics
+// report B (and C) while A is left out and counted.
 func TestPoisonedProjectDoesNotStopAnother(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
@@ -385,7 +411,14 @@ func TestPoisonedProjectDoesNotStopAnother(t *testing.T) {
 	defer cancel()
 	rec.waitFor(t, waitCtx, "project B in full", func(evs []outbox.ObservedEvent) bool { return inProject("proj-b")(evs) == 5 })
 	waitCursor(t, waitCtx, lp.owner, "proj-b", "dash", 5)
-	require.Zero(t, inProject("proj-a")(rec.snapshot()), "A's sequencer fails on the row numbered by hand")
+	evs := rec.waitFor(t, waitCtx, "project A in full", func(evs []outbox.ObservedEvent) bool { return inProject("proj-a")(evs) == 4 })
+	var aTasks []string
+	for _, ev := range evs {
+		if ev.ProjectID == "proj-a" {
+			aTasks = append(aTasks, fmt.Sprintf("%d=%s", ev.Sequence, ev.TaskID))
+		}
+	}
+	require.Equal(t, []string{"1=preset", "2=t-1", "3=t-2", "4=t-3"}, aTasks, "the row numbered by hand hid none of A's events")
 	require.Zero(t, inProject("proj-c")(rec.snapshot()), "C waits for its retry")
 
 	operator, _ := lp.component(t, "operator", operatorGrant("*"))
@@ -417,13 +450,27 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 	lp := newLeastPrivilege(t)
 	_, err := lp.owner.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('p', 'c1')`)
 	require.NoError(t, err)
-	event := func(col, value string) string {
+	// An event as the log's writers and the stream's older ones wrote it, with one value changed.
+	eventIn := func(table, col, value string) string {
 		vals := map[string]string{"project_id": "'p'", "task_id": "'t1'", "deleted_at": "now()", "occurred_at": "now()",
 			"writer_process_id": "'w-0000000000000000'", "prior_column": "NULL"}
 		vals[col] = value
-		return fmt.Sprintf(`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
-			VALUES (%s, %s, %s, 'task:deleted', false, 1, %s, %s, %s)`, vals["project_id"], vals["task_id"], vals["deleted_at"],
+		return fmt.Sprintf(`INSERT INTO %s (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
+			VALUES (%s, %s, %s, 'task:deleted', false, 1, %s, %s, %s)`, table, vals["project_id"], vals["task_id"], vals["deleted_at"],
 			vals["occurred_at"], vals["writer_process_id"], vals["prior_column"])
+	}
+	events := map[string][2]string{
+		"task ID with an escape sequence":  {"task_id", `E'evil\x1b[2J'`},
+		"task ID with a newline":           {"task_id", `E'two\nlines'`},
+		"task ID with a carriage return":   {"task_id", `E'cr\r'`},
+		"task ID of 2 MB":                  {"task_id", `repeat('x', 2000000)`},
+		"empty task ID":                    {"task_id", `''`},
+		"empty writer process ID":          {"writer_process_id", `''`},
+		"writer process ID with an escape": {"writer_process_id", `E'w\x1b[K'`},
+		"prior column with a newline":      {"prior_column", `E'col\n'`},
+		"deleted_at infinity":              {"deleted_at", `'infinity'`},
+		"occurred_at -infinity":            {"occurred_at", `'-infinity'`},
+		"project ID that is not one":       {"project_id", `'two words'`},
 	}
 	delivery := func(eventID, nextAttempt string) string {
 		return fmt.Sprintf(`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts,
@@ -431,18 +478,7 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 			VALUES ('p', 'c1', 1, %s, 'retrying', 1, %s, 'listener_error', now(), now())`, eventID, nextAttempt)
 	}
 	const okEventID = `'task-deleted:t1:2026-01-02T03:04:05.000000Z'`
-	for name, stmt := range map[string]string{
-		"task ID with an escape sequence":  event("task_id", `E'evil\x1b[2J'`),
-		"task ID with a newline":           event("task_id", `E'two\nlines'`),
-		"task ID with a carriage return":   event("task_id", `E'cr\r'`),
-		"task ID of 2 MB":                  event("task_id", `repeat('x', 2000000)`),
-		"empty task ID":                    event("task_id", `''`),
-		"empty writer process ID":          event("writer_process_id", `''`),
-		"writer process ID with an escape": event("writer_process_id", `E'w\x1b[K'`),
-		"prior column with a newline":      event("prior_column", `E'col\n'`),
-		"deleted_at infinity":              event("deleted_at", `'infinity'`),
-		"occurred_at -infinity":            event("occurred_at", `'-infinity'`),
-		"project ID that is not one":       event("project_id", `'two words'`),
+	cases := map[string]string{
 		"head sequenced at infinity":       `INSERT INTO lifecycle_outbox_heads (project_id, sequenced_at) VALUES ('p', 'infinity')`,
 		"lease that never expires":         `UPDATE lifecycle_consumer_cursors SET lease_expires_at = 'infinity' WHERE consumer_id = 'c1'`,
 		"lease owner with an escape":       `UPDATE lifecycle_consumer_cursors SET lease_owner = E'c1@\x1b[K' WHERE consumer_id = 'c1'`,
@@ -461,7 +497,12 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 		"replay reason in prose":           `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, replay_requested_at, replay_requested_by, replay_reason) VALUES ('p', 'c1', 2, ` + okEventID + `, 'replay_requested', 10, now(), 'oncall', E'it broke,\nplease fix')`,
 		"replay request without requester": `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts) VALUES ('p', 'c1', 2, ` + okEventID + `, 'replay_requested', 10)`,
 		"audit reason in prose":            `INSERT INTO lifecycle_audit (project_id, action, consumer_id, actor, reason) VALUES ('p', 'lifecycle-observation:consumer-retired', 'c1', 'oncall', 'because I said so')`,
-	} {
+	}
+	for name, e := range events {
+		cases["stream: "+name] = eventIn("lifecycle_outbox", e[0], e[1])
+		cases["log: "+name] = eventIn("lifecycle_event_log", e[0], e[1])
+	}
+	for name, stmt := range cases {
 		_, err := lp.owner.Exec(ctx, stmt)
 		require.Error(t, err, name)
 		requireSQLState(t, err, "23514") // check_violation
@@ -470,14 +511,22 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 
 // TestUndecodableEventBecomesDeadLetter: a row whose deleted_at cannot be decoded (written
 // before the database refused it) is parked as a dead letter of its own class, audited, and
-// the stream goes on past it.
+// the stream goes on past it. Neither it nor a row of a project that cannot exist (both left
+// unnumbered, and both refused by the log's types) stops the rows of older writers from being
+// adopted into the log.
 func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{through: 3})
-	_, err := lp.owner.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		VALUES ('p', 'forever', 'infinity', 'task:deleted', false, 1, now() - interval '1 minute', 'w-0000000000000000')`)
-	require.NoError(t, err)
+	for _, stmt := range []string{
+		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		 VALUES ('p', 'forever', 'infinity', 'task:deleted', false, 1, now() - interval '1 minute', 'w-0000000000000000')`,
+		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+		 VALUES ('no such project', 'orphan', now(), 'task:deleted', false, 1, now(), 'w-0000000000000000')`,
+	} {
+		_, err := lp.owner.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
 	lp.finishMigration(t)
 
 	writer, _ := lp.component(t, "writer", writerGrant("p"))
@@ -494,8 +543,16 @@ func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	require.NoError(t, lp.owner.QueryRow(ctx, `SELECT event_id FROM lifecycle_audit WHERE action = $1 AND sequence = 1`,
 		outbox.AuditConsumerPoisoned).Scan(&eventID))
 	require.Equal(t, "task-deleted:forever:infinity", eventID)
+
+	// A writer of schema 16 still inserts pending rows during a rolling deploy: adopted and delivered.
+	_, err := lp.owner.Exec(ctx, insertPendingRow, "p", "t-legacy")
+	require.NoError(t, err)
+	evs = rec.waitCount(t, waitCtx, 4)
+	require.Equal(t, "t-legacy", evs[3].TaskID)
+	require.Equal(t, int64(5), evs[3].Sequence)
+
 	// The check that row violates was left NOT VALID by the upgrade; verify lists it.
 	unvalidated, err := outbox.UnvalidatedChecks(ctx, lp.owner)
 	require.NoError(t, err)
-	require.Equal(t, []string{"lifecycle_outbox.lifecycle_outbox_times_finite"}, unvalidated)
+	require.Equal(t, []string{"lifecycle_outbox.lifecycle_outbox_project_id_format", "lifecycle_outbox.lifecycle_outbox_times_finite"}, unvalidated)
 }

@@ -142,8 +142,11 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 	t.Cleanup(func() { stopConsumer(t, engine) })
 	waitCursor(t, ctx, w.pool, "p", "engine", 5)
 	// The oldest event laggard has not read becomes ten minutes old.
-	_, err = w.pool.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '10 minutes' WHERE project_id = 'p' AND sequence = 3`)
+	tag, err := w.pool.Exec(ctx, `UPDATE lifecycle_event_log e SET occurred_at = e.occurred_at - interval '10 minutes'
+		FROM lifecycle_outbox_read('p', 2, 1, NULL, NULL, NULL) r
+		WHERE e.project_id = 'p' AND e.task_id = r.task_id AND e.deleted_at = r.deleted_at`)
 	require.NoError(t, err)
+	require.Equal(t, int64(1), tag.RowsAffected(), "the event at sequence 3")
 
 	fams := scrape(t, reg)
 	pe := []string{"project", "p", "consumer", "engine"}
@@ -178,7 +181,7 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 
 	// Labels stay bounded: identifiers of projects and consumers and fixed codes, never an
 	// event ID (nor error text).
-	rows, err := w.pool.Query(ctx, `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox`)
+	rows, err := w.pool.Query(ctx, `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox_read('p', 0, 100, NULL, NULL, NULL)`)
 	require.NoError(t, err)
 	eventIDs := map[string]bool{}
 	for rows.Next() {

@@ -103,7 +103,7 @@ func TestModuleInEngineApp(t *testing.T) {
 		require.False(t, res.EventRecorded)
 		app.RequireStop()
 		require.Len(t, logs.FilterMessageSnippet("outbox disabled").All(), 1)
-		require.Zero(t, pgtest.QueryInt(t, seed.pool, `SELECT count(*) FROM lifecycle_outbox WHERE task_id = 't-3'`))
+		require.Zero(t, pgtest.QueryInt(t, seed.pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't-3'`))
 	})
 
 	t.Run("the retention task joins the host's sweep", func(t *testing.T) {

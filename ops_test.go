@@ -387,7 +387,7 @@ func seedOpsStates(t *testing.T, pool *pgxpool.Pool) {
 	// The events of "stall" occurred over the last 40 s, 133 ms apart, so that the oldest an
 	// old cursor has not read is 40 s old, and the 60 newest are 8 s old at most.
 	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 SELECT 'stall', 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1,
        now() - (301 - g) * interval '133 milliseconds', 'writer-0123456789abcdef'
 FROM generate_series(1, 300) g`)
@@ -404,11 +404,12 @@ INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequ
   ('poison', 'poisoned', 5, 'poisoned@0123456789abcdef', 1, now() + interval '25 seconds', now() - interval '1 second'),
   ('poison', 'onebehind', 4, 'onebehind@0123456789abcdef', 1, now() + interval '25 seconds', now() - interval '1 second')`)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `
+	tag, err := pool.Exec(ctx, `
 INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, first_failed_at, last_failed_at, parked_at)
 SELECT 'poison', 'poisoned', 3, 'task-deleted:seed-3:' || sequence, 'dead', 10, 'listener_error', now() - interval '81 minutes', now() - interval '2 minutes', now() - interval '2 minutes'
-FROM lifecycle_outbox WHERE project_id = 'poison' AND sequence = 3`)
+FROM lifecycle_outbox_read('poison', 2, 1, NULL, NULL, NULL)`)
 	require.NoError(t, err)
+	require.Equal(t, int64(1), tag.RowsAffected(), "the dead letter of event 3")
 }
 
 // summaryOf is the page's summary section.

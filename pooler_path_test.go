@@ -2,6 +2,9 @@ package outbox_test
 
 import (
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os"
 	"regexp"
 	"slices"
@@ -145,6 +148,30 @@ func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
 	requireNoSessionState(t, db)
 }
 
+// requireSessionStateOnDedicatedConn checks that every function of a file that LISTENs or takes
+// a session advisory lock runs it on a connection of dedicatedConn's, and that there is one.
+func requireSessionStateOnDedicatedConn(t *testing.T, name, src string) {
+	t.Helper()
+	file, err := parser.ParseFile(token.NewFileSet(), name, src, 0)
+	require.NoError(t, err)
+	session := regexp.MustCompile(`(?i)"(UN)?LISTEN |pg_(try_)?advisory_lock(_shared)?\(`)
+	found := 0
+	for _, d := range file.Decls {
+		fn, ok := d.(*ast.FuncDecl)
+		if !ok || fn.Body == nil {
+			continue
+		}
+		body := src[fn.Body.Pos()-file.FileStart : fn.Body.End()-file.FileStart]
+		if !session.MatchString(body) {
+			continue
+		}
+		found++
+		require.Regexp(t, `conn, err := dedicatedConn\(`, body, "%s: %s keeps session state on a connection that is not its own", name, fn.Name.Name)
+		require.NotRegexp(t, `\.pool\.(Exec|Query|QueryRow)\(`, body, "%s: %s also uses the pool", name, fn.Name.Name)
+	}
+	require.Positive(t, found, "%s: the election's session state was not found", name)
+}
+
 // directListen names the LISTEN connections that go straight to PostgreSQL, so the session
 // state check can tell them from the bouncer's server connections.
 const directListen = "direct-listen"
@@ -230,7 +257,9 @@ func sessionState(t *testing.T, db pgtest.DB) []string {
 
 // TestNoSessionStateInTheSource is the static half of the audit: no statement the module runs
 // sets a session-level setting, takes a session advisory lock, creates a temporary table or
-// prepares a named statement, and only the listen files LISTEN.
+// prepares a named statement, and only the listen files LISTEN. The ticker's election (a
+// session advisory lock, and LISTEN for the writers' hints) is the exception: it runs only on
+// the consumer's dedicated connection, which never goes back to the pool.
 func TestNoSessionStateInTheSource(t *testing.T) {
 	t.Parallel()
 	forbidden := []struct {
@@ -260,10 +289,14 @@ func TestNoSessionStateInTheSource(t *testing.T) {
 		b, err := os.ReadFile(name)
 		require.NoError(t, err)
 		src := string(b)
+		require.NotContains(t, src, ".Prepare(", "%s: named prepared statements do not survive a transaction pooler", name)
+		if name == "ticker.go" {
+			requireSessionStateOnDedicatedConn(t, name, src)
+			continue
+		}
 		if name != "listen.go" && name != "listen_selftest.go" {
 			require.NotRegexp(t, `"(UN)?LISTEN `, src, "%s: LISTEN belongs to the dedicated connection in listen.go", name)
 		}
-		require.NotContains(t, src, ".Prepare(", "%s: named prepared statements do not survive a transaction pooler", name)
 		require.NotRegexp(t, `(?i)pg_(try_)?advisory_lock(_shared)?\(`, src, "%s: session advisory lock", name)
 	}
 	for _, m := range outbox.Migrations() {

@@ -365,6 +365,8 @@ func logServerState(t *testing.T, url string) {
 		`SELECT project_id, last_sequence, sequencer_owner, sequencer_until - now() AS hold_left FROM lifecycle_outbox_heads`,
 		`SELECT project_id, task_id FROM lifecycle_outbox_pending`,
 		`SELECT project_id, sequence, task_id FROM lifecycle_outbox ORDER BY project_id, sequence`,
+		`SELECT project_id, task_id, txid FROM lifecycle_event_log ORDER BY txid, project_id`,
+		`SELECT tick_id, project_id, first_sequence, events FROM lifecycle_tick_project ORDER BY tick_id, project_id`,
 		`SELECT project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at - now() AS lease_left FROM lifecycle_consumer_cursors`,
 		`SELECT project_id, consumer_id, sequence, state, attempts FROM lifecycle_consumer_deliveries`,
 	} {

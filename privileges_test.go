@@ -187,8 +187,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 
 	r, err := outbox.NewRetention(rtA, outbox.Config{RetentionWindow: time.Hour}, zaptest.NewLogger(t), nil)
 	require.NoError(t, err)
-	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"proj-a": 2}, res.PrunedByProject, "retention runs under the runtime role")
@@ -207,10 +206,10 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 		_, err = rtB.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 0 WHERE project_id = 'proj-b' AND consumer_id = 'dash'`)
 		require.NoError(t, err)
 		_, err = rtB.Exec(ctx, `INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at)
-			SELECT 'proj-b', 'dash', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, now() FROM lifecycle_outbox WHERE project_id = 'proj-b'`)
+			SELECT 'proj-b', 'dash', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, now() FROM lifecycle_outbox_read('proj-b', 0, 1, NULL, NULL, NULL)`)
 		require.NoError(t, err)
 
-		for _, table := range []string{"lifecycle_outbox", "lifecycle_outbox_heads", "lifecycle_consumer_cursors", "lifecycle_consumer_deliveries"} {
+		for _, table := range []string{"lifecycle_event_log", "lifecycle_tick_project", "lifecycle_outbox_heads", "lifecycle_outbox_head", "lifecycle_consumer_cursors", "lifecycle_consumer_deliveries"} {
 			require.Zero(t, pgtest.QueryInt(t, rtA, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s read across projects", table)
 			require.Positive(t, pgtest.QueryInt(t, rtB, `SELECT count(*) FROM `+table+` WHERE project_id = 'proj-b'`), "%s is there for B", table)
 		}
@@ -227,15 +226,23 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 			`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, parked_at) VALUES ('proj-b', 'dash', 9, 'x', 'dead', 1, now())`,
 			`INSERT INTO lifecycle_project_access (role_name, project_id) VALUES (current_user, 'proj-b')`,
 			`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-b'`, // no role but the owner deletes
+			`DELETE FROM lifecycle_event_log WHERE project_id = 'proj-b'`,
 			`UPDATE lifecycle_outbox_heads SET pruned_through = 1 WHERE project_id = 'proj-b'`,
 			`SELECT * FROM lifecycle_outbox_prune('proj-b', 100, 0, interval '0', interval '1 hour')`,
 		} {
 			_, err := rtA.Exec(ctx, stmt)
 			requireSQLState(t, err, "42501")
 		}
+		require.Zero(t, pgtest.QueryInt(t, rtA, `SELECT count(*) FROM lifecycle_outbox_read('proj-b', 0, 100, NULL, NULL, NULL)`),
+			"the reader, run by A, reads nothing of B")
+		require.Equal(t, 1, pgtest.QueryInt(t, rtB, `SELECT count(*) FROM lifecycle_outbox_read('proj-b', 0, 100, NULL, NULL, NULL)`))
+		// The ticker numbers every project, whoever calls it; what it returns to A leaves B out.
+		_, err = testhost.New(rtB, testhost.Options{Writer: wb}).Delete(ctx, "proj-b", "t-4")
+		require.NoError(t, err)
 		heads, err := outbox.Sequence(ctx, rtA, nil, 100)
 		require.NoError(t, err)
 		_, seesB := heads["proj-b"]
-		require.False(t, seesB, "the sequencer, run by A, neither sees nor numbers B")
+		require.False(t, seesB, "the heads A's tick returns leave B out")
+		require.Equal(t, []string{"1=t-3", "2=t-4"}, numberedEvents(t, ctx, rtB, "proj-b"), "and B's events are numbered in B's order")
 	})
 }

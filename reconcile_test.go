@@ -72,6 +72,8 @@ func TestReconciliationDoesNotResurrectAnOwnDeletion(t *testing.T) {
 	other := seedDeletes(t, ctx, db.URL, "p", 4) // history the new cursor will not replay
 	_, err := other.store.CreateMany(ctx, "p", "live", 3)
 	require.NoError(t, err)
+	_, err = outbox.Tick(ctx, other.pool) // numbered before the consumer starts: head 4
+	require.NoError(t, err)
 
 	cfg := quietConfig()
 	cfg.NewCursor = outbox.NewCursorReconcile
@@ -91,7 +93,10 @@ func TestReconciliationDoesNotResurrectAnOwnDeletion(t *testing.T) {
 	require.Equal(t, []string{"live-1", "live-3"}, proc.store.Cache().Live("p"),
 		"the reconciliation did not put back a task deleted after its snapshot")
 
-	// The delete's own event, above the reconciled head, is applied and not re-delivered.
+	// The delete's own event, above the reconciled head, is applied and not re-delivered. It is
+	// numbered by a tick (the consumer's own ticker ticks once per poll interval, an hour here).
+	_, err = outbox.Tick(ctx, proc.pool)
+	require.NoError(t, err)
 	outbox.ScanNow(proc.consumer)
 	waitCursor(t, ctx, proc.pool, "p", "engine", 5)
 	require.Equal(t, []string{"live-1", "live-3"}, proc.store.Cache().Live("p"))
@@ -113,11 +118,11 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 	}
 
 	// setup delivers 6 deletions to a running consumer and then "restores" the outbox to a
-	// backup taken at head 3, in one transaction as a restore is: the rows above it and the
-	// head go back, and with restoreCursor the consumer's cursor row too (at 3, under the
-	// previous, expired lease, so that taking it again gives the epoch number it holds now).
-	// With sameLease the cursor goes back to 3 and the lease stays as it is: the backup was
-	// taken while this instance held it.
+	// backup taken at head 3, in one transaction as a restore is: the events above it, the
+	// ticks that numbered them and the head go back, and with restoreCursor the consumer's
+	// cursor row too (at 3, under the previous, expired lease, so that taking it again gives
+	// the epoch number it holds now). With sameLease the cursor goes back to 3 and the lease
+	// stays as it is: the backup was taken while this instance held it.
 	setup := func(t *testing.T, ctx context.Context, restoreCursor bool) (*process, *process) {
 		return setupRestore(t, ctx, fastConfig(), restoreCursor, false)
 	}
@@ -127,15 +132,23 @@ func TestRestoredDatabaseDoesNotSuppressNewEvents(t *testing.T) {
 		_, err := w.store.CreateMany(ctx, "p", "t", 9)
 		require.NoError(t, err)
 		obs := startProcess(t, db.URL, processOpts{id: "dash", projects: []string{"p"}, cfg: cfg})
-		for i := 1; i <= 6; i++ {
-			_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
-			require.NoError(t, err)
+		deleteTasks := func(from, to int) {
+			for i := from; i <= to; i++ {
+				_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+				require.NoError(t, err)
+			}
 		}
+		deleteTasks(1, 3)
+		obs.rec.waitCount(t, ctx, 3)
+		// The backup: its last tick numbered the project through 3 (nothing else was written).
+		backupTick := pgtest.QueryInt(t, w.pool, `SELECT max(tick_id)::int FROM lifecycle_tick`)
+		deleteTasks(4, 6)
 		obs.rec.waitCount(t, ctx, 6)
 		waitCursor(t, ctx, w.pool, "p", "dash", 6)
 		restore := []string{
-			`DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence > 3`,
-			`UPDATE lifecycle_outbox_heads SET last_sequence = 3 WHERE project_id = 'p'`,
+			`DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id IN ('t-4', 't-5', 't-6')`,
+			fmt.Sprintf(`DELETE FROM lifecycle_tick_project WHERE tick_id > %d`, backupTick),
+			fmt.Sprintf(`DELETE FROM lifecycle_tick WHERE tick_id > %d`, backupTick), // the head is where the last part ends: 3
 		}
 		switch {
 		case restoreCursor:

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -50,8 +51,8 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	var n, maxSeq int64
 	require.NoError(t, operator.QueryRow(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`).Scan(&n, &maxSeq))
 	require.Zero(t, n, "events younger than the window went")
-	_, err := lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
+	var err error
 	require.NoError(t, operator.QueryRow(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`).Scan(&n, &maxSeq))
 	require.Equal(t, []int64{4, 4}, []int64{n, maxSeq}, "pruned through the slowest cursor only")
 	require.Equal(t, int64(4), floorOf(t, lp.owner, "proj-a"), "the floor follows what was deleted")
@@ -76,8 +77,7 @@ func TestPruneFunctionKeepsToTheCallersProjects(t *testing.T) {
 	deleteTasksAs(t, lp, writer, "proj-b", 2)
 	_, err := outbox.Sequence(ctx, consumer, nil, 100)
 	require.NoError(t, err)
-	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
 
 	_, err = operatorA.Exec(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-b', 100, 0, interval '0', interval '1 hour')`)
 	requireSQLState(t, err, "42501")
@@ -110,10 +110,11 @@ func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 		`UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 1 WHERE consumer_id = 'dash'`,
 		`INSERT INTO lifecycle_consumer_deliveries (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, parked_at)
 		 SELECT 'proj-a', 'dash', 1, lifecycle_event_id(task_id, deleted_at), 'dead', 10, 'listener_error', now()
-		 FROM lifecycle_outbox WHERE project_id = 'proj-a' AND sequence = 1`,
+		 FROM lifecycle_outbox_read('proj-a', 0, 1, NULL, NULL, NULL)`,
 	} {
-		_, err := dash.Exec(ctx, stmt)
+		tag, err := dash.Exec(ctx, stmt)
 		require.NoError(t, err, stmt)
+		require.Equal(t, int64(1), tag.RowsAffected(), stmt)
 	}
 	audit := func(action, actor, reason string, sequence int64) string {
 		return `INSERT INTO lifecycle_audit (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)
@@ -202,17 +203,17 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 		requireSQLState(t, err, "42501")
 	}
 
-	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
-	require.NoError(t, err)
+	ageEvents(t, ctx, lp.owner, 2*time.Hour)
 	res, err := newRetention(t, operator, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"proj-a": 3}, res.PrunedByProject, "the operator prunes through the owner's function")
 	require.Equal(t, int64(3), floorOf(t, lp.owner, "proj-a"))
 }
 
-// TestWriterReadsOnlyWhatItsRepeatReads: the writer role reads of the stream only which
-// deletion an event is, who wrote it, when, and its sequence (what its repeat reads), not the
-// events' contents; its repeat still works.
+// TestWriterReadsOnlyWhatItsRepeatReads: the writer role reads of the log only which deletion
+// an event is, who wrote it and when (what its repeat reads), and of the stream numbered before
+// it those and the sequence, not the events' contents, their transaction or the ticks; it
+// cannot call the reader; its repeat still works.
 func TestWriterReadsOnlyWhatItsRepeatReads(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
@@ -224,25 +225,38 @@ func TestWriterReadsOnlyWhatItsRepeatReads(t *testing.T) {
 	require.NoError(t, err)
 
 	for _, stmt := range []string{
+		`SELECT event_type, archived, prior_column, payload_version FROM lifecycle_event_log`,
+		`SELECT trace_context FROM lifecycle_event_log`,
+		`SELECT txid FROM lifecycle_event_log`,
+		`SELECT * FROM lifecycle_event_log`,
 		`SELECT event_type, archived, prior_column, payload_version FROM lifecycle_outbox`,
 		`SELECT trace_context FROM lifecycle_outbox`,
 		`SELECT * FROM lifecycle_outbox`,
+		`SELECT * FROM lifecycle_tick`,
+		`SELECT * FROM lifecycle_tick_project`,
+		`SELECT * FROM lifecycle_outbox_read('proj-a', 0, 1, NULL, NULL, NULL)`,
 	} {
 		_, err := writer.Exec(ctx, stmt)
-		require.Error(t, err, "the writer read the stream: %s", stmt)
+		require.Error(t, err, "the writer read the events: %s", stmt)
 		requireSQLState(t, err, "42501")
 	}
 	var deletedAt time.Time
-	var sequence int64
-	require.NoError(t, writer.QueryRow(ctx, `SELECT deleted_at, sequence FROM lifecycle_outbox WHERE project_id = 'proj-a' AND task_id = 't-1'`).
-		Scan(&deletedAt, &sequence))
-	require.Equal(t, int64(1), sequence)
+	var writerID string
+	require.NoError(t, writer.QueryRow(ctx, `SELECT deleted_at, writer_process_id FROM lifecycle_event_log WHERE project_id = 'proj-a' AND task_id = 't-1'`).
+		Scan(&deletedAt, &writerID))
+	_, err = writer.Exec(ctx, `SELECT task_id, sequence FROM lifecycle_outbox`)
+	require.NoError(t, err)
 
-	// A repeat of a recorded deletion reads the stored event back, sequence and all.
+	// A repeat of a recorded deletion reads the stored event back: one committed before, and
+	// one recorded earlier in the same transaction.
 	w, err := outbox.NewWriter(writer, outbox.Config{NotifyDisabled: true}, zaptest.NewLogger(t))
 	require.NoError(t, err)
 	defer closeWriter(t, w)
 	err = pgx.BeginFunc(ctx, writer, func(tx pgx.Tx) error {
+		stored, inserted, err := w.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: "proj-a", TaskID: "t-1", DeletedAt: deletedAt})
+		require.NoError(t, err)
+		require.False(t, inserted)
+		require.Equal(t, writerID, stored.WriterProcessID)
 		ev, inserted, err := w.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: "proj-a", TaskID: "t-2", DeletedAt: deletedAt})
 		require.NoError(t, err)
 		require.True(t, inserted)
@@ -350,9 +364,10 @@ func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 		`GRANT SELECT, UPDATE (state, replay_requested_at, replay_requested_by, replay_reason), DELETE ON lifecycle_consumer_deliveries TO ROLE`,
 		`GRANT SELECT, INSERT (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason) ON lifecycle_audit TO ROLE`,
 		`GRANT SELECT ON lifecycle_project_access, lifecycle_outbox_schema TO ROLE`))
-	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", 3)
-	_, err := outbox.Sequence(ctx, consumer, []string{"proj-a"}, 100)
+	// The writer of schema 16 inserted pending rows; a consumer of schema 16 numbered them.
+	_, err := writer.Exec(ctx, insertPendingRows, "proj-a", "t", 3)
+	require.NoError(t, err)
+	_, err = lp.owner.Exec(ctx, `SELECT * FROM lifecycle_outbox_sequence(NULL, 100)`)
 	require.NoError(t, err)
 	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_outbox`)
 	require.NoError(t, err, "schema 16 let the writer read the events")
@@ -371,6 +386,11 @@ func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 	requireSQLState(t, err, "42501")
 	_, err = writer.Exec(ctx, `SELECT task_id, sequence FROM lifecycle_outbox`)
 	require.NoError(t, err, "the writer's repeat still reads what it needs")
+	// Schema 18 lets the writer of schema 16 record into the log, and read of it only its repeat.
+	deletePrefixedTasksAs(t, lp, writer, "proj-a", "u", 1)
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 'u-1'`))
+	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_event_log`)
+	requireSQLState(t, err, "42501")
 
 	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
 	require.NoError(t, err)
@@ -390,8 +410,10 @@ func deletedInProjectA(t *testing.T, n int) (*leastPrivilege, *pgxpool.Pool, *pg
 	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
 	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
-	deleteTasksAs(t, lp, writer, "proj-a", n)
-	_, err := outbox.Sequence(ctxT(t), dash, []string{"proj-a"}, 100)
-	require.NoError(t, err)
+	for i := 1; i <= n; i++ { // a tick each, so that retention can take any prefix of them whole
+		deletePrefixedTasksAs(t, lp, writer, "proj-a", fmt.Sprintf("t%d", i), 1)
+		_, err := outbox.Sequence(ctxT(t), dash, []string{"proj-a"}, 100)
+		require.NoError(t, err)
+	}
 	return lp, dash, operator
 }

@@ -102,7 +102,7 @@ func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
 
 	// An event written now reaches no listener: the full scan ScanNow would ask for has no
 	// consumer to run it, and the recorder stays empty.
-	_, err := pool.Exec(ctx, insertPendingRow, "p", "t0")
+	_, err := pool.Exec(ctx, insertLogRow, "p", "t0")
 	require.NoError(t, err)
 	require.Empty(t, rec.snapshot())
 	require.ErrorIs(t, ob.Start(ctx), outbox.ErrConsumerStopped, "and Start after Stop refuses")

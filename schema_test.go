@@ -84,6 +84,7 @@ func TestMigrateUpgradePathIsIdempotent(t *testing.T) {
 	var n int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM lifecycle_outbox`).Scan(&n))
 	require.Equal(t, 1, n, "the upgrade kept existing rows")
+	require.Equal(t, []string{"1=t1"}, numberedEvents(t, ctx, pool, "p1"), "and numbered the one a writer of version 1 left")
 }
 
 func TestConcurrentAppliersApplyEachMigrationOnce(t *testing.T) {
@@ -166,7 +167,8 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 }
 
-// insertRow is a raw outbox insert, as the writer makes it, for project $1 and task $2.
+// insertRow is a raw insert into the stream, as a writer of version 1 made it, for project $1
+// and task $2.
 const insertRow = `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
 
@@ -174,13 +176,15 @@ func TestDatabaseRefusesUnknownEventType(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		VALUES ('p1', 't1', now(), 'task:archived', false, 1, now(), 'w')`)
-	requireSQLState(t, err, "22P02") // invalid_text_representation: not a value of the enum
+	for _, table := range []string{"lifecycle_event_log", "lifecycle_outbox"} {
+		_, err := pool.Exec(ctx, `INSERT INTO `+table+` (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+			VALUES ('p1', 't1', now(), 'task:archived', false, 1, now(), 'w')`)
+		requireSQLState(t, err, "22P02") // invalid_text_representation: not a value of the enum
 
-	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		VALUES ('p1', 't1', now(), 'task:deleted', false, 0, now(), 'w')`)
-	requireSQLState(t, err, "23514") // check_violation
+		_, err = pool.Exec(ctx, `INSERT INTO `+table+` (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+			VALUES ('p1', 't1', now(), 'task:deleted', false, 0, now(), 'w')`)
+		requireSQLState(t, err, "23514") // check_violation
+	}
 }
 
 func TestEventIDInSQLMatchesGo(t *testing.T) {
@@ -244,11 +248,13 @@ func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 	db := pgtest.NewDB(t)
 	admin := pgtest.Pool(t, db.URL)
 	for _, p := range []string{"proj-a", "proj-b"} {
-		_, err := admin.Exec(ctx, insertRow, p, "t1")
+		_, err := admin.Exec(ctx, insertLogRow, p, "t1")
 		require.NoError(t, err)
 		_, err = admin.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ($1, 'dash', 0)`, p)
 		require.NoError(t, err)
 	}
+	_, err := outbox.Tick(ctx, admin)
+	require.NoError(t, err)
 
 	rolePool := pgtest.Pool(t, runtimeRole(t, db, "proj-a"))
 	var bypass, super bool
@@ -256,33 +262,29 @@ func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 	require.False(t, bypass)
 	require.False(t, super)
 
-	for _, table := range []string{"lifecycle_outbox", "lifecycle_consumer_cursors"} {
+	for _, table := range []string{"lifecycle_event_log", "lifecycle_tick_project", "lifecycle_outbox_heads", "lifecycle_outbox_head", "lifecycle_consumer_cursors"} {
 		var projects []string
 		require.NoError(t, rolePool.QueryRow(ctx, `SELECT coalesce(array_agg(DISTINCT project_id), '{}') FROM `+table).Scan(&projects))
 		require.Equal(t, []string{"proj-a"}, projects, table)
 	}
 
-	_, err := rolePool.Exec(ctx, insertRow, "proj-b", "t2")
+	_, err = rolePool.Exec(ctx, insertLogRow, "proj-b", "t2")
 	requireSQLState(t, err, "42501") // insufficient_privilege: row violates the policy
 
 	tag, err := rolePool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 99 WHERE project_id = 'proj-b'`)
 	require.NoError(t, err)
 	require.Zero(t, tag.RowsAffected(), "project B's cursor is invisible, so nothing is updated")
 
-	// Project A still works for the role: the writer's insert and the sequencer.
-	_, err = rolePool.Exec(ctx, insertRow, "proj-a", "t2")
+	// Project A still works for the role: the writer's insert, the ticker and the reader.
+	_, err = rolePool.Exec(ctx, insertLogRow, "proj-a", "t2")
 	require.NoError(t, err)
-	rows, err := rolePool.Query(ctx, `SELECT project_id, last_sequence FROM lifecycle_outbox_sequence(NULL, 100)`)
+	heads, err := outbox.Sequence(ctx, rolePool, nil, 100)
 	require.NoError(t, err)
-	heads, err := pgx.CollectRows(rows, pgx.RowToMap)
-	require.NoError(t, err)
-	require.Len(t, heads, 1)
-	require.Equal(t, "proj-a", heads[0]["project_id"])
-	require.EqualValues(t, 2, heads[0]["last_sequence"])
-
-	var bSeq *int64
-	require.NoError(t, admin.QueryRow(ctx, `SELECT sequence FROM lifecycle_outbox WHERE project_id = 'proj-b'`).Scan(&bSeq))
-	require.Nil(t, bSeq, "the role's sequencer never touched project B")
+	require.Len(t, heads, 1, "the role sees only its project's head")
+	require.Equal(t, int64(2), heads["proj-a"].LastSequence)
+	require.Equal(t, []string{"1=t1", "2=t2"}, numberedEvents(t, ctx, rolePool, "proj-a"))
+	require.Empty(t, numberedEvents(t, ctx, rolePool, "proj-b"), "the reader, run by the role, reads nothing of B")
+	require.Equal(t, []string{"1=t1"}, numberedEvents(t, ctx, admin, "proj-b"))
 }
 
 // allVersions is 1 .. SchemaVersion.

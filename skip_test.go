@@ -5,27 +5,30 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
-	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/outboxtest"
 )
 
 // TestSkippedProjectWaitingOnARetryDoesNotSpin: a project whose head-of-line event waits for a
-// retry, and whose sequencer then fails (a hostile preset sequence), is skipped; its due retry
+// retry, and whose open deliveries then cannot be read (a policy that raises for its rows,
+// standing in for whatever one project's rows may do to the server), is skipped; its due retry
 // must not fire the loop's retry timer at once on every turn. Without the fix the consumer ran
 // hundreds of full scans a second; with it the failed step rescans about once a second.
 func TestSkippedProjectWaitingOnARetryDoesNotSpin(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
-	pool := pgtest.NewPool(t)
-	seedEvents(t, pool, "a", 1)
-	seedEvents(t, pool, "b", 1)
+	lp := newLeastPrivilege(t)
+	writer, _ := lp.component(t, "writer", writerGrant("a", "b"))
+	deleteTasksAs(t, lp, writer, "a", 1)
+	deleteTasksAs(t, lp, writer, "b", 1)
+	consumer, role := lp.component(t, "consumer", consumerGrant("c1", "a", "b"))
 	clock := outboxtest.NewFakeClock()
 	cfg := fastConfig()
 	cfg.PollInterval, cfg.Clock = time.Hour, clock // only the retry timer and failures wake the loop
-	c, rec := startConsumer(t, pool, "c1", []string{"a", "b"}, cfg, nil)
+	c, rec := startConsumer(t, consumer, "c1", []string{"a", "b"}, cfg, nil)
 	rec.setFail(func(ev outbox.ObservedEvent) error {
 		if ev.ProjectID == "a" {
 			return errors.New("listener down")
@@ -35,14 +38,19 @@ func TestSkippedProjectWaitingOnARetryDoesNotSpin(t *testing.T) {
 	_, err := waitForRetry(ctx, clock) // a's event 1 failed once and waits 1s
 	require.NoError(t, err)
 
-	// a's sequencer now fails: a row preset at the sequence it would number next, and a pending row.
+	// a's open deliveries now cannot be read: every scan skips a at that step.
 	for _, stmt := range []string{
-		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at, writer_process_id)
-		 VALUES ('a', 'preset', '2026-01-02T03:04:05Z', 2, 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`,
-		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-		 VALUES ('a', 'pending', '2026-01-02T03:04:06Z', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`,
+		`CREATE FUNCTION refuse_delivery_read(p text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF p = 'a' THEN
+        RAISE EXCEPTION 'the deliveries of a cannot be read';
+    END IF;
+    RETURN true;
+END $$`,
+		`CREATE POLICY refuse_delivery_read ON lifecycle_consumer_deliveries AS RESTRICTIVE FOR SELECT TO ` + pgx.Identifier{role}.Sanitize() +
+			` USING (refuse_delivery_read(project_id))`,
 	} {
-		_, err := pool.Exec(ctx, stmt)
+		_, err := lp.owner.Exec(ctx, stmt)
 		require.NoError(t, err, stmt)
 	}
 	before := c.Stats().Scans

@@ -17,13 +17,13 @@ import (
 // Helpers of the event-stream tests: seeded events, a handler, and response writers that stall
 // or can be hijacked.
 
-// seedEvents writes n sequenced events into project straight into the outbox, as many
-// writers would have: what a freshly started stream handler finds there.
+// seedEvents writes n events into project's log, as many writers would have, and ticks: what a
+// freshly started stream handler finds there, numbered.
 func seedEvents(t *testing.T, pool *pgxpool.Pool, project string, n int) {
 	t.Helper()
 	ctx := ctxT(t)
 	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 SELECT $1, 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
 FROM generate_series(1, $2) g`, project, n)
 	require.NoError(t, err)
@@ -36,7 +36,7 @@ func seedMore(t *testing.T, pool *pgxpool.Pool, project, prefix string, n int) {
 	t.Helper()
 	ctx := ctxT(t)
 	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 SELECT $1, $2 || '-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
 FROM generate_series(1, $3) g`, project, prefix, n)
 	require.NoError(t, err)
@@ -44,20 +44,28 @@ FROM generate_series(1, $3) g`, project, prefix, n)
 	require.NoError(t, err)
 }
 
-// seedUndecodableAt4 stores, after a project's three seeded events, a numbered row the reader
-// cannot deliver at sequence 4 (deleted_at = 'infinity': a numbered row, which the writer's
-// checks do not cover), and then numbers two well-formed events as 5 and 6.
+// seedUndecodableAt4 stores project's first four events as the stream numbered before schema 18
+// holds them: three well-formed ones (as seedEvents names them), then at sequence 4 a row the
+// reader cannot deliver (deleted_at = 'infinity', which the log's types refuse but a numbered
+// row of the stream may hold); then it writes two well-formed events into the log and ticks, so
+// they are numbered 5 and 6 after the stream.
 func seedUndecodableAt4(t *testing.T, pool *pgxpool.Pool, project string) {
 	t.Helper()
 	ctx := ctxT(t)
 	_, err := pool.Exec(ctx, `
 INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-VALUES ($1, 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`, project)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET last_sequence = 4 WHERE project_id = $1`, project)
+SELECT $1, g, 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
+FROM generate_series(1, 3) g`, project)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+VALUES ($1, 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`, project)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id, last_sequence) VALUES ($1, 4)
+		ON CONFLICT (project_id) DO UPDATE SET last_sequence = 4`, project)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `
+INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 SELECT $1, 'late-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
 FROM generate_series(1, 2) g`, project)
 	require.NoError(t, err)

@@ -213,12 +213,14 @@ func TestSSEResets(t *testing.T) {
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
-	seedEvents(t, pool, "p", 400)
+	seedEvents(t, pool, "p", 100) // one tick
+	seedMore(t, pool, "p", "late", 300)
 	seedEvents(t, pool, "q", 400)
-	// Retention pruned p through 100.
-	_, err := pool.Exec(ctx, `DELETE FROM lifecycle_outbox WHERE project_id = 'p' AND sequence <= 100`)
+	// Retention pruned p through 100: the events of its first tick.
+	tag, err := pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id LIKE 'seed-%'`)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100 WHERE project_id = 'p'`)
+	require.Equal(t, int64(100), tag.RowsAffected())
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100, last_sequence = GREATEST(last_sequence, 100) WHERE project_id = 'p'`)
 	require.NoError(t, err)
 	sse := newSSE(t, pool, []string{"p", "q"}, func(o *outbox.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
 	srv := httptest.NewServer(sse)

@@ -20,8 +20,7 @@ func TestSSEMovesPastAnUndecodableRow(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	seedEvents(t, pool, "p", 3)
-	seedUndecodableAt4(t, pool, "p")
+	seedUndecodableAt4(t, pool, "p") // 1 to 3, then 4 cannot be decoded; 5 and 6 follow it
 
 	sse := newSSE(t, pool, []string{"p"}, nil)
 	srv := httptest.NewServer(sse)

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -128,6 +129,23 @@ func must[T any](v T, err error) func(*testing.T) T {
 	}
 }
 
+// insertLogRow writes an event of project $1, task $2, into the log as the writer hook does,
+// with no hint to the ticker.
+const insertLogRow = `INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
+
+// holdTickerElection holds the ticker's election lock on a session of its own until the test
+// ends, as a session that never ticks could: no consumer is elected, so none ticks on hints or
+// follows a tick up, and each ticks only once per TickFallbackInterval.
+func holdTickerElection(t *testing.T, ctx context.Context, url string) {
+	t.Helper()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(ctx, `SELECT pg_catalog.pg_advisory_lock($1)`, outbox.TickerLockKey)
+	require.NoError(t, err)
+}
+
 // Rows of writers of schema 16 and earlier, which the ticker adopts into the log.
 const insertPendingRow = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 	VALUES ($1, $2, '2026-01-02T03:04:05.000006Z', 'task:deleted', false, 1, now(), 'w')`
@@ -154,6 +172,31 @@ func numberedTasks(t *testing.T, ctx context.Context, db outbox.DBTX, project st
 	tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	return tasks
+}
+
+// numberedEvents lists project's events as read (the frozen stream, then the log as ticked), as
+// "sequence=task" in sequence order.
+func numberedEvents(t *testing.T, ctx context.Context, db outbox.DBTX, project string) []string {
+	t.Helper()
+	rows, err := db.Query(ctx, `SELECT sequence || '=' || task_id FROM lifecycle_outbox_read($1, 0, 100000, NULL, NULL, NULL) ORDER BY sequence`, project)
+	require.NoError(t, err)
+	events, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return events
+}
+
+// ageEvents makes every stored event older by d as retention sees it: the frozen stream's by
+// their occurred_at, the log's by the time of the tick that numbered them (retention takes the
+// log by whole parts of ticks).
+func ageEvents(t *testing.T, ctx context.Context, db outbox.DBTX, d time.Duration) {
+	t.Helper()
+	for _, stmt := range []string{
+		`UPDATE lifecycle_outbox SET occurred_at = occurred_at - $1::interval`,
+		`UPDATE lifecycle_tick SET ticked_at = ticked_at - $1::interval`,
+	} {
+		_, err := db.Exec(ctx, stmt, d)
+		require.NoError(t, err, stmt)
+	}
 }
 
 // indexScans is how many scans of index the session's statistics count.

@@ -120,7 +120,7 @@ func TestTraceOfOneDeletionAcrossTwoProcesses(t *testing.T) {
 	require.Equal(t, res.Event.EventID, attrs(create)["messaging.message.id"].AsString())
 
 	var stored string
-	require.NoError(t, writer.pool.QueryRow(ctx, `SELECT trace_context FROM lifecycle_outbox`).Scan(&stored))
+	require.NoError(t, writer.pool.QueryRow(ctx, `SELECT trace_context FROM lifecycle_event_log`).Scan(&stored))
 	w3c := propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{"traceparent": stored})
 	require.Equal(t, create.SpanContext.SpanID(), trace.SpanContextFromContext(w3c).SpanID(), "a W3C traceparent of the hook's span")
 
@@ -148,7 +148,6 @@ func TestTraceOfOneDeletionAcrossTwoProcesses(t *testing.T) {
 	refresh := ct.spans("host refresh")
 	require.Len(t, refresh, 1)
 	require.Equal(t, proc.SpanContext.SpanID(), refresh[0].Parent.SpanID(), "the host's own span nests under it")
-	require.NotEmpty(t, ct.spans("outbox sequence"), "the sequencer call has spans")
 }
 
 // TestRetriedAndReplayedEventsLinkToTheSameCreation: every attempt of a failing event, the
@@ -239,7 +238,7 @@ func TestNoTracerStoresNoTraceContext(t *testing.T) {
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
 	w := seedDeletes(t, ctx, db.URL, "p", 2)
-	require.Equal(t, 2, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE trace_context IS NULL`))
+	require.Equal(t, 2, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM lifecycle_event_log WHERE trace_context IS NULL`))
 }
 
 // TestStoredTraceContextIsW3C: the stored form agrees with the W3C propagator both ways,
@@ -295,7 +294,7 @@ func TestTracedWriterRoleRecordsTheTraceContext(t *testing.T) {
 	_, err = testhost.New(writerPool, testhost.Options{Writer: w}).Delete(ctx, "proj-a", "t-1")
 	require.NoError(t, err, "a traced delete as the writer role")
 	require.Len(t, wt.spans("create proj-a"), 1)
-	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_outbox_pending WHERE trace_context IS NOT NULL`))
+	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_event_log WHERE trace_context IS NOT NULL`))
 
 	consumerPool, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
 	cfg := fastConfig()

@@ -41,33 +41,45 @@ func stamp(i int) time.Time {
 	return time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC).Add(time.Duration(i) * time.Microsecond)
 }
 
-// streamReader plays a consumer's read side: it runs the sequencer, then reads
-// "sequence > cursor" in order and checks that every sequence is the cursor plus one.
+// streamReader plays a consumer's read side: it ticks, then reads on from its cursor through the
+// reader function, continuing after the key of the last event it read as the consumer does, and
+// checks that every sequence is the cursor plus one.
 type streamReader struct {
 	pool    *pgxpool.Pool
 	cursors map[string]int64
-	seen    map[string]int // event ID -> times read
+	keys    map[string]streamKey // the key of the event at each cursor
+	seen    map[string]int       // event ID -> times read
 	order   map[string][]string
 }
 
+type streamKey struct {
+	txid      *string
+	deletedAt *time.Time
+	taskID    *string
+}
+
 func newStreamReader(pool *pgxpool.Pool) *streamReader {
-	return &streamReader{pool: pool, cursors: map[string]int64{}, seen: map[string]int{}, order: map[string][]string{}}
+	return &streamReader{pool: pool, cursors: map[string]int64{}, keys: map[string]streamKey{}, seen: map[string]int{}, order: map[string][]string{}}
 }
 
 func (r *streamReader) poll(ctx context.Context, projects []string) error {
-	if _, err := outbox.Sequence(ctx, r.pool, projects, 1000); err != nil {
+	if _, err := outbox.Tick(ctx, r.pool); err != nil {
 		return err
 	}
 	for _, p := range projects {
 		for {
-			rows, err := r.pool.Query(ctx, `SELECT sequence, lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox
-				WHERE project_id = $1 AND sequence > $2 ORDER BY sequence LIMIT 500`, p, r.cursors[p])
+			k := r.keys[p]
+			rows, err := r.pool.Query(ctx, `SELECT sequence, lifecycle_event_id(task_id, deleted_at), txid::text, deleted_at, task_id
+				FROM lifecycle_outbox_read($1, $2, 500, $3::text::xid8, $4, $5)`, p, r.cursors[p], k.txid, k.deletedAt, k.taskID)
 			if err != nil {
 				return err
 			}
 			type row struct {
-				Seq int64
-				ID  string
+				Seq       int64
+				ID        string
+				TxID      *string
+				DeletedAt time.Time
+				TaskID    string
 			}
 			got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[row])
 			if err != nil {
@@ -78,6 +90,7 @@ func (r *streamReader) poll(ctx context.Context, projects []string) error {
 					return fmt.Errorf("project %s: read sequence %d after %d: a gap", p, e.Seq, r.cursors[p])
 				}
 				r.cursors[p] = e.Seq
+				r.keys[p] = streamKey{e.TxID, &e.DeletedAt, &e.TaskID}
 				r.seen[e.ID]++
 				r.order[p] = append(r.order[p], e.ID)
 			}
@@ -130,7 +143,7 @@ func TestOutOfOrderCommitsAreReadWithoutGaps(t *testing.T) {
 		require.Equal(t, 1, times, id)
 	}
 	var head int64
-	require.NoError(t, pool.QueryRow(ctx, `SELECT last_sequence FROM lifecycle_outbox_heads WHERE project_id = 'p1'`).Scan(&head))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT last_sequence FROM lifecycle_outbox_head WHERE project_id = 'p1'`).Scan(&head))
 	require.EqualValues(t, n-1, head, "the rolled-back event took no sequence")
 }
 
@@ -214,7 +227,10 @@ func TestConcurrentWritersAndReaderAgree(t *testing.T) {
 	}
 }
 
-func TestCompetingSequencersNeverDuplicateOrSkip(t *testing.T) {
+// TestCompetingTickersNeverDuplicateOrSkip: two tickers (two processes) tick while writers
+// commit; every committed event is numbered once, 1 to n with none skipped, and each tick's
+// count of the project starts where the one before ended.
+func TestCompetingTickersNeverDuplicateOrSkip(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	db := pgtest.NewDB(t)
@@ -240,14 +256,14 @@ func TestCompetingSequencersNeverDuplicateOrSkip(t *testing.T) {
 			return nil
 		})
 	}
-	// Two sequencers on their own pools (two processes), with small batches so they interleave.
+	// Two tickers on their own pools (two processes).
 	stop := make(chan struct{})
-	var seqGroup errgroup.Group
+	var tickGroup errgroup.Group
 	for range 2 {
 		other := pgtest.Pool(t, db.URL)
-		seqGroup.Go(func() error {
+		tickGroup.Go(func() error {
 			for {
-				if _, err := outbox.Sequence(ctx, other, []string{"p"}, 7); err != nil {
+				if _, err := outbox.Tick(ctx, other); err != nil {
 					return err
 				}
 				select {
@@ -260,29 +276,24 @@ func TestCompetingSequencersNeverDuplicateOrSkip(t *testing.T) {
 	}
 	require.NoError(t, g.Wait())
 	close(stop)
-	require.NoError(t, seqGroup.Wait())
-	_, err := outbox.Sequence(ctx, pool, []string{"p"}, 7)
+	require.NoError(t, tickGroup.Wait())
+	_, err := outbox.Tick(ctx, pool)
 	require.NoError(t, err)
 
-	var count, distinct, maxSeq, unsequenced int64
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(sequence), count(DISTINCT sequence), coalesce(max(sequence), 0), count(*) FILTER (WHERE sequence IS NULL)
-		FROM lifecycle_outbox WHERE project_id = 'p'`).Scan(&count, &distinct, &maxSeq, &unsequenced))
-	require.EqualValues(t, events, count)
+	var count, distinct, minSeq, maxSeq int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT sequence), coalesce(min(sequence), 0), coalesce(max(sequence), 0)
+		FROM lifecycle_outbox_read('p', 0, 100000, NULL, NULL, NULL)`).Scan(&count, &distinct, &minSeq, &maxSeq))
+	require.EqualValues(t, events, count, "every event numbered")
 	require.Equal(t, count, distinct, "no sequence assigned twice")
-	require.Equal(t, count, maxSeq, "1..n with none skipped")
-	require.Zero(t, unsequenced)
-	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`), "every pending row was moved")
-}
-
-func TestSequencerRefusesRepeatableRead(t *testing.T) {
-	t.Parallel()
-	ctx := ctxT(t)
-	pool := pgtest.NewPool(t)
-	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = outbox.Sequence(ctx, tx, nil, 10)
-	require.ErrorContains(t, err, "must run at READ COMMITTED")
+	require.Equal(t, []int64{1, count}, []int64{minSeq, maxSeq}, "1..n with none skipped")
+	require.Equal(t, events, pgtest.QueryInt(t, pool, `SELECT count(DISTINCT task_id) FROM lifecycle_outbox_read('p', 0, 100000, NULL, NULL, NULL)`),
+		"each event once")
+	require.Equal(t, events, pgtest.QueryInt(t, pool, `SELECT last_sequence::int FROM lifecycle_outbox_head WHERE project_id = 'p'`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `
+		SELECT count(*) FROM (
+		    SELECT first_sequence, lag(first_sequence + events) OVER (ORDER BY first_sequence) AS expected
+		    FROM lifecycle_tick_project WHERE project_id = 'p') x
+		WHERE first_sequence <> coalesce(expected, 1)`), "each tick's count starts where the last one ended")
 }
 
 // hostWithOutbox is a reference host wired with the writer hook.
@@ -311,7 +322,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		again, err := store.Delete(ctx, "p1", "t1")
 		require.NoError(t, err)
 		require.False(t, again.Deleted)
-		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't1'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't1'`))
 		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't1' AND action = 'task:deleted'`))
 	})
 
@@ -347,7 +358,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 			}
 		}
 		require.Equal(t, 1, deleted)
-		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't2'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't2'`))
 		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit WHERE task_id = 't2'`))
 	})
 
@@ -362,7 +373,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, inserted)
 		require.NoError(t, tx.Rollback(ctx))
-		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't3'`))
+		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't3'`))
 		task, err := store.Get(ctx, "p1", "t3")
 		require.NoError(t, err)
 		require.Nil(t, task.DeletedAt)
@@ -373,17 +384,17 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 		require.NoError(t, err)
 		_, err = store.Archive(ctx, "p1", "t4")
 		require.NoError(t, err)
-		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't4'`), "archiving is not a deletion")
+		require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't4'`), "archiving is not a deletion")
 		res, err := store.Delete(ctx, "p1", "t4")
 		require.NoError(t, err)
 		require.True(t, res.Event.Archived)
 		require.Equal(t, "done", res.Event.PriorColumn)
 		var archived bool
 		var prior string
-		require.NoError(t, pool.QueryRow(ctx, `SELECT archived, prior_column FROM lifecycle_outbox_pending WHERE task_id = 't4'`).Scan(&archived, &prior))
+		require.NoError(t, pool.QueryRow(ctx, `SELECT archived, prior_column FROM lifecycle_event_log WHERE task_id = 't4'`).Scan(&archived, &prior))
 		require.True(t, archived)
 		require.Equal(t, "done", prior)
-		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending WHERE task_id = 't4'`))
+		require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't4'`))
 	})
 }
 
@@ -425,7 +436,7 @@ func TestWriterRefusesObservedContextAndBadInput(t *testing.T) {
 		require.Equal(t, "TaskDeletion."+strings.TrimSpace(name), verr.Field)
 	}
 	require.NoError(t, tx.Commit(ctx))
-	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`), "nothing was written")
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log`), "nothing was written")
 }
 
 func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
@@ -470,7 +481,7 @@ func TestDisabledWriterRecordsNothing(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res.Deleted)
 	require.False(t, res.EventRecorded)
-	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_outbox_pending`))
+	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_event_log`))
 	require.Equal(t, 1, pgtest.QueryInt(t, pool, `SELECT count(*) FROM run_audit`), "the host's own delete path is unchanged")
 }
 

@@ -100,6 +100,48 @@ ALTER DOMAIN lifecycle_reconcile_reason DROP CONSTRAINT lifecycle_reconcile_reas
 ALTER DOMAIN lifecycle_reconcile_reason ADD CONSTRAINT lifecycle_reconcile_reason_check
     CHECK (VALUE OPERATOR(pg_catalog.=) ANY (ARRAY['missing_cursor', 'cursor_ahead_of_head', 'cursor_below_pruned_floor', 'stream_hole']));
 
+-- The log is numbered on from each project's head, and the reader reads the frozen stream up to
+-- its last sequence before the log: a stream row numbered above its head (only a row numbered by
+-- hand can be) would take the sequence of a log event and hide it. The head is raised to it.
+-- (A project whose ID is not one gets no head: no consumer can serve it.)
+INSERT INTO lifecycle_outbox_heads AS h (project_id, last_sequence, sequenced_at)
+SELECT o.project_id, pg_catalog.max(o.sequence), pg_catalog.now()
+FROM lifecycle_outbox o
+WHERE o.sequence IS NOT NULL AND o.project_id OPERATOR(pg_catalog.~) '^[A-Za-z0-9][A-Za-z0-9._:-]*$'
+  AND pg_catalog.octet_length(o.project_id) OPERATOR(pg_catalog.<=) 128
+GROUP BY o.project_id
+ON CONFLICT (project_id) DO UPDATE SET last_sequence = EXCLUDED.last_sequence, sequenced_at = EXCLUDED.sequenced_at
+WHERE h.last_sequence OPERATOR(pg_catalog.<) EXCLUDED.last_sequence;
+
+-- The rows writers of schema 6 and earlier left in the stream unnumbered are numbered there, as
+-- the sequencer did (after the head, by occurred_at), while the log is still empty, so that the
+-- stream stays below it. Those written before the stream's checks (schema 5) may hold what the
+-- log's types refuse (deleted_at 'infinity', a malformed ID): moving one into the log would fail
+-- lifecycle_outbox_adopt_legacy, and with it every tick's adoption of every older writer's rows.
+-- Numbered here, the consumer parks such a row as undecodable, as before. The rows such writers
+-- add from now on passed those checks, which are the log's types, and are adopted.
+WITH legacy AS (
+    SELECT o.ctid AS row_id, o.project_id,
+           pg_catalog.row_number() OVER (PARTITION BY o.project_id ORDER BY o.occurred_at, o.deleted_at, o.task_id) AS rn
+    FROM lifecycle_outbox o WHERE o.sequence IS NULL
+), base AS (
+    SELECT l.project_id, pg_catalog.count(*) AS n,
+           GREATEST(coalesce((SELECT h.last_sequence FROM lifecycle_outbox_heads h WHERE h.project_id OPERATOR(pg_catalog.=) l.project_id), 0),
+                    coalesce((SELECT pg_catalog.max(o.sequence) FROM lifecycle_outbox o WHERE o.project_id OPERATOR(pg_catalog.=) l.project_id), 0)) AS last
+    FROM legacy l GROUP BY l.project_id
+), numbered AS (
+    UPDATE lifecycle_outbox o SET sequence = b.last OPERATOR(pg_catalog.+) l.rn
+    FROM legacy l JOIN base b ON b.project_id OPERATOR(pg_catalog.=) l.project_id
+    WHERE o.ctid OPERATOR(pg_catalog.=) l.row_id
+    RETURNING o.project_id
+)
+INSERT INTO lifecycle_outbox_heads AS h (project_id, last_sequence, sequenced_at)
+SELECT b.project_id, b.last OPERATOR(pg_catalog.+) b.n, pg_catalog.now()
+FROM base b
+WHERE b.project_id OPERATOR(pg_catalog.~) '^[A-Za-z0-9][A-Za-z0-9._:-]*$' AND pg_catalog.octet_length(b.project_id) OPERATOR(pg_catalog.<=) 128
+ORDER BY b.project_id
+ON CONFLICT (project_id) DO UPDATE SET last_sequence = EXCLUDED.last_sequence, sequenced_at = EXCLUDED.sequenced_at;
+
 -- The first tick: the log is empty, so its batch is empty; it is the "tick before" of the next.
 INSERT INTO lifecycle_tick (tick_id, snapshot) VALUES (1, pg_catalog.pg_current_snapshot());
 
