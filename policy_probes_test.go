@@ -1,13 +1,11 @@
 package outbox_test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -50,19 +48,6 @@ func grantReads(plans []explainedPlan, table string) (rows, pages int) {
 		})
 	}
 	return rows, pages
-}
-
-// explainedSessionAs is an explained session, buffers logged, whose session user is role:
-// auto_explain needs a superuser to load and set, and SET SESSION AUTHORIZATION then makes the
-// session the role's, as its login is, so that the sequencer sees that role as its caller.
-func explainedSessionAs(t *testing.T, ctx context.Context, lp *leastPrivilege, role string) *explainedSession {
-	t.Helper()
-	s := newExplainedSession(t, ctx, lp.db.URL)
-	for _, stmt := range []string{"SET auto_explain.log_buffers = on", "SET SESSION AUTHORIZATION " + pgx.Identifier{role}.Sanitize()} {
-		_, err := s.conn.Exec(ctx, stmt)
-		require.NoError(t, err, stmt)
-	}
-	return s
 }
 
 // manyNames returns prefix-0001 .. prefix-n.

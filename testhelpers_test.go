@@ -16,7 +16,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
-	"fusion/outbox/internal/pgtest"
 )
 
 // explainedSession is one superuser session whose statements, nested ones included, report
@@ -121,14 +120,6 @@ func queryString(t *testing.T, db outbox.DBTX, sql string, args ...any) string {
 	return v
 }
 
-func must[T any](v T, err error) func(*testing.T) T {
-	return func(t *testing.T) T {
-		t.Helper()
-		require.NoError(t, err)
-		return v
-	}
-}
-
 // insertLogRow writes an event of project $1, task $2, into the log as the writer hook does,
 // with no hint to the ticker.
 const insertLogRow = `INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
@@ -154,26 +145,6 @@ const insertPendingRow = `INSERT INTO lifecycle_outbox_pending (project_id, task
 const insertPendingRows = `INSERT INTO lifecycle_outbox_pending (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 	SELECT $1, $2 || '-' || g, '2026-01-02T03:04:05Z', 'task:deleted', false, 1, now(), 'w' FROM pg_catalog.generate_series(1, $3) g`
 
-// statsSession is one session of a fresh database, whose statistics indexScans flushes first.
-func statsSession(t *testing.T, ctx context.Context) *pgx.Conn {
-	t.Helper()
-	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = conn.Close(context.Background()) })
-	return conn
-}
-
-// numberedTasks lists the tasks of project's stream in sequence order (the frozen stream, then
-// the log as ticked).
-func numberedTasks(t *testing.T, ctx context.Context, db outbox.DBTX, project string) []string {
-	t.Helper()
-	rows, err := db.Query(ctx, `SELECT task_id FROM lifecycle_outbox_read($1, 0, 100000, NULL, NULL, NULL) ORDER BY sequence`, project)
-	require.NoError(t, err)
-	tasks, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	require.NoError(t, err)
-	return tasks
-}
-
 // numberedEvents lists project's events as read (the frozen stream, then the log as ticked), as
 // "sequence=task" in sequence order.
 func numberedEvents(t *testing.T, ctx context.Context, db outbox.DBTX, project string) []string {
@@ -197,14 +168,4 @@ func ageEvents(t *testing.T, ctx context.Context, db outbox.DBTX, d time.Duratio
 		_, err := db.Exec(ctx, stmt, d)
 		require.NoError(t, err, stmt)
 	}
-}
-
-// indexScans is how many scans of index the session's statistics count.
-func indexScans(t *testing.T, ctx context.Context, conn *pgx.Conn, index string) int {
-	t.Helper()
-	_, err := conn.Exec(ctx, `SELECT pg_catalog.pg_stat_force_next_flush()`)
-	require.NoError(t, err)
-	var n int
-	require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(idx_scan, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = $1`, index).Scan(&n))
-	return n
 }
