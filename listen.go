@@ -69,12 +69,8 @@ func (wk *waker) listenLoop(ctx context.Context, listening chan struct{}) {
 		}
 		wk.metrics.listenReconnect(string(wk.id))
 		wk.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", wait))
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleepCtx(ctx, wait) {
 			return
-		case <-t.C:
 		}
 		wait = min(wait*2, 5*time.Second)
 	}

@@ -116,11 +116,9 @@ func tickError(err error) error {
 	return fmt.Errorf("tick: %w", err)
 }
 
-// The module's own SQLSTATEs (class LX), raised by its functions.
-const (
-	sqlstateXIDTimeline = "LX001" // the cluster's xids are behind the last tick
-	sqlstateTickPruned  = "LX003" // a read needs a tick that retention removed
-)
+// sqlstateXIDTimeline is the module's own SQLSTATE (class LX) for a cluster whose xids are
+// behind the last tick (migration 0018).
+const sqlstateXIDTimeline = "LX001"
 
 // Sequence numbers every committed event (see Tick) and returns the heads of projects (every
 // project the role may see when projects is nil), with Assigned set to what this call numbered
@@ -193,8 +191,6 @@ type ticker struct {
 	elected chan bool // tells the tick loop when this candidate is elected or not
 	hints   chan struct{}
 	leading atomic.Bool // the tick loop's view: elected
-	// tickHook, when set (by tests), runs before each tick with whether it is the elected one's.
-	tickHook func(elected bool)
 }
 
 func newTicker(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metrics, st *stats) *ticker {
@@ -262,9 +258,6 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 				}
 			}
 		case <-timer.C:
-		}
-		if t.tickHook != nil {
-			t.tickHook(elected)
 		}
 		res, err := tick(ctx, t.pool, t.cfg.TickChannel)
 		last = time.Now()
