@@ -99,21 +99,21 @@ type Config struct {
 	// NotifyGap is the shortest time between two wake-up notifications sent by one writer
 	// process. A commit after a quiet spell is announced at once; commits within the gap
 	// share the next notification, sent when the gap has passed. Each notification is a
-	// transaction of its own, so the gap bounds their cost under load; consumers find the
-	// commits in between by their follow-up scans (FollowUpInterval), so the gap costs no
-	// latency while FollowUpWindow is longer than it. Defaults to 20ms; at most 1s.
+	// transaction of its own, so the gap bounds their cost under load; the elected ticker
+	// finds the commits in between, since it ticks again every TickFloor while its ticks find
+	// events. Defaults to 20ms; at most 1s.
 	NotifyGap time.Duration `yaml:"notify_gap" json:"notify_gap"`
 
 	// FollowUpInterval is how soon a consumer scans a project again after a scan of it found
-	// events. It keeps doing so while scans find events and for FollowUpWindow after the last
-	// one that did, so under load a project is read without waiting for a notification: the
-	// edge from idle to busy is announced, the rest is found. Defaults to 2ms; 1ms to
-	// PollInterval.
+	// events, while FollowUpWindow is set. Defaults to 2ms; 1ms to PollInterval.
 	FollowUpInterval time.Duration `yaml:"follow_up_interval" json:"follow_up_interval"`
 
-	// FollowUpWindow is how long after its last scan that found events a project keeps being
-	// scanned every FollowUpInterval. Keep it longer than the writers' NotifyGap. Defaults to
-	// 50ms; at most PollInterval.
+	// FollowUpWindow, when set, keeps a consumer scanning a project every FollowUpInterval
+	// for this long after its last scan that found events, without waiting for a tick's
+	// notification. Every tick that numbers a project's events notifies its consumers, so
+	// follow-up scans only help where ticks are taken without notifying (outbox.Tick called
+	// by a tool); each costs the statements of a scan. Defaults to 0 (none); at most
+	// PollInterval.
 	FollowUpWindow time.Duration `yaml:"follow_up_window" json:"follow_up_window"`
 
 	// WakeInterval bounds the scans that notifications start for nothing. After a notified scan
@@ -248,7 +248,6 @@ func (c Config) WithDefaults() Config {
 	def(&c.TickFallbackInterval, 5*c.PollInterval)
 	def(&c.NotifyGap, 20*time.Millisecond)
 	def(&c.FollowUpInterval, min(2*time.Millisecond, c.PollInterval))
-	def(&c.FollowUpWindow, min(50*time.Millisecond, c.PollInterval))
 	def(&c.ListenCheckTimeout, 2*time.Second)
 	def(&c.WakeInterval, min(10*time.Millisecond, c.PollInterval))
 	def(&c.LockTimeout, 5*time.Second)

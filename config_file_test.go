@@ -29,7 +29,7 @@ func TestLoadTheExampleConfigFile(t *testing.T) {
 		HeartbeatInterval: 10 * time.Second, ListenerTimeout: 30 * time.Second, NewCursor: "reconcile",
 		NotifyChannel: "lifecycle_outbox", TickChannel: "lifecycle_outbox_tick", TickFloor: 2 * time.Millisecond,
 		TickFallbackInterval: 5 * time.Second, NotifyGap: 20 * time.Millisecond, FollowUpInterval: 2 * time.Millisecond,
-		FollowUpWindow: 50 * time.Millisecond, WakeInterval: 10 * time.Millisecond,
+		WakeInterval: 10 * time.Millisecond,
 		LockTimeout: 5 * time.Second, StatementTimeout: 30 * time.Second,
 		ListenDSN:          "host=/var/run/postgresql port=5432 dbname=tasks user=engine",
 		ListenCheckTimeout: 2 * time.Second, TransactionPooler: true,

@@ -16,9 +16,9 @@ import (
 	"fusion/outbox/outboxtest"
 )
 
-// Wake-ups on the edge: a writer announces the first commit after a quiet spell and stays quiet
-// for NotifyGap; a consumer that found events scans the project again every FollowUpInterval
-// for FollowUpWindow, so it finds what the quiet writer did not announce.
+// Follow-up scans, off by default (FollowUpWindow 0): a consumer configured with a window scans a
+// project that found events again every FollowUpInterval for FollowUpWindow, so it finds events
+// of ticks nobody announced.
 
 // TestFollowUpScansFindUnannouncedEvents: after one announced tick, the next events are numbered
 // by ticks that nobody announces (outbox.Tick, while another session holds the ticker's election,

@@ -78,3 +78,48 @@ func TestOneScanDrainsAProjectPastBatchSize(t *testing.T) {
 	require.Equal(t, int64(1), c.Stats().Scans, "four batches of 10, one scan")
 	waitCursor(t, ctx, pool, "p", "drain", 35)
 }
+
+// TestAScanThatFoundEventsArmsNoFollowUp: by default a consumer scans a project only when woken
+// for it or polled. A scan that delivered events leaves nothing armed but the acknowledgement
+// (AckInterval later) and the poll, so from the asked-for scan to the loop's next rest there is
+// that one scan. (With follow-up scans on, as every consumer had before they became optional,
+// the project was scanned again every FollowUpInterval for FollowUpWindow.)
+func TestAScanThatFoundEventsArmsNoFollowUp(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	cfg := fastConfig()
+	cfg.NotifyDisabled, cfg.PollInterval = true, time.Hour
+	cfg.LeaseTTL, cfg.HeartbeatInterval = time.Hour, 20*time.Minute // no heartbeat asks for a scan
+	require.Zero(t, cfg.WithDefaults().FollowUpWindow, "follow-up scans are off by default")
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "busy", Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},
+		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{NoLocalWriter: true}), Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	rests := make(chan struct{}, 1)
+	outbox.OnLoopRest(c, func() {
+		select {
+		case rests <- struct{}{}:
+		default:
+		}
+	})
+	require.NoError(t, c.Start(ctx))
+	t.Cleanup(func() { stopConsumer(t, c) })
+	atRest := func(what string) {
+		t.Helper()
+		select {
+		case <-rests:
+		case <-ctx.Done():
+			t.Fatalf("the loop never came to rest %s (%d scans)", what, c.Stats().Scans)
+		}
+	}
+	atRest("after its first scan")
+	_, err = pool.Exec(ctx, insertPendingRows, "p", "t", 5)
+	require.NoError(t, err)
+	_, err = outbox.Tick(ctx, pool)
+	require.NoError(t, err)
+	before := c.Stats().Scans
+	outbox.ScanNow(c)
+	atRest("after the scan that found events")
+	require.Equal(t, int64(5), c.Stats().Delivered, "the scan delivered the events")
+	require.Equal(t, int64(1), c.Stats().Scans-before, "scans from the one asked for until the loop rests")
+}
