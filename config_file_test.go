@@ -30,7 +30,7 @@ func TestLoadTheExampleConfigFile(t *testing.T) {
 		NotifyChannel: "lifecycle_outbox", TickChannel: "lifecycle_outbox_tick", TickFloor: 2 * time.Millisecond,
 		TickFallbackInterval: 5 * time.Second, NotifyGap: 20 * time.Millisecond, FollowUpInterval: 2 * time.Millisecond,
 		WakeInterval: 10 * time.Millisecond,
-		LockTimeout: 5 * time.Second, StatementTimeout: 30 * time.Second,
+		LockTimeout:  5 * time.Second, StatementTimeout: 30 * time.Second,
 		ListenDSN:          "host=/var/run/postgresql port=5432 dbname=tasks user=engine",
 		ListenCheckTimeout: 2 * time.Second, TransactionPooler: true,
 		RetrySchedule: outbox.DefaultRetrySchedule, MaxAttempts: 10,
