@@ -319,7 +319,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 }
 
 // readFirst reads, in one statement, the first batch of every project of held that has events
-// to read: one read per scan rather than one per project. It leaves out the projects at their
+// to read: one read per scan rather than one per project, which walks each tick once for all of
+// them. A project whose position is inside a part (a scan stopped there) gets no batch from it
+// and reads in scanProject, continuing from its key. It leaves out the projects at their
 // head, those whose lease is gone, those about to be reconciled (by default, every project of a
 // new consumer), those whose next event waits for a retry not yet due and the read suspects;
 // with one project left, that project reads in scanProject, in a statement as cheap. When the
@@ -330,7 +332,6 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[string]Head, open map[string][]delivery) (first map[string]firstBatch, alone bool, err error) {
 	var projects []string
 	var after []int64
-	var keys []eventKey
 	capacity := 0
 	for _, p := range held {
 		st, head := l.state[p], heads[p]
@@ -343,13 +344,13 @@ func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[strin
 		if r := headOfLineRetry(open[p], st.position); r != nil && r.sequence == st.position+1 && !r.due {
 			continue
 		}
-		projects, after, keys = append(projects, p), append(after, st.position), append(keys, st.readKey())
+		projects, after = append(projects, p), append(after, st.position)
 		capacity += int(min(head.LastSequence-st.position, int64(l.cfg.BatchSize)))
 	}
 	if len(projects) < 2 {
 		return nil, false, nil
 	}
-	first, err = readFirstEvents(ctx, l.pool, projects, after, keys, l.cfg.BatchSize, capacity)
+	first, err = readFirstEvents(ctx, l.pool, projects, after, l.cfg.BatchSize, capacity)
 	if err == nil {
 		return first, false, nil
 	}

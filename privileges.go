@@ -45,9 +45,10 @@ const writerLogColumns = "project_id, task_id, deleted_at, writer_process_id, oc
 const writerOutboxColumns = "project_id, task_id, deleted_at, writer_process_id, occurred_at, sequence"
 
 // consumerGrants: the consumer ticks (the owner's function numbers what committed, for every
-// project; see migration 0018), reads events through lifecycle_outbox_read, and writes its own
-// cursors, leases and delivery attempts, and the poison and replay audit rows. It cannot
-// number by hand, retire anyone, ask for a replay, prune or delete.
+// project; see migration 0018), reads events through lifecycle_outbox_read and
+// lifecycle_outbox_read_parts, and writes its own cursors, leases and delivery attempts, and
+// the poison and replay audit rows. It cannot number by hand, retire anyone, ask for a replay,
+// prune or delete.
 var consumerGrants = []grant{
 	{"SELECT", "TABLE lifecycle_outbox"},
 	{"SELECT", "TABLE lifecycle_outbox_pending"},
@@ -67,13 +68,15 @@ var consumerGrants = []grant{
 	{"EXECUTE", "FUNCTION " + tickSignature},
 	{"EXECUTE", "FUNCTION " + adoptSignature},
 	{"EXECUTE", "FUNCTION " + readSignature},
+	{"EXECUTE", "FUNCTION " + readPartsSignature},
 }
 
-// The ticker's and the reader's functions (migration 0018).
+// The ticker's and the readers' functions (migrations 0018 and 0022).
 const (
-	tickSignature  = "lifecycle_outbox_tick(text)"
-	adoptSignature = "lifecycle_outbox_adopt_legacy(integer)"
-	readSignature  = "lifecycle_outbox_read(text, bigint, integer, xid8, timestamptz, text)"
+	tickSignature      = "lifecycle_outbox_tick(text)"
+	adoptSignature     = "lifecycle_outbox_adopt_legacy(integer)"
+	readSignature      = "lifecycle_outbox_read(text, bigint, integer, xid8, timestamptz, text)"
+	readPartsSignature = "lifecycle_outbox_read_parts(text[], bigint[], integer)"
 )
 
 // operatorGrants: outboxctl and the retention sweep read status, request replays, retire and
@@ -110,7 +113,7 @@ var moduleObjects = []string{
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE lifecycle_event_log", "TABLE lifecycle_tick", "TABLE lifecycle_tick_project",
 	"TABLE " + schemaTable, "FUNCTION " + tickSignature, "FUNCTION " + adoptSignature, "FUNCTION " + readSignature,
-	"FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
+	"FUNCTION " + readPartsSignature, "FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
 }
 
 // GrantWriterRole gives role what the writer hook needs (see writerGrants) in the given

@@ -25,15 +25,11 @@ const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coa
 const readEventsSQL = `SELECT ` + eventColumns + `
 FROM lifecycle_outbox_read($1::text, $2::bigint, $3::integer, $4::text::xid8, $5::timestamptz, $6::text)`
 
-// readFirstEventsSQL is readEventsSQL for many projects in one statement: for each project in
-// $1, up to $3 events numbered after its position in $2, with its key in $4, $5 and $6 (the
-// arrays in step). The built-ins are qualified: an unnest planted in a schema on the search path
-// is not called (see migration 0005).
+// readFirstEventsSQL reads, for each project in $1 whose position in $2 (the arrays in step) ends
+// a part, the whole parts after it up to $3 events, walking each tick's transactions once for
+// all of them (migration 0022); it returns nothing for the other projects.
 const readFirstEventsSQL = `SELECT ` + eventColumns + `
-FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::bigint[]), pg_catalog.unnest($4::text[]),
-                pg_catalog.unnest($5::timestamptz[]), pg_catalog.unnest($6::text[]))
-     AS c(asked_project, asked_after, key_txid, key_deleted_at, key_task_id)
-CROSS JOIN LATERAL lifecycle_outbox_read(c.asked_project, c.asked_after, $3::integer, c.key_txid::xid8, c.key_deleted_at, c.key_task_id) AS o`
+FROM lifecycle_outbox_read_parts($1::text[], $2::bigint[], $3::integer)`
 
 // readEventSQL reads the one event numbered $2.
 const readEventSQL = `SELECT ` + eventColumns + `
@@ -76,16 +72,14 @@ type firstBatch struct {
 	events []storedEvent
 }
 
-// readFirstEvents reads in one statement up to limit events of each project numbered after its
-// position (projects, after and keys in step) and returns them by project: every project asked for
-// has a batch, empty when nothing is stored past its position. capacity is how many rows are
-// expected in all. A row that cannot be decoded is its project's, like the others.
-func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []int64, keys []eventKey, limit, capacity int) (map[string]firstBatch, error) {
-	txids, deletedAts, taskIDs := make([]*string, len(keys)), make([]*time.Time, len(keys)), make([]*string, len(keys))
-	for i, k := range keys {
-		txids[i], deletedAts[i], taskIDs[i] = k.args()
-	}
-	rows, err := db.Query(ctx, readFirstEventsSQL, projects, after, limit, txids, deletedAts, taskIDs)
+// readFirstEvents reads in one statement the next events of each project (projects and after in
+// step) whose position ends one of its parts, up to limit, and returns them by project. A
+// project it has nothing for (its position inside a part, its next part larger than limit, a
+// part that did not come back whole, or nothing stored) is not in the map: it reads alone.
+// capacity is how many rows are expected in all. A row that cannot be decoded is its
+// project's, like the others.
+func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []int64, limit, capacity int) (map[string]firstBatch, error) {
+	rows, err := db.Query(ctx, readFirstEventsSQL, projects, after, limit)
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
@@ -93,10 +87,11 @@ func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []in
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
-	out := make(map[string]firstBatch, len(projects))
+	asked := make(map[string]int64, len(projects))
 	for i, p := range projects {
-		out[p] = firstBatch{after: after[i]}
+		asked[p] = after[i]
 	}
+	out := make(map[string]firstBatch, len(projects))
 	// The rows come project by project in sequence order as the plan reads them, but the
 	// statement does not promise it; each project's batch is a run of the sorted rows.
 	byStream := func(a, b storedEvent) int {
@@ -111,12 +106,11 @@ func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []in
 		for j < len(evs) && evs[j].ProjectID == p {
 			j++
 		}
-		b, ok := out[p]
+		a, ok := asked[p]
 		if !ok {
 			return nil, fmt.Errorf("read events of %d projects: a row of project %q, which was not asked for", len(projects), p)
 		}
-		b.events = evs[i:j:j]
-		out[p] = b
+		out[p] = firstBatch{after: a, events: evs[i:j:j]}
 		i = j
 	}
 	return out, nil
