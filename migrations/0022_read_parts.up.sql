@@ -61,13 +61,16 @@ BEGIN
         WHERE w.upto OPERATOR(pg_catalog.<=) p_limit AND w.first_events OPERATOR(pg_catalog.<=) p_limit
           AND (w.first_sequence OPERATOR(pg_catalog.+) w.events OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.>) a.after
     ), ticks AS (
-        -- Each tick once, with the projects to read in it and both snapshots.
-        SELECT g.tick_id, g.projects, c.snapshot AS cur, b.snapshot AS prev
+        -- Each tick once, with the projects to read in it and both snapshots (each looked up
+        -- by its key: a join could scan the whole tick table).
+        SELECT g.tick_id, g.projects,
+               (SELECT c.snapshot FROM lifecycle_tick c WHERE c.tick_id OPERATOR(pg_catalog.=) g.tick_id) AS cur,
+               (SELECT b.snapshot FROM lifecycle_tick b WHERE b.tick_id OPERATOR(pg_catalog.=) (g.tick_id OPERATOR(pg_catalog.-) 1)) AS prev
         FROM (SELECT p.tick_id, pg_catalog.array_agg(p.project) AS projects FROM parts p GROUP BY p.tick_id) g
-        JOIN lifecycle_tick c ON c.tick_id OPERATOR(pg_catalog.=) g.tick_id
-        JOIN lifecycle_tick b ON b.tick_id OPERATOR(pg_catalog.=) (g.tick_id OPERATOR(pg_catalog.-) 1)
     ), batch AS (
         -- A tick's batch for all its projects at once: one walk of the batch index per tick.
+        -- The projects are filtered after the walk, not in it: with txid leading the index,
+        -- PostgreSQL 15 would walk the range once per project of the list.
         SELECT k.tick_id, e.*
         FROM ticks k
         CROSS JOIN LATERAL (
@@ -75,7 +78,6 @@ BEGIN
                    l.writer_process_id, l.prior_column, l.trace_context, l.txid
             FROM lifecycle_event_log l
             WHERE l.txid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(k.prev) EXCEPT SELECT pg_catalog.pg_snapshot_xip(k.cur)))
-              AND l.project_id OPERATOR(pg_catalog.=) ANY (k.projects)
             UNION ALL
             SELECT l.project_id, l.task_id, l.deleted_at, l.event_type, l.archived, l.payload_version, l.occurred_at,
                    l.writer_process_id, l.prior_column, l.trace_context, l.txid
@@ -83,8 +85,9 @@ BEGIN
             WHERE l.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(k.prev)
               AND l.txid OPERATOR(pg_catalog.<) pg_catalog.pg_snapshot_xmax(k.cur)
               AND pg_catalog.pg_visible_in_snapshot(l.txid, k.cur)
-              AND l.project_id OPERATOR(pg_catalog.=) ANY (k.projects)
+            OFFSET 0 -- keeps the project filter below out of the index conditions
         ) e
+        WHERE e.project_id::text OPERATOR(pg_catalog.=) ANY (k.projects)
     ), whole AS (
         -- The projects every part of which came back with as many events as it counted. Any
         -- other (an event deleted by hand, a tick gone) is left to lifecycle_outbox_read, which

@@ -1,0 +1,183 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"fusion/outbox"
+	"fusion/outbox/internal/pgtest"
+)
+
+// The combined read (lifecycle_outbox_read_parts, migration 0022) against the per-project
+// reader it stands in for: it must number every event as lifecycle_outbox_read does, and serve
+// the steady state (every project with small parts) alone.
+
+// partEvent is an event as both readers return it, with what identifies it in the log.
+type partEvent struct {
+	Project  string
+	Sequence int64
+	TaskID   string
+	TxID     string
+}
+
+func readParts(t *testing.T, ctx context.Context, db outbox.DBTX, projects []string, after []int64, limit int) map[string][]partEvent {
+	t.Helper()
+	rows, err := db.Query(ctx, `SELECT project_id, sequence, task_id, coalesce(txid::text, '')
+		FROM lifecycle_outbox_read_parts($1::text[], $2::bigint[], $3) ORDER BY project_id, sequence`, projects, after, limit)
+	require.NoError(t, err)
+	evs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[partEvent])
+	require.NoError(t, err)
+	out := map[string][]partEvent{}
+	for _, ev := range evs {
+		out[ev.Project] = append(out[ev.Project], ev)
+	}
+	return out
+}
+
+func readOne(t *testing.T, ctx context.Context, db outbox.DBTX, project string, after int64, limit int) []partEvent {
+	t.Helper()
+	rows, err := db.Query(ctx, `SELECT project_id, sequence, task_id, coalesce(txid::text, '')
+		FROM lifecycle_outbox_read($1, $2, $3, NULL, NULL, NULL)`, project, after, limit)
+	require.NoError(t, err)
+	evs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[partEvent])
+	require.NoError(t, err)
+	return evs
+}
+
+// TestCombinedReadNumbersAsThePerProjectReader seeds five projects: two with parts of several
+// sizes from interleaved transactions and ticks, one with a part larger than the read's limit,
+// one that begins in the stream numbered before schema 18, and one with an event deleted by
+// hand. From every position of every project, with several limits and all projects asked at
+// once at different positions, whatever the combined read returns for a project is exactly
+// what the per-project reader returns from there (same events, same sequences) for a batch of
+// that length; it returns something whenever the next part is in the log, whole, and no larger
+// than the limit; and it returns nothing for the frozen stream, the large part or the hole.
+func TestCombinedReadNumbersAsThePerProjectReader(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	pool := pgtest.NewPool(t)
+	tick := func() {
+		t.Helper()
+		_, err := outbox.Tick(ctx, pool)
+		require.NoError(t, err)
+	}
+	insert := func(project string, tasks ...string) {
+		t.Helper()
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		for _, task := range tasks {
+			_, err := tx.Exec(ctx, insertLogEvent, project, task)
+			require.NoError(t, err)
+		}
+		require.NoError(t, tx.Commit(ctx))
+	}
+	// "big" and "hole" and "old" first: their parts are among the others'.
+	_, err := pool.Exec(ctx, `
+INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT 'old', g, 'frozen-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'w'
+FROM generate_series(1, 4) g`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id, last_sequence) VALUES ('old', 4)`)
+	require.NoError(t, err)
+	for round := range 6 {
+		// Transactions that interleave across projects, so one tick holds several projects and
+		// several transactions of each, committed out of order with the sizes varying.
+		for i := range round%3 + 1 {
+			insert("a", fmt.Sprintf("a-%d-%d-x", round, i), fmt.Sprintf("a-%d-%d-y", round, i))
+			insert("b", fmt.Sprintf("b-%d-%d", round, i))
+			insert("old", fmt.Sprintf("old-%d-%d", round, i))
+			insert("hole", fmt.Sprintf("hole-%d-%d", round, i))
+		}
+		if round == 2 {
+			tasks := make([]string, 12)
+			for i := range tasks {
+				tasks[i] = fmt.Sprintf("big-%02d", i)
+			}
+			insert("big", tasks...)
+		}
+		insert("big", fmt.Sprintf("big-after-%d", round))
+		tick()
+	}
+	// The owner deletes one event of "hole" (its sixth).
+	gone := readOne(t, ctx, pool, "hole", 5, 1)
+	require.Len(t, gone, 1)
+	_, err = pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'hole' AND task_id = $1`, gone[0].TaskID)
+	require.NoError(t, err)
+
+	projects := []string{"a", "b", "big", "old", "hole"}
+	heads := map[string]int64{}
+	for _, p := range projects {
+		var h int64
+		require.NoError(t, pool.QueryRow(ctx, `SELECT last_sequence FROM lifecycle_outbox_head WHERE project_id = $1`, p).Scan(&h))
+		heads[p] = h
+	}
+	// Each project's parts (first sequence and size), to say when the combined read must serve it.
+	type part struct{ first, events int64 }
+	parts := map[string][]part{}
+	rows, err := pool.Query(ctx, `SELECT project_id, first_sequence, events FROM lifecycle_tick_project ORDER BY project_id, first_sequence`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var p string
+		var pt part
+		require.NoError(t, rows.Scan(&p, &pt.first, &pt.events))
+		parts[p] = append(parts[p], pt)
+	}
+	require.NoError(t, rows.Err())
+	partOf := func(project string, seq int64) (part, bool) {
+		for _, pt := range parts[project] {
+			if seq >= pt.first && seq < pt.first+pt.events {
+				return pt, true
+			}
+		}
+		return part{}, false
+	}
+
+	served := map[string]int{}
+	for _, limit := range []int{1, 3, 5, 1000} {
+		for step := int64(0); step <= 30; step++ {
+			after := make([]int64, len(projects))
+			for i, p := range projects {
+				after[i] = min((step+int64(i)*2)%(heads[p]+1), heads[p])
+			}
+			got := readParts(t, ctx, pool, projects, after, limit)
+			for i, p := range projects {
+				want := readOne(t, ctx, pool, p, after[i], limit)
+				if evs, ok := got[p]; ok {
+					served[p]++
+					require.LessOrEqual(t, len(evs), limit, "%s after %d, limit %d", p, after[i], limit)
+					require.Equal(t, want[:min(len(evs), len(want))], evs, "%s after %d, limit %d: as the per-project reader numbers them", p, after[i], limit)
+					require.Equal(t, after[i]+1, evs[0].Sequence, "%s after %d: from the next event", p, after[i])
+					continue
+				}
+				next, inLog := partOf(p, after[i]+1)
+				if p == "a" || p == "b" || (p == "big" && inLog && next.events <= int64(limit)) {
+					require.False(t, inLog && next.events <= int64(limit) && after[i] < heads[p],
+						"%s after %d, limit %d: its next part (%d events from %d) is whole and small, yet not served", p, after[i], limit, next.events, next.first)
+				}
+			}
+		}
+	}
+	for _, p := range []string{"a", "b", "big", "old", "hole"} {
+		require.Positive(t, served[p], "%s was served at least once", p)
+	}
+	// Never from the frozen stream, never across the hole.
+	for _, limit := range []int{1, 1000} {
+		got := readParts(t, ctx, pool, []string{"old", "hole"}, []int64{0, 4}, limit)
+		require.Empty(t, got["old"], "the frozen stream is left to the per-project reader")
+		require.Empty(t, got["hole"], "a part that lost an event is left to the per-project reader")
+	}
+	// The large part: not with a limit below its size.
+	large := 0
+	for _, bp := range parts["big"] {
+		if bp.events > 5 {
+			require.Empty(t, readParts(t, ctx, pool, []string{"big"}, []int64{bp.first}, 5)["big"], "inside a part larger than the limit")
+			require.NotEmpty(t, readParts(t, ctx, pool, []string{"big"}, []int64{bp.first}, 1000)["big"], "the same part within the limit")
+			large++
+		}
+	}
+	require.Equal(t, 1, large, "one part of big is larger than 5")
+}
