@@ -6,10 +6,15 @@ GOBIN := $(shell $(GO) env GOPATH)/bin
 STATICCHECK := $(GOBIN)/staticcheck
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: test demo bench soak fuzz lint deps postgres pgbouncer chromium staticcheck ci-busy
+.PHONY: test demo bench soak fuzz lint deps postgres pgbouncer chromium staticcheck ci-busy schema
 
 test: deps lint
 	CI=$${CI:-false} $(GO) test -race -count=1 -timeout 25m ./...
+
+# schema.sql, the module's whole current schema for reviewers, rewritten from a throwaway database
+# migrated from empty (internal/schemadump). `make test` fails while the committed file differs.
+schema: postgres
+	CI=true $(GO) test -count=1 -run '^TestSchemaSQLIsCurrent$$' ./internal/schemadump -update
 
 demo: postgres
 	$(GO) run ./cmd/outbox-demo $(DEMO_FLAGS)

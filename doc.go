@@ -102,7 +102,9 @@
 // live feed of the SSEHandler's event stream, which browsers resume after a dropped connection
 // from the Last-Event-ID they send, every project of the stream at once.
 // Migrations are numbered, embedded and applied under an advisory lock (Migrate); VerifySchema
-// checks a database against SchemaVersion.
+// checks a database against SchemaVersion. schema.sql at the module root shows the whole schema
+// they build, in one place, for reading: `make schema` generates it from a freshly migrated
+// database, `make test` fails while it differs, and nothing applies it.
 //
 // # Poolers, tracing and config files
 //
