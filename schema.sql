@@ -604,6 +604,8 @@ CREATE FUNCTION lifecycle_outbox_read(p_project text, p_after bigint, p_limit in
     SET search_path TO 'pg_catalog', 'public', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     SET max_parallel_workers_per_gather TO '0'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -756,6 +758,8 @@ CREATE FUNCTION lifecycle_outbox_read_parts(p_projects text[], p_after bigint[],
     SET search_path TO 'pg_catalog', 'public', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     SET max_parallel_workers_per_gather TO '0'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
     AS $$
 BEGIN
     IF p_projects IS NULL OR p_after IS NULL
@@ -861,6 +865,8 @@ CREATE FUNCTION lifecycle_outbox_tick(p_channel text) RETURNS TABLE(tick_id bigi
     SET lock_timeout TO '1s'
     SET search_path TO 'pg_catalog', 'public', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE

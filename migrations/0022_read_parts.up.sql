@@ -124,6 +124,10 @@ BEGIN
                               'SET search_path = pg_catalog, %I, pg_temp', pg_catalog.current_schema());
     ALTER FUNCTION lifecycle_outbox_read_parts(text[], bigint[], integer) SET plan_cache_mode = force_generic_plan;
     ALTER FUNCTION lifecycle_outbox_read_parts(text[], bigint[], integer) SET max_parallel_workers_per_gather = 0;
+    -- As the per-project reader (0021): plans that walk indexes in order, whatever the
+    -- statistics when a session first calls it.
+    ALTER FUNCTION lifecycle_outbox_read_parts(text[], bigint[], integer) SET enable_seqscan = off;
+    ALTER FUNCTION lifecycle_outbox_read_parts(text[], bigint[], integer) SET enable_bitmapscan = off;
     REVOKE EXECUTE ON FUNCTION lifecycle_outbox_read_parts(text[], bigint[], integer) FROM PUBLIC;
     -- Whoever may call the reader may call this one.
     FOR r IN
