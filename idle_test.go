@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap/zaptest"
 
@@ -23,31 +24,8 @@ import (
 // as progress; no instance numbers or holds a project now.)
 func TestIdleConsumerScansOncePerPoll(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	cfg := fastConfig()
-	cfg.NotifyDisabled, cfg.PollInterval = true, time.Hour
-	cfg.LeaseTTL, cfg.HeartbeatInterval = time.Hour, 20*time.Minute // no heartbeat asks for a scan
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "idle", Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},
-		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{NoLocalWriter: true}), Logger: zaptest.NewLogger(t)})
-	require.NoError(t, err)
-	rests := make(chan struct{}, 1)
-	outbox.OnLoopRest(c, func() {
-		select {
-		case rests <- struct{}{}:
-		default:
-		}
-	})
-	require.NoError(t, c.Start(ctx))
-	t.Cleanup(func() { stopConsumer(t, c) })
-	atRest := func(what string) {
-		t.Helper()
-		select {
-		case <-rests:
-		case <-ctx.Done():
-			t.Fatalf("the loop never came to rest %s (%d scans)", what, c.Stats().Scans)
-		}
-	}
+	c, atRest := startPolledConsumer(t, pool, "idle", fastConfig())
 	atRest("after its first scan")
 	require.Equal(t, int64(1), c.Stats().Scans, "the first scan of an idle consumer: scans until the loop rests")
 	for poll := 1; poll <= 5; poll++ {
@@ -88,11 +66,29 @@ func TestAScanThatFoundEventsArmsNoFollowUp(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	cfg := fastConfig()
+	require.Zero(t, fastConfig().WithDefaults().FollowUpWindow, "follow-up scans are off by default")
+	c, atRest := startPolledConsumer(t, pool, "busy", fastConfig())
+	atRest("after its first scan")
+	_, err := pool.Exec(ctx, insertPendingRows, "p", "t", 5)
+	require.NoError(t, err)
+	_, err = outbox.Tick(ctx, pool)
+	require.NoError(t, err)
+	before := c.Stats().Scans
+	outbox.ScanNow(c)
+	atRest("after the scan that found events")
+	require.Equal(t, int64(5), c.Stats().Delivered, "the scan delivered the events")
+	require.Equal(t, int64(1), c.Stats().Scans-before, "scans from the one asked for until the loop rests")
+}
+
+// startPolledConsumer starts consumer id of project "p" with cfg, changed so that only asked-for
+// scans run (no notifications, an hour-long poll, no heartbeat within the test). atRest waits
+// until the loop rests with nothing armed but the poll interval.
+func startPolledConsumer(t *testing.T, pool *pgxpool.Pool, id string, cfg outbox.Config) (c *outbox.Consumer, atRest func(what string)) {
+	t.Helper()
+	ctx := ctxT(t)
 	cfg.NotifyDisabled, cfg.PollInterval = true, time.Hour
 	cfg.LeaseTTL, cfg.HeartbeatInterval = time.Hour, 20*time.Minute // no heartbeat asks for a scan
-	require.Zero(t, cfg.WithDefaults().FollowUpWindow, "follow-up scans are off by default")
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "busy", Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: outbox.ConsumerID(id), Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{NoLocalWriter: true}), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	rests := make(chan struct{}, 1)
@@ -104,7 +100,7 @@ func TestAScanThatFoundEventsArmsNoFollowUp(t *testing.T) {
 	})
 	require.NoError(t, c.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, c) })
-	atRest := func(what string) {
+	return c, func(what string) {
 		t.Helper()
 		select {
 		case <-rests:
@@ -112,14 +108,4 @@ func TestAScanThatFoundEventsArmsNoFollowUp(t *testing.T) {
 			t.Fatalf("the loop never came to rest %s (%d scans)", what, c.Stats().Scans)
 		}
 	}
-	atRest("after its first scan")
-	_, err = pool.Exec(ctx, insertPendingRows, "p", "t", 5)
-	require.NoError(t, err)
-	_, err = outbox.Tick(ctx, pool)
-	require.NoError(t, err)
-	before := c.Stats().Scans
-	outbox.ScanNow(c)
-	atRest("after the scan that found events")
-	require.Equal(t, int64(5), c.Stats().Delivered, "the scan delivered the events")
-	require.Equal(t, int64(1), c.Stats().Scans-before, "scans from the one asked for until the loop rests")
 }
