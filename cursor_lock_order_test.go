@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
@@ -102,7 +103,7 @@ func TestCursorWritesLockInProjectOrder(t *testing.T) {
 
 			_, err = probe.Exec(ctx, `SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = $1 AND project_id = 'p00' FOR NO KEY UPDATE NOWAIT`, id)
 			var pgErr *pgconn.PgError
-			require.True(t, errors.As(err, &pgErr) && pgErr.Code == "55P03",
+			require.True(t, errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable,
 				"row p00 was not locked while the statement waited for p15: it takes rows out of project order (got %v)", err)
 
 			require.NoError(t, tx.Rollback(ctx))

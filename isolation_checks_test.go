@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap/zaptest"
@@ -155,11 +156,11 @@ func TestTickerIsNotExecutableByPublic(t *testing.T) {
 	} {
 		_, err := reader.Exec(ctx, call)
 		require.Error(t, err, fn)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 		require.Contains(t, err.Error(), "permission denied for function "+fn)
 	}
 	_, err := outbox.Tick(ctx, reader)
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 }
 
 // TestConfigValidatesListenDSNWithoutEchoingIt: a ListenDSN that does not parse is refused by
@@ -200,7 +201,7 @@ func TestIdentifierChecksRefuseWhatTheyRefusedBefore(t *testing.T) {
 		for _, bad := range []string{longest + "x", ".leading-dot", "two words", "caf\u00e9", "", "tab\there"} {
 			_, err := pool.Exec(ctx, stmt, bad)
 			require.Error(t, err, "%q: %s", bad, stmt)
-			requireSQLState(t, err, "23514")
+			requireSQLState(t, err, pgerrcode.CheckViolation)
 		}
 	}
 	_, err := pool.Exec(ctx, statements[3], "*")
@@ -261,7 +262,7 @@ func TestCursorTypesWaitForRowsTheChecksRefuse(t *testing.T) {
 	require.Equal(t, "lifecycle_count", typeOf("last_acked_sequence"))
 	require.Equal(t, "lifecycle_instance", typeOf("lease_owner"))
 	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET heartbeat_at = '-infinity'`)
-	requireSQLState(t, err, "23514")
+	requireSQLState(t, err, pgerrcode.CheckViolation)
 	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = -1`)
-	requireSQLState(t, err, "23514")
+	requireSQLState(t, err, pgerrcode.CheckViolation)
 }

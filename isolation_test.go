@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -237,10 +238,10 @@ func TestComponentRolesHoldOnlyWhatTheyUse(t *testing.T) {
 			for _, mode := range []string{"ACCESS EXCLUSIVE", "EXCLUSIVE", "SHARE ROW EXCLUSIVE", "SHARE"} {
 				err := lock(pool, table, mode)
 				require.Error(t, err, "%s took %s on %s", name, mode, table)
-				requireSQLState(t, err, "42501")
+				requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 			}
 			_, err := pool.Exec(ctx, `TRUNCATE `+table)
-			requireSQLState(t, err, "42501")
+			requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 		}
 		for _, stmt := range []string{
 			`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-a'`,
@@ -263,21 +264,21 @@ func TestComponentRolesHoldOnlyWhatTheyUse(t *testing.T) {
 		} {
 			_, err := pool.Exec(ctx, stmt)
 			require.Error(t, err, "%s: %s", name, stmt)
-			requireSQLState(t, err, "42501")
+			requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 		}
 	}
 	// The writer inserts into the log, but the database sets the transaction.
 	_, err = writer.Exec(ctx, `INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version,
 		occurred_at, writer_process_id, txid) VALUES ('proj-a', 'early', now(), 'task:deleted', false, 1, now(), 'w-0000000000000000', '1')`)
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	for _, call := range []string{`SELECT * FROM lifecycle_outbox_tick(NULL)`, `SELECT lifecycle_outbox_adopt_legacy(1)`} {
 		_, err = writer.Exec(ctx, call)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	// The consumer ticks (the owner's function numbers) but inserts no event.
 	_, err = consumer.Exec(ctx, `INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version,
 		occurred_at, writer_process_id) VALUES ('proj-a', 'forged', now(), 'task:deleted', false, 1, now(), 'w-0000000000000000')`)
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	require.Equal(t, []string{"1=t-1", "2=t-2"}, numberedEvents(t, ctx, lp.owner, "proj-a"), "nothing was renumbered")
 }
 
@@ -327,18 +328,18 @@ func TestConsumerRoleMovesOnlyItsOwnCursor(t *testing.T) {
 		 VALUES ('proj-a', 'lifecycle-observation:consumer-poisoned', 'engine', 'task-deleted:t-2:2026-01-01T00:00:00.000000Z', 2, 10)`,
 	} {
 		_, err := dash.Exec(ctx, stmt)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	require.Equal(t, int64(1), cursorOf(t, lp.owner, "proj-a", "engine"))
 
 	// A consumer cannot replay its own dead letter, nor name who asked.
 	_, err = engine.Exec(ctx, `UPDATE lifecycle_consumer_deliveries SET replay_requested_by = 'oncall', replay_reason = 'FN-1' WHERE sequence = 1`)
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	_, err = engine.Exec(ctx, `UPDATE lifecycle_consumer_deliveries SET state = 'replay_requested' WHERE sequence = 1`)
 	require.Error(t, err)
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
-	require.Contains(t, []string{"42501", "23514"}, pgErr.Code, pgErr.Message)
+	require.Contains(t, []string{pgerrcode.InsufficientPrivilege, pgerrcode.CheckViolation}, pgErr.Code, pgErr.Message)
 	// The operator can, and the owning consumer's own cursor still moves.
 	_, err = outbox.NewAdmin(operator, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "proj-a",
 		ConsumerID: "engine", Sequence: 1, Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
@@ -370,7 +371,7 @@ func TestModuleTransactionsBoundTheirLockWaits(t *testing.T) {
 	admin := outbox.NewAdmin(operator, outbox.AdminOptions{LockTimeout: 100 * time.Millisecond})
 	_, err = admin.RetireConsumer(callCtx, outbox.RetireRequest{ConsumerID: "c1", Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
 	require.NoError(t, callCtx.Err(), "the call waited for the caller's deadline: %v", err)
-	requireSQLState(t, err, "55P03") // lock_not_available
+	requireSQLState(t, err, pgerrcode.LockNotAvailable)
 }
 
 // TestPoisonedProjectDoesNotStopAnother: project A holds a row numbered by hand above its head
@@ -505,7 +506,7 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 	for name, stmt := range cases {
 		_, err := lp.owner.Exec(ctx, stmt)
 		require.Error(t, err, name)
-		requireSQLState(t, err, "23514") // check_violation
+		requireSQLState(t, err, pgerrcode.CheckViolation)
 	}
 }
 

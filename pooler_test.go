@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -167,7 +168,7 @@ func TestNamedStatementsBreakBehindPgBouncer(t *testing.T) {
 	require.Error(t, err, "pgx's default mode (named prepared statements) must break behind PgBouncer 1.18")
 	var pgErr *pgconn.PgError
 	require.True(t, errors.As(err, &pgErr), "%v", err)
-	require.Equal(t, "26000", pgErr.Code, "prepared statement does not exist: %v", err)
+	require.Equal(t, pgerrcode.InvalidSQLStatementName, pgErr.Code, "prepared statement does not exist: %v", err)
 	t.Logf("cache_statement through PgBouncer: %v", err)
 	require.NoError(t, run("exec"))
 	require.NoError(t, run("simple_protocol"))

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -149,7 +150,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 
 	t.Run("no DDL and no migrations", func(t *testing.T) {
 		_, err := rtA.Exec(ctx, `CREATE TABLE sneaky (id int)`)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 		_, err = outbox.Migrate(ctx, rtA)
 		require.Error(t, err, "migrations need the owner role")
 		require.NoError(t, outbox.VerifySchema(ctx, rtA), "but the runtime role can verify the schema")
@@ -168,7 +169,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 
 	t.Run("a delete in a foreign project fails whole", func(t *testing.T) {
 		_, err := store.Delete(ctx, "proj-b", "t-1")
-		requireSQLState(t, err, "42501") // the outbox row violates the role's policy
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege) // the outbox row violates the role's policy
 		task, err := seed.Get(ctx, "proj-b", "t-1")
 		require.NoError(t, err)
 		require.Nil(t, task.DeletedAt, "the task delete rolled back with its event")
@@ -231,7 +232,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 			`SELECT * FROM lifecycle_outbox_prune('proj-b', 100, 0, interval '0', interval '1 hour')`,
 		} {
 			_, err := rtA.Exec(ctx, stmt)
-			requireSQLState(t, err, "42501")
+			requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 		}
 		require.Zero(t, pgtest.QueryInt(t, rtA, `SELECT count(*) FROM lifecycle_outbox_read('proj-b', 0, 100, NULL, NULL, NULL)`),
 			"the reader, run by A, reads nothing of B")

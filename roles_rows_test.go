@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -43,7 +44,7 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	} {
 		_, err := operator.Exec(ctx, stmt)
 		require.Error(t, err, "the operator moved the floor: %s", stmt)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	require.Zero(t, floorOf(t, lp.owner, "proj-a"))
 	// Nor through the prune function: it deletes nothing above the slowest cursor or inside
@@ -57,7 +58,7 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	require.Equal(t, []int64{4, 4}, []int64{n, maxSeq}, "pruned through the slowest cursor only")
 	require.Equal(t, int64(4), floorOf(t, lp.owner, "proj-a"), "the floor follows what was deleted")
 	_, err = operator.Exec(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 minute')`)
-	requireSQLState(t, err, "22023") // a window below the configuration's least
+	requireSQLState(t, err, pgerrcode.InvalidParameterValue) // a window below the configuration's least
 
 	_, rec := startConsumer(t, dash, "dash", []string{"proj-a"}, fastConfig(), nil)
 	evs := rec.waitCount(t, ctx, 3)
@@ -80,14 +81,14 @@ func TestPruneFunctionKeepsToTheCallersProjects(t *testing.T) {
 	ageEvents(t, ctx, lp.owner, 2*time.Hour)
 
 	_, err = operatorA.Exec(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-b', 100, 0, interval '0', interval '1 hour')`)
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	for name, pool := range map[string]*pgxpool.Pool{"writer": writer, "consumer": consumer} {
 		_, err := pool.Exec(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`)
 		require.Error(t, err, name)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 		_, err = pool.Exec(ctx, `SELECT lifecycle_outbox_prune_dead_letters(100, interval '0', interval '1 hour')`)
 		require.Error(t, err, name)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	res, err := newRetention(t, operatorA, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
 	require.NoError(t, err)
@@ -133,7 +134,7 @@ func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 	for name, stmt := range forged {
 		_, err := dash.Exec(ctx, stmt)
 		require.Error(t, err, "the consumer wrote %s", name)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	_, err := dash.Exec(ctx, audit("consumer-poisoned", "", "", 1))
 	require.NoError(t, err, "a consumer audits its own dead letter")
@@ -148,7 +149,7 @@ func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 	} {
 		_, err := dash.Exec(ctx, stmt)
 		require.Error(t, err, "the consumer wrote %s", name)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	_, err = dash.Exec(ctx, audit("consumer-replayed", "oncall", "FN-2", 1))
 	require.NoError(t, err, "a consumer audits a requested replay, naming who asked")
@@ -157,7 +158,7 @@ func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 	_, err = operator.Exec(ctx, audit("consumer-retired", "alice@corp", "FN-3", 0))
 	require.NoError(t, err)
 	_, err = operator.Exec(ctx, audit("consumer-promoted", "alice@corp", "FN-3", 0))
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	require.Equal(t, 3, pgtestQueryInt(t, lp, `SELECT count(*) FROM lifecycle_audit`))
 }
 
@@ -192,7 +193,7 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 		_, err = tx.Exec(ctx, `LOCK TABLE `+table+` IN ACCESS EXCLUSIVE MODE NOWAIT`)
 		_ = tx.Rollback(ctx)
 		require.Error(t, err, "the operator locked %s", table)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	for _, stmt := range []string{
 		`DELETE FROM lifecycle_outbox WHERE project_id = 'proj-a'`,
@@ -200,7 +201,7 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 	} {
 		_, err := operator.Exec(ctx, stmt)
 		require.Error(t, err, stmt)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 
 	ageEvents(t, ctx, lp.owner, 2*time.Hour)
@@ -238,7 +239,7 @@ func TestWriterReadsOnlyWhatItsRepeatReads(t *testing.T) {
 	} {
 		_, err := writer.Exec(ctx, stmt)
 		require.Error(t, err, "the writer read the events: %s", stmt)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	var deletedAt time.Time
 	var writerID string
@@ -380,17 +381,17 @@ func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 	} {
 		_, err := operator.Exec(ctx, stmt)
 		require.Error(t, err, stmt)
-		requireSQLState(t, err, "42501")
+		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
 	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_outbox`)
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	_, err = writer.Exec(ctx, `SELECT task_id, sequence FROM lifecycle_outbox`)
 	require.NoError(t, err, "the writer's repeat still reads what it needs")
 	// Schema 18 lets the writer of schema 16 record into the log, and read of it only its repeat.
 	deletePrefixedTasksAs(t, lp, writer, "proj-a", "u", 1)
 	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 'u-1'`))
 	_, err = writer.Exec(ctx, `SELECT event_type FROM lifecycle_event_log`)
-	requireSQLState(t, err, "42501")
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 
 	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
 	require.NoError(t, err)

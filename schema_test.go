@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
@@ -179,11 +180,11 @@ func TestDatabaseRefusesUnknownEventType(t *testing.T) {
 	for _, table := range []string{"lifecycle_event_log", "lifecycle_outbox"} {
 		_, err := pool.Exec(ctx, `INSERT INTO `+table+` (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 			VALUES ('p1', 't1', now(), 'task:archived', false, 1, now(), 'w')`)
-		requireSQLState(t, err, "22P02") // invalid_text_representation: not a value of the enum
+		requireSQLState(t, err, pgerrcode.InvalidTextRepresentation) // not a value of the enum
 
 		_, err = pool.Exec(ctx, `INSERT INTO `+table+` (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 			VALUES ('p1', 't1', now(), 'task:deleted', false, 0, now(), 'w')`)
-		requireSQLState(t, err, "23514") // check_violation
+		requireSQLState(t, err, pgerrcode.CheckViolation)
 	}
 }
 
@@ -269,7 +270,7 @@ func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 	}
 
 	_, err = rolePool.Exec(ctx, insertLogRow, "proj-b", "t2")
-	requireSQLState(t, err, "42501") // insufficient_privilege: row violates the policy
+	requireSQLState(t, err, pgerrcode.InsufficientPrivilege) // the row violates the policy
 
 	tag, err := rolePool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 99 WHERE project_id = 'proj-b'`)
 	require.NoError(t, err)

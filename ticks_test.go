@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -410,7 +411,7 @@ func TestTickRefusesRepeatableRead(t *testing.T) {
 	_, err = outbox.Tick(ctx, tx)
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
-	require.Equal(t, "25001", pgErr.Code)
+	require.Equal(t, pgerrcode.ActiveSQLTransaction, pgErr.Code)
 }
 
 // TestOneTickerIsElectedAndAnotherTakesOver: of two consumers, one is the ticker; when it

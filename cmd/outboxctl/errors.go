@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -32,9 +33,6 @@ type failure struct{ err error }
 func (e *failure) Error() string { return e.err.Error() }
 func (e *failure) Unwrap() error { return e.err }
 
-// insufficientPrivilege is SQLSTATE 42501.
-const insufficientPrivilege = "42501"
-
 // describe turns a failure into the sentence printed on stderr, with what to do next when we
 // know it.
 func (a *app) describe(err error) string {
@@ -51,7 +49,7 @@ func (a *app) describe(err error) string {
 		return msg + "; the database was migrated by a different build: find out which before changing anything"
 	case errors.Is(err, context.DeadlineExceeded):
 		return fmt.Sprintf("%s (the --timeout of %s ran out; raise it for a large database)", msg, a.timeout)
-	case errors.As(err, &pgErr) && pgErr.Code == insufficientPrivilege:
+	case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege:
 		return msg + "; this database role lacks a privilege outboxctl needs (see docs/operations.md, \"Roles and grants\")"
 	}
 	return msg

@@ -6,14 +6,12 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/spf13/cobra"
 
 	"fusion/outbox"
 )
-
-// undefinedTable is SQLSTATE 42P01: the bookkeeping table does not exist yet (version 0).
-const undefinedTable = "42P01"
 
 func migrateCommand(a *app) *cobra.Command {
 	var f changeFlags
@@ -111,7 +109,7 @@ func (a *app) runMigrate(ctx context.Context, cmd *cobra.Command, f *changeFlags
 func appliedMigrations(ctx context.Context, a *app) ([]outbox.AppliedMigration, error) {
 	applied, err := outbox.SchemaStatus(ctx, a.pool)
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == undefinedTable {
+	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
 		return nil, nil
 	}
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/fx"
 	"go.uber.org/zap"
@@ -162,7 +163,7 @@ func startRetryable(err error) bool {
 		switch {
 		case strings.HasPrefix(pgErr.Code, "08"): // connection exception
 			return true
-		case pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03": // admin shutdown, crash shutdown, cannot connect now
+		case pgErr.Code == pgerrcode.AdminShutdown, pgErr.Code == pgerrcode.CrashShutdown, pgErr.Code == pgerrcode.CannotConnectNow:
 			return true
 		}
 	}

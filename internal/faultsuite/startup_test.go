@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 )
@@ -82,10 +83,10 @@ func TestStartRetriesWhatTheScheduleCauses(t *testing.T) {
 		err   error
 		retry bool
 	}{
-		{fmt.Errorf("renew leases: %w", &pgconn.PgError{Severity: "FATAL", Code: "08P01", Message: "server login has been failing, try again later (server_login_retry)"}), true},
-		{&pgconn.PgError{Severity: "FATAL", Code: "57P01", Message: "terminating connection due to administrator command"}, true},
-		{&pgconn.PgError{Severity: "FATAL", Code: "57P03", Message: "the database system is starting up"}, true},
-		{&pgconn.PgError{Severity: "ERROR", Code: "42501", Message: "permission denied"}, false},
+		{fmt.Errorf("renew leases: %w", &pgconn.PgError{Severity: "FATAL", Code: pgerrcode.ProtocolViolation, Message: "server login has been failing, try again later (server_login_retry)"}), true},
+		{&pgconn.PgError{Severity: "FATAL", Code: pgerrcode.AdminShutdown, Message: "terminating connection due to administrator command"}, true},
+		{&pgconn.PgError{Severity: "FATAL", Code: pgerrcode.CannotConnectNow, Message: "the database system is starting up"}, true},
+		{&pgconn.PgError{Severity: "ERROR", Code: pgerrcode.InsufficientPrivilege, Message: "permission denied"}, false},
 		{errors.New("outbox: invalid config"), false},
 	} {
 		require.Equal(t, c.retry, startRetryable(c.err), "%v", c.err)

@@ -20,6 +20,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -280,7 +281,7 @@ func (s Set) Verify(ctx context.Context, db Querier) error {
 	rows, err := s.read(ctx, db)
 	if err != nil {
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
 			return fmt.Errorf("%w: no %s table (version 0, this build needs %d)", ErrBehind, s.Table, len(s.Migrations))
 		}
 		return err
