@@ -320,8 +320,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 
 // readFirst reads, in one statement, the first batch of every project of held that has events
 // to read: one read per scan rather than one per project, which walks each tick once for all of
-// them. A project whose position is inside a part (a scan stopped there) gets no batch from it
-// and reads in scanProject, continuing from its key. It leaves out the projects at their
+// them. A project it cannot serve (its next event in the frozen stream or in a part larger than
+// a batch, or a part that did not come back whole) gets no batch and reads in scanProject, from
+// its key when it has one. It leaves out the projects at their
 // head, those whose lease is gone, those about to be reconciled (by default, every project of a
 // new consumer), those whose next event waits for a retry not yet due and the read suspects;
 // with one project left, that project reads in scanProject, in a statement as cheap. When the
@@ -527,7 +528,7 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 			return nil
 		}
 		var batch []storedEvent
-		if first != nil && first.after == st.position && (len(first.events) == 0 || first.events[0].Sequence == st.position+1) {
+		if first != nil && first.after == st.position && len(first.events) > 0 && first.events[0].Sequence == st.position+1 {
 			batch = first.events
 		} else {
 			// Later batches, and a first one read before a reconciliation moved the stream.

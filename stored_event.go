@@ -25,9 +25,11 @@ const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coa
 const readEventsSQL = `SELECT ` + eventColumns + `
 FROM lifecycle_outbox_read($1::text, $2::bigint, $3::integer, $4::text::xid8, $5::timestamptz, $6::text)`
 
-// readFirstEventsSQL reads, for each project in $1 whose position in $2 (the arrays in step) ends
-// a part, the whole parts after it up to $3 events, walking each tick's transactions once for
-// all of them (migration 0022); it returns nothing for the other projects.
+// readFirstEventsSQL reads, for each project in $1 after its position in $2 (the arrays in step),
+// its parts from the one holding its next event, whole, up to $3 events past the position,
+// walking each tick's transactions once for all of them (migration 0022). It returns nothing for
+// a project whose next event is in the frozen stream or in a part of more than $3 events, or
+// whose parts do not all come back whole.
 const readFirstEventsSQL = `SELECT ` + eventColumns + `
 FROM lifecycle_outbox_read_parts($1::text[], $2::bigint[], $3::integer)`
 
@@ -73,9 +75,8 @@ type firstBatch struct {
 }
 
 // readFirstEvents reads in one statement the next events of each project (projects and after in
-// step) whose position ends one of its parts, up to limit, and returns them by project. A
-// project it has nothing for (its position inside a part, its next part larger than limit, a
-// part that did not come back whole, or nothing stored) is not in the map: it reads alone.
+// step), up to limit, and returns them by project. A project it has nothing for (see
+// readFirstEventsSQL, or nothing stored) is not in the map: it reads alone.
 // capacity is how many rows are expected in all. A row that cannot be decoded is its
 // project's, like the others.
 func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []int64, limit, capacity int) (map[string]firstBatch, error) {
