@@ -106,7 +106,8 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	st := &stats{}
 	scans := newScanRequests()
 	leases := &leaseKeeper{id: opts.ID, owner: owner, pool: opts.Pool, cfg: cfg, projects: opts.Projects,
-		metrics: opts.Metrics, log: log, stats: st, gained: scans.request, table: leaseTable{held: map[string]lease{}}}
+		metrics: opts.Metrics, log: log, stats: st, gained: scans.request, wake: scans.poke, refreshes: make(chan refreshRequest),
+		table: leaseTable{held: map[string]lease{}}}
 	loop := &scanLoop{
 		id: opts.ID, pool: opts.Pool, cfg: cfg, log: log, metrics: opts.Metrics, trace: newTracing(cfg.TracerProvider),
 		dispatch: opts.Dispatcher, leases: leases, scans: scans, stats: st, state: map[string]*streamState{},

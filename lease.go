@@ -35,6 +35,14 @@ type leaseTable struct {
 	mu     sync.Mutex
 	held   map[string]lease
 	grants uint64
+	// dropped are the leases of projects no longer observed: gone from held, so that nothing
+	// more is handed over under them, and still this instance's in the database until the loop
+	// has written their cursors and released them (releaseDropped), or the heartbeat releases
+	// them to take the project again (reclaim).
+	dropped map[string]lease
+	// releasing is closed when the loop has released the dropped leases it took; nil while it
+	// releases none.
+	releasing chan struct{}
 }
 
 func (t *leaseTable) snapshot() map[string]lease {
@@ -84,12 +92,86 @@ func (t *leaseTable) extend(project string, epoch int64, deadline time.Time) {
 	}
 }
 
+// take empties the table: every lease held or dropped, for the consumer's shutdown to release.
 func (t *leaseTable) take() map[string]lease {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	out := t.held
-	t.held = map[string]lease{}
+	for p, l := range t.dropped {
+		if _, ok := out[p]; !ok {
+			out[p] = l
+		}
+	}
+	t.held, t.dropped = map[string]lease{}, nil
 	return out
+}
+
+// drop moves the lease of project under epoch from held to dropped (unless a newer epoch
+// replaced it meanwhile) and reports whether it did.
+func (t *leaseTable) drop(project string, epoch int64) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	l, ok := t.held[project]
+	if !ok || l.epoch != epoch {
+		return false
+	}
+	delete(t.held, project)
+	if t.dropped == nil {
+		t.dropped = map[string]lease{}
+	}
+	t.dropped[project] = l
+	return true
+}
+
+// takeDropped hands the dropped leases to the loop, which releases them and then calls done.
+// Until then, releasing is set.
+func (t *leaseTable) takeDropped() (dropped map[string]lease, done func()) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.dropped) == 0 {
+		return nil, func() {}
+	}
+	dropped, t.dropped = t.dropped, nil
+	ch := make(chan struct{})
+	t.releasing = ch
+	return dropped, func() {
+		t.mu.Lock()
+		if t.releasing == ch {
+			t.releasing = nil
+		}
+		t.mu.Unlock()
+		close(ch)
+	}
+}
+
+// reclaim takes back from dropped the leases of projects observed again before the loop
+// released them, and returns them with the channel of a release the loop has in progress
+// (nil when none is).
+func (t *leaseTable) reclaim(projects []string) (reclaimed map[string]lease, releasing <-chan struct{}) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, p := range projects {
+		if l, ok := t.dropped[p]; ok {
+			if reclaimed == nil {
+				reclaimed = map[string]lease{}
+			}
+			reclaimed[p] = l
+			delete(t.dropped, p)
+		}
+	}
+	return reclaimed, t.releasing
+}
+
+// undrop puts back leases reclaim took when releasing them failed: the loop tries again.
+func (t *leaseTable) undrop(leases map[string]lease) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.dropped == nil {
+		t.dropped = map[string]lease{}
+	}
+	for p, l := range leases {
+		t.dropped[p] = l
+	}
 }
 
 const ensureCursorsSQL = `
@@ -167,6 +249,11 @@ type leaseKeeper struct {
 	log      *zap.Logger
 	stats    *stats
 	gained   func(projects ...string)
+	wake     func() // wakes the loop, which releases the dropped leases
+
+	// refreshes carries RefreshProjects's requests to the heartbeat goroutine, which serves
+	// them between its rounds.
+	refreshes chan refreshRequest
 
 	table       leaseTable
 	paused      atomic.Bool // tests freeze the heartbeat, standing in for a process stopped past its lease
@@ -319,20 +406,32 @@ func leaseArrays(held map[string]lease, keep func(string) bool) (projects []stri
 	return projects, epochs
 }
 
-// release gives up every held lease so that another process with this identity can take over
-// at once instead of waiting for expiry.
+// release gives up every held (or dropped) lease so that another process with this identity
+// can take over at once instead of waiting for expiry.
 func (k *leaseKeeper) release(ctx context.Context) {
 	held := k.table.take()
 	if len(held) == 0 {
 		return
 	}
-	projects, epochs := leaseArrays(held, nil)
-	if _, err := k.pool.Exec(ctx, releaseSQL, k.id, k.owner, projects, epochs); err != nil {
+	if err := k.releaseLeases(ctx, held); err != nil {
 		k.log.Warn("leases not released; they will expire", zap.Error(err))
 	}
 }
 
-// heartbeatLoop renews leases, follows the observed project set and retries acquisition.
+// releaseLeases gives up leases in the database, each under its epoch.
+func (k *leaseKeeper) releaseLeases(ctx context.Context, leases map[string]lease) error {
+	projects, epochs := leaseArrays(leases, nil)
+	_, err := k.pool.Exec(ctx, releaseSQL, k.id, k.owner, projects, epochs)
+	return err
+}
+
+// refreshRequest asks the heartbeat goroutine to follow the observed project set now; reply
+// (buffered) gets the outcome.
+type refreshRequest struct{ reply chan error }
+
+// heartbeatLoop renews leases, follows the observed project set and retries acquisition. It
+// also serves refresh requests, one at a time and never during a round: only this goroutine
+// changes the held set.
 func (k *leaseKeeper) heartbeatLoop(ctx context.Context) {
 	t := time.NewTicker(k.cfg.HeartbeatInterval)
 	defer t.Stop()
@@ -340,6 +439,13 @@ func (k *leaseKeeper) heartbeatLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
+		case req := <-k.refreshes:
+			err := k.follow(ctx)
+			if ctx.Err() != nil {
+				err = nil // stopping: the shutdown releases every lease, and a start reads the set again
+			}
+			req.reply <- err
+			continue
 		case <-t.C:
 		}
 		if k.paused.Load() {
@@ -349,15 +455,45 @@ func (k *leaseKeeper) heartbeatLoop(ctx context.Context) {
 	}
 }
 
-// heartbeat is one round: renew what is held, then try to take what is not.
+// refresh has the heartbeat goroutine follow the observed project set now and returns its
+// outcome. It returns nil at once when stopped is closed before the request is taken (the
+// consumer is not running), and ctx's error when ctx ends first.
+func (k *leaseKeeper) refresh(ctx context.Context, stopped <-chan struct{}) error {
+	req := refreshRequest{reply: make(chan error, 1)}
+	select {
+	case k.refreshes <- req:
+	case <-stopped:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-req.reply:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// heartbeat is one round: renew what is held, then follow the observed project set.
 func (k *leaseKeeper) heartbeat(ctx context.Context) {
 	if err := k.renew(ctx); err != nil {
 		logTransient(k.log, "heartbeat", err)
 	}
+	if err := k.follow(ctx); err != nil {
+		logTransient(k.log, "heartbeat", err)
+	}
+}
+
+// follow brings the leases in line with the observed project set: it drops the leases of
+// projects no longer observed (locally, at once: the loop hands nothing more over under them,
+// then writes their cursors and releases them) and tries to take those of observed projects
+// it does not hold (a lease held by another instance is left to a later round, which is not an
+// error). The error is the first step that failed.
+func (k *leaseKeeper) follow(ctx context.Context) error {
 	projects, err := k.observedProjects(ctx)
 	if err != nil {
-		logTransient(k.log, "heartbeat", err)
-		return
+		return err
 	}
 	held := k.table.snapshot()
 	var missing []string
@@ -368,18 +504,19 @@ func (k *leaseKeeper) heartbeat(ctx context.Context) {
 			missing = append(missing, p)
 		}
 	}
-	k.dropUnobserved(ctx, held, observed)
+	k.dropUnobserved(held, observed)
 	if len(missing) == 0 {
-		return
+		return nil
+	}
+	if err := k.reclaim(ctx, missing); err != nil {
+		return err
 	}
 	if err := k.ensureCursors(ctx, missing); err != nil {
-		logTransient(k.log, "heartbeat", err)
-		return
+		return err
 	}
 	taken, err := k.acquire(ctx, missing)
 	if err != nil {
-		logTransient(k.log, "heartbeat", err)
-		return
+		return err
 	}
 	if len(taken) > 0 {
 		k.gained(taken...)
@@ -387,6 +524,29 @@ func (k *leaseKeeper) heartbeat(ctx context.Context) {
 	if len(taken) < len(missing) {
 		k.noteRetired(ctx, missing)
 	}
+	return nil
+}
+
+// reclaim makes the leases of projects observed again before the loop released them free to
+// take: it releases them itself (their cursors keep what was acknowledged; what this instance
+// delivered beyond is suppressed when it comes again, see streamState.delivered), and waits for
+// a release the loop has in progress, which may hold some of them.
+func (k *leaseKeeper) reclaim(ctx context.Context, missing []string) error {
+	reclaimed, releasing := k.table.reclaim(missing)
+	if len(reclaimed) > 0 {
+		if err := k.releaseLeases(ctx, reclaimed); err != nil {
+			k.table.undrop(reclaimed)
+			return fmt.Errorf("release dropped leases: %w", err)
+		}
+	}
+	if releasing != nil {
+		select {
+		case <-releasing:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
 }
 
 // noteRetired logs, once per project, that an operator retired this identity while it ran:
@@ -408,18 +568,19 @@ func (k *leaseKeeper) noteRetired(ctx context.Context, projects []string) {
 	}
 }
 
-// dropUnobserved releases the leases of projects no longer observed.
-func (k *leaseKeeper) dropUnobserved(ctx context.Context, held map[string]lease, observed map[string]bool) {
+// dropUnobserved drops the leases of projects no longer observed: from now on the loop hands
+// none of their events over (the one it may be handing over already aside), and it writes
+// their cursors and releases them when it next wakes, which this asks for.
+func (k *leaseKeeper) dropUnobserved(held map[string]lease, observed map[string]bool) {
 	projects, epochs := leaseArrays(held, func(p string) bool { return !observed[p] })
 	if len(projects) == 0 {
 		return
 	}
 	for i, p := range projects {
-		k.table.lose(p, epochs[i])
+		k.table.drop(p, epochs[i])
 	}
-	if _, err := k.pool.Exec(ctx, releaseSQL, k.id, k.owner, projects, epochs); err != nil {
-		logTransient(k.log, "release unobserved", err)
-	}
+	k.wake()
+	sort.Strings(projects)
 	k.log.Info("stopped observing projects", zap.Strings("projects", projects))
 }
 

@@ -173,6 +173,15 @@ func (r *scanRequests) request(projects ...string) {
 	}
 }
 
+// poke wakes the loop without asking for a scan: for the work it does on every wake (releasing
+// dropped leases).
+func (r *scanRequests) poke() {
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
 // take returns the projects to scan and whether a full scan was asked for.
 func (r *scanRequests) take() (map[string]struct{}, bool) {
 	r.mu.Lock()

@@ -117,6 +117,7 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	busy := followUps{interval: l.cfg.FollowUpInterval, window: l.cfg.FollowUpWindow, last: map[string]time.Time{}}
 	followUp := false
 	for {
+		l.releaseDropped(ctx)
 		dirty, all := l.scans.take()
 		full = full || all
 		var failed bool
@@ -621,6 +622,31 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 		}
 	}
 	return false, nil
+}
+
+// releaseDropped writes the cursors of the streams whose projects are no longer observed
+// (leaseKeeper.dropUnobserved) and then releases their leases, so that a project observed again
+// later, here or by another instance of the identity, resumes after the last event delivered.
+// It runs on every wake of the loop, between scans: no event of theirs is out by then.
+func (l *scanLoop) releaseDropped(ctx context.Context) {
+	dropped, done := l.leases.table.takeDropped()
+	if len(dropped) == 0 {
+		return
+	}
+	defer done()
+	var acks []ack
+	for p, ls := range dropped {
+		if st := l.state[p]; st != nil && st.lease == ls.grant && st.position > st.acked {
+			acks = append(acks, ack{p, ls.epoch, st.position})
+			st.unackedSince = time.Time{}
+		}
+	}
+	l.acks.flush(ctx, acks)
+	if err := l.leases.releaseLeases(ctx, dropped); err != nil {
+		// Tried again on the next wake (or by the shutdown); they expire meanwhile.
+		l.leases.table.undrop(dropped)
+		logTransient(l.log, "release unobserved", err)
+	}
 }
 
 // errHole is a read that skipped sequences: the event at next is counted but not stored.
