@@ -601,6 +601,13 @@ func (l *scanLoop) dispatchBatch(ctx context.Context, s *session, st *streamStat
 		case Interrupted:
 			return true, nil
 		case Failed:
+			if !l.leases.valid(st.project, st.epoch) {
+				// The lease went while the event was out (its project was dropped from the
+				// observed set, say, and the listener no longer takes it): the failure is not
+				// this holder's to record. Nothing moves; the event is delivered again from the
+				// cursor under the project's next lease, with no attempt spent.
+				return true, nil
+			}
 			l.acks.flush(ctx, []ack{{st.project, st.epoch, st.position}})
 			parked, err := l.recordFailure(ctx, st, ev, class)
 			if err != nil || !parked {
