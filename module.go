@@ -38,6 +38,28 @@ func AsListener(ctor any) any {
 	return fx.Annotate(ctor, fx.As(new(Listener)), fx.ResultTags(`group:"`+ListenersGroup+`"`))
 }
 
+// ProvideProjectRuntimes provides, for a host whose project manager starts and stops
+// per-project runtimes while it runs, one *ProjectRuntimes (with the graph's logger, if any)
+// and makes it both the module's Projects seam and one of its listeners; the module gives it
+// the Outbox's RefreshProjects when it builds the Outbox. The project manager takes
+// *outbox.ProjectRuntimes and calls Add and Remove. A host that provides a ProjectRuntimes of
+// its own does the same with fx.Provide(func(p *ProjectRuntimes) outbox.Projects { return p })
+// and outbox.AsListener(func(p *ProjectRuntimes) *ProjectRuntimes { return p }).
+var ProvideProjectRuntimes = fx.Provide(
+	func(p projectRuntimesParams) *ProjectRuntimes {
+		return NewProjectRuntimes(ProjectRuntimesOptions{Logger: p.Logger})
+	},
+	func(p *ProjectRuntimes) Projects { return p },
+	AsListener(func(p *ProjectRuntimes) *ProjectRuntimes { return p }),
+)
+
+// projectRuntimesParams is what ProvideProjectRuntimes takes from the graph.
+type projectRuntimesParams struct {
+	fx.In
+
+	Logger *zap.Logger `optional:"true"`
+}
+
 // WriterParams is what the writer takes from the host's graph.
 type WriterParams struct {
 	fx.In

@@ -37,7 +37,8 @@ type Deps struct {
 	// Audit writes the module's audit rows. Defaults to TableAuditSink.
 	Audit AuditSink
 	// Projects says which projects this process observes. Without it the process observes
-	// nothing.
+	// nothing. When it is a ProjectsRefresher (ProjectRuntimes is), New gives it the Outbox's
+	// RefreshProjects.
 	Projects Projects
 	// Registerer, when set, receives the module's Prometheus metrics.
 	Registerer prometheus.Registerer
@@ -120,10 +121,14 @@ func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 		opts: ConsumerOptions{Pool: consumerPool, Config: cfg, Projects: deps.Projects, Dispatcher: dispatcher,
 			LiveTasks: deps.LiveTasks, Cache: deps.Cache, Audit: audit, Metrics: metrics, Logger: log},
 	}
-	return &Outbox{writer: writer, dispatcher: dispatcher, runner: runner, retention: retention, metrics: metrics,
+	o := &Outbox{writer: writer, dispatcher: dispatcher, runner: runner, retention: retention, metrics: metrics,
 		admin: NewAdmin(operatorPool, AdminOptions{Audit: audit, Clock: cfg.Clock, Logger: log,
 			LockTimeout: cfg.LockTimeout, StatementTimeout: cfg.StatementTimeout}),
-		disabled: cfg.Disabled}, nil
+		disabled: cfg.Disabled}
+	if r, ok := deps.Projects.(ProjectsRefresher); ok {
+		r.SetRefresher(o.RefreshProjects)
+	}
+	return o, nil
 }
 
 // Writer is the writer hook the host's delete transaction calls.
