@@ -80,14 +80,16 @@ func (a *acknowledger) await() {
 	a.apply(p.acks, p.written, p.err)
 }
 
-// flush writes acks in one fenced statement, after the one in flight.
-func (a *acknowledger) flush(ctx context.Context, acks []ack) {
+// flush writes acks in one fenced statement, after the one in flight, and returns the
+// statement's error (which apply has been told too).
+func (a *acknowledger) flush(ctx context.Context, acks []ack) error {
 	a.await()
 	if len(acks) == 0 {
-		return
+		return nil
 	}
 	written, err := a.write(ctx, acks)
 	a.apply(acks, written, err)
+	return err
 }
 
 // write runs the fenced acknowledgement statement and returns the projects it wrote.

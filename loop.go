@@ -648,10 +648,14 @@ func (l *scanLoop) releaseDropped(ctx context.Context) {
 			st.unackedSince = time.Time{}
 		}
 	}
-	l.acks.flush(ctx, acks)
-	if err := l.leases.releaseLeases(ctx, dropped); err != nil {
-		// Tried again on the next wake (or by the shutdown); they expire meanwhile.
-		l.leases.table.undrop(dropped)
+	// A write that failed is tried again on the next wake (or by the shutdown), before the
+	// release; one that matched nothing found the lease gone already.
+	err := l.acks.flush(ctx, acks)
+	if err == nil {
+		err = l.leases.releaseLeases(ctx, dropped)
+	}
+	if err != nil {
+		l.leases.table.undrop(dropped) // they expire meanwhile
 		logTransient(l.log, "release unobserved", err)
 	}
 }
