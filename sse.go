@@ -223,8 +223,8 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// The opening frame names the client's starting position (an ID with no data dispatches
 	// nothing but sets the browser's last event ID), so that a client that reconnects before
 	// its first event still resumes from here.
-	open := fmt.Appendf(nil, "retry: %d\n: observing task:deleted\n\nid: ", h.cfg.Retry.Milliseconds())
-	open = append(appendStreamID(open, c.fingerprint, c.pos), "\n\n"...)
+	open := fmt.Appendf(nil, "retry: %d\n: observing task:deleted\n\n", h.cfg.Retry.Milliseconds())
+	open = appendStreamFrame(open, StreamFrame{ID: string(appendStreamID(nil, c.fingerprint, c.pos))})
 	if !resumed && lastEventID != "" {
 		open = h.appendReset(open, c, allIndexes(len(projects)), ResetUnknownPosition)
 	}
