@@ -30,7 +30,7 @@ func (h *SSEHandler) catchUp(ctx context.Context, c *sseClient, s *sseStream) er
 			var b []byte
 			switch {
 			case reset != "":
-				b = h.appendReset(nil, c, []int{i}, reset)
+				b = h.appendReset(nil, c, c.pos, []int{i}, reset)
 			case len(frames) == 0:
 			default:
 				b = h.appendFrames(c, i, frames, fromOutbox)
@@ -107,15 +107,16 @@ func (h *SSEHandler) appendFrames(c *sseClient, i int, frames []sseFrame, fromOu
 	return b
 }
 
-// appendReset renders a reset of the projects at indexes; their positions already moved.
-func (h *SSEHandler) appendReset(b []byte, c *sseClient, indexes []int, reason string) []byte {
+// appendReset renders a reset of the projects at indexes, whose positions already moved, with
+// the ID of pos.
+func (h *SSEHandler) appendReset(b []byte, c *sseClient, pos []int64, indexes []int, reason string) []byte {
 	r := SSEReset{Reason: reason}
 	for _, i := range indexes {
 		r.Projects = append(r.Projects, c.projects[i])
 	}
 	data, _ := json.Marshal(r) // strings and a slice of strings: cannot fail
 	h.stats.resets.Add(int64(len(indexes)))
-	return appendStreamFrame(b, StreamFrame{ID: string(appendStreamID(nil, c.fingerprint, c.pos)), Type: SSEResetEvent, Data: data})
+	return appendStreamFrame(b, StreamFrame{ID: string(appendStreamID(nil, c.fingerprint, pos)), Type: SSEResetEvent, Data: data})
 }
 
 func allIndexes(n int) []int {
