@@ -30,7 +30,7 @@ func TestSSEOpeningMovesOnlyWhatWasSent(t *testing.T) {
 	url := srv.URL + "?project=p,q,r"
 	probe, _ := openStream(t, ctx, url, "")
 	fp := strings.Split(probe.position(t, ctx), ".")[1] // the handler has seen 5 of each
-	seedMore(t, pool, "p", "more", 5)                    // the outbox is at 10 in p
+	seedMore(t, pool, "p", "more", 5)                   // the outbox is at 10 in p
 
 	// p at 8: beyond the handler's newest, checked with the one read the budget allows, kept.
 	// q at 20 ("k"): beyond the head too, left unchecked: unknown_position. r at 2: its replay
