@@ -38,7 +38,7 @@ func TestStreamClientStopsWhenRefusedForGood(t *testing.T) {
 		_, _ = io.WriteString(w, "<html>a login page</html>")
 	})
 	srv := httptest.NewServer(mux)
-	t.Cleanup(srv.Close) // after the clients stop (cleanups run last first): it waits for their requests
+	t.Cleanup(srv.Close)               // after the clients stop (cleanups run last first): it waits for their requests
 	clock := outboxtest.NewFakeClock() // never advanced: a backoff would hang the test
 	for _, tc := range []struct {
 		path, token, want string
