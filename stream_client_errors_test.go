@@ -38,7 +38,8 @@ func TestStreamClientStopsWhenRefusedForGood(t *testing.T) {
 		_, _ = io.WriteString(w, "<html>a login page</html>")
 	})
 	srv := httptest.NewServer(mux)
-	t.Cleanup(srv.Close)               // after the clients stop (cleanups run last first): it waits for their requests
+	// After the clients stop (cleanups run last first): Close waits for their requests.
+	t.Cleanup(srv.Close)
 	clock := outboxtest.NewFakeClock() // never advanced: a backoff would hang the test
 	for _, tc := range []struct {
 		path, token, want string
@@ -103,7 +104,8 @@ func TestStreamClientBacksOffOnItsClock(t *testing.T) {
 		}
 		sse.ServeHTTP(w, r)
 	}))
-	t.Cleanup(srv.Close) // after the clients stop (cleanups run last first): it waits for their requests
+	// After the clients stop (cleanups run last first): Close waits for their requests.
+	t.Cleanup(srv.Close)
 	clock := outboxtest.NewFakeClock()
 	positions := outbox.FilePositions(filepath.Join(t.TempDir(), "position"))
 	require.NoError(t, positions.Save(ctx, streamPos([]string{"p"}, 0)))
@@ -166,7 +168,8 @@ func TestStreamClientPassesWhatItCannotDecode(t *testing.T) {
 		w.(http.Flusher).Flush()
 		<-r.Context().Done()
 	}))
-	t.Cleanup(srv.Close) // after the clients stop (cleanups run last first): it waits for their requests
+	// After the clients stop (cleanups run last first): Close waits for their requests.
+	t.Cleanup(srv.Close)
 	core, logs := observer.New(zap.DebugLevel)
 	positions := outbox.FilePositions(filepath.Join(t.TempDir(), "position"))
 	rec := newStreamRecorder()
@@ -195,7 +198,8 @@ func TestStreamClientDropsAnIdleConnection(t *testing.T) {
 		w.(http.Flusher).Flush()
 		<-r.Context().Done() // then silence
 	}))
-	t.Cleanup(srv.Close) // after the clients stop (cleanups run last first): it waits for their requests
+	// After the clients stop (cleanups run last first): Close waits for their requests.
+	t.Cleanup(srv.Close)
 	c, _ := runClient(t, ctx, quick(outbox.StreamClientOptions{URL: srv.URL, IdleTimeout: 20 * time.Millisecond,
 		Positions: outbox.FilePositions(filepath.Join(t.TempDir(), "position"))}), newStreamRecorder())
 	for calls.Load() < 3 {
