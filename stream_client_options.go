@@ -38,7 +38,8 @@ type StreamClientOptions struct {
 	// the handler spends is not counted. Defaults to 1m; 10ms to 1h.
 	IdleTimeout time.Duration
 	// Clock times the backoff. Defaults to RealClock; tests pass a fake one.
-	Clock  Clock
+	Clock Clock
+	// Logger logs reconnects, refusals and passed frames (never a payload). Defaults to none.
 	Logger *zap.Logger
 }
 
