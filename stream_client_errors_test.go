@@ -129,6 +129,7 @@ func TestStreamClientBacksOffOnItsClock(t *testing.T) {
 	waitBackoff(3, 7*time.Second, 7*time.Second)   // Retry-After, longer than the 2s to 4s step
 	waitBackoff(4, 10*time.Second, 10*time.Second) // Retry-After cut to MaxBackoff, longer than the 4s to 8s step
 	rec.waitEvents(t, ctx, map[string]int{"p": 3})
+	waitSaved(t, ctx, positions, streamPos([]string{"p"}, 3)) // saved after the count
 	require.Equal(t, outbox.StreamClientStats{Connects: 1, Events: 3, Errors: 4}, c.Stats())
 
 	// The stream ends (its handler shuts down): the connection made progress, so the backoff
