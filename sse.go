@@ -222,15 +222,31 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	// The opening frame names the client's starting position (an ID with no data dispatches
 	// nothing but sets the browser's last event ID), so that a client that reconnects before
-	// its first event still resumes from here.
-	open := fmt.Appendf(nil, "retry: %d\n: observing task:deleted\n\nid: ", h.cfg.Retry.Milliseconds())
-	open = append(appendStreamID(open, c.fingerprint, c.pos), "\n\n"...)
+	// its first event still resumes from here. Each ID of the opening moves only what the
+	// client has been sent up to it: the opening frame keeps the resumed position of every
+	// project about to be reset, and each reset frame moves its own projects. A client that
+	// keeps each ID once it has handled its frame (a StreamClient, or a browser whose
+	// connection drops in between) and stops between them is then reset again when it comes
+	// back, rather than resuming past a reset it never saw. An ID that is not this stream's
+	// holds no position to keep: the reset of every project is the opening frame.
+	open := fmt.Appendf(nil, "retry: %d\n: observing task:deleted\n\n", h.cfg.Retry.Milliseconds())
 	if !resumed && lastEventID != "" {
-		open = h.appendReset(open, c, allIndexes(len(projects)), ResetUnknownPosition)
-	}
-	for _, reason := range []string{ResetUnknownPosition, ResetReplayBudget} {
-		if len(resets[reason]) > 0 {
-			open = h.appendReset(open, c, resets[reason], reason)
+		open = h.appendReset(open, c, c.pos, allIndexes(len(projects)), ResetUnknownPosition)
+	} else {
+		shown := slices.Clone(c.pos)
+		for _, indexes := range resets {
+			for _, i := range indexes {
+				shown[i] = from[i]
+			}
+		}
+		open = appendStreamFrame(open, StreamFrame{ID: string(appendStreamID(nil, c.fingerprint, shown))})
+		for _, reason := range []string{ResetUnknownPosition, ResetReplayBudget} {
+			for _, i := range resets[reason] {
+				shown[i] = c.pos[i]
+			}
+			if len(resets[reason]) > 0 {
+				open = h.appendReset(open, c, shown, resets[reason], reason)
+			}
 		}
 	}
 	if s.send(open) != nil {

@@ -30,7 +30,7 @@ func (h *SSEHandler) catchUp(ctx context.Context, c *sseClient, s *sseStream) er
 			var b []byte
 			switch {
 			case reset != "":
-				b = h.appendReset(nil, c, []int{i}, reset)
+				b = h.appendReset(nil, c, c.pos, []int{i}, reset)
 			case len(frames) == 0:
 			default:
 				b = h.appendFrames(c, i, frames, fromOutbox)
@@ -83,28 +83,21 @@ func (h *SSEHandler) next(ctx context.Context, c *sseClient, i int) (frames []ss
 // appendFrames renders frames of project i, each with the ID of the position it leaves the
 // client at, and moves the client's position.
 func (h *SSEHandler) appendFrames(c *sseClient, i int, frames []sseFrame, fromOutbox bool) []byte {
-	var b []byte
+	var b, id []byte
 	replayed := 0
 	for _, f := range frames {
 		c.pos[i] = f.seq
+		id = appendStreamID(id[:0], c.fingerprint, c.pos)
 		if f.data == nil {
-			// A row that cannot be delivered: only the position moves. An ID-only block sets
+			// A row that cannot be delivered: only the position moves. An ID-only frame sets
 			// the browser's Last-Event-ID without dispatching an event.
-			b = append(b, "id: "...)
-			b = appendStreamID(b, c.fingerprint, c.pos)
-			b = append(b, "\n\n"...)
+			b = appendStreamFrame(b, StreamFrame{ID: string(id)})
 			continue
 		}
 		if f.seq <= c.replayTo[i] {
 			replayed++
 		}
-		b = append(b, "id: "...)
-		b = appendStreamID(b, c.fingerprint, c.pos)
-		b = append(b, "\nevent: "...)
-		b = append(b, EventTypeTaskDeleted...)
-		b = append(b, "\ndata: "...)
-		b = append(b, f.data...)
-		b = append(b, "\n\n"...)
+		b = appendStreamFrame(b, StreamFrame{ID: string(id), Type: EventTypeTaskDeleted, Data: f.data})
 	}
 	if fromOutbox {
 		h.stats.replayedOutbox.Add(int64(replayed))
@@ -114,19 +107,16 @@ func (h *SSEHandler) appendFrames(c *sseClient, i int, frames []sseFrame, fromOu
 	return b
 }
 
-// appendReset renders a reset of the projects at indexes; their positions already moved.
-func (h *SSEHandler) appendReset(b []byte, c *sseClient, indexes []int, reason string) []byte {
+// appendReset renders a reset of the projects at indexes, whose positions already moved, with
+// the ID of pos.
+func (h *SSEHandler) appendReset(b []byte, c *sseClient, pos []int64, indexes []int, reason string) []byte {
 	r := SSEReset{Reason: reason}
 	for _, i := range indexes {
 		r.Projects = append(r.Projects, c.projects[i])
 	}
 	data, _ := json.Marshal(r) // strings and a slice of strings: cannot fail
 	h.stats.resets.Add(int64(len(indexes)))
-	b = append(b, "id: "...)
-	b = appendStreamID(b, c.fingerprint, c.pos)
-	b = append(b, "\nevent: "+SSEResetEvent+"\ndata: "...)
-	b = append(b, data...)
-	return append(b, "\n\n"...)
+	return appendStreamFrame(b, StreamFrame{ID: string(appendStreamID(nil, c.fingerprint, pos)), Type: SSEResetEvent, Data: data})
 }
 
 func allIndexes(n int) []int {
