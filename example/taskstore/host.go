@@ -29,6 +29,11 @@ type HostConfig struct {
 	// HTTPAddr serves /events (SSE), /ops/ (the operations page), /metrics and /healthz when
 	// set, e.g. "127.0.0.1:8080".
 	HTTPAddr string
+	// ChildSocket, when set, serves the event stream at /events on a unix socket at this path
+	// that only this OS user can open, for the host's child workers: each follows it with
+	// outbox.StreamClient and resumes from the position it keeps itself (see the README's
+	// "Following a stream"). The socket file is replaced when stale and removed at stop.
+	ChildSocket string
 	// SSE configures the event stream at /events: its limits, its Authorize hook. The host
 	// fills in the pool, the projects (Projects above, unless set) and the logger.
 	SSE outbox.SSEOptions
@@ -74,6 +79,7 @@ var Module = fx.Module("taskstore",
 	fx.Invoke(
 		func(*SelfHealing) {},
 		serveHTTP,
+		serveChildren,
 	),
 )
 
@@ -200,4 +206,37 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, admin *out
 		},
 	})
 	return nil
+}
+
+// serveChildren serves the event stream to child workers on ChildSocket when it is set. The
+// children get what the browsers get: the same frames, positions and resets, so a child
+// that restarts, or outlives a restart of this process, resumes with its last position. A
+// slow child costs this process what a slow browser does: a bounded write, then it
+// reconnects and replays.
+func serveChildren(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, log *zap.Logger) {
+	if c.ChildSocket == "" {
+		return
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/events", sse)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 64 << 10}
+	lc.Append(fx.Hook{
+		OnStart: func(context.Context) error {
+			ln, err := outbox.ListenUnix(c.ChildSocket)
+			if err != nil {
+				return fmt.Errorf("child socket: %w", err)
+			}
+			go func() {
+				if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+					log.Error("child socket server stopped", zap.Error(err))
+				}
+			}()
+			log.Info("serving /events to child workers", zap.String("socket", c.ChildSocket))
+			return nil
+		},
+		OnStop: func(ctx context.Context) error {
+			srv.RegisterOnShutdown(sse.Close)
+			return srv.Shutdown(ctx)
+		},
+	})
 }
