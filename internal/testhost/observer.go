@@ -35,7 +35,9 @@ type ApplyOptions struct {
 }
 
 // ApplyRecord is one line of the log: kind is applied, duplicate, fence-refused or
-// fence-violated (the observer's try at a writer-owned side effect, which must be refused).
+// fence-violated (the observer's try at a writer-owned side effect, which must be refused),
+// or reset (a child worker was told to refetch Project: the stream could not tell it
+// everything; the project's next event starts afresh).
 type ApplyRecord struct {
 	Kind     string `json:"kind"`
 	EventID  string `json:"eventId"`
@@ -124,6 +126,20 @@ func (l *ApplyLog) HandleObserved(ctx context.Context, ev outbox.ObservedEvent) 
 		l.seen[ev.EventID] = true
 		if l.applied++; l.opts.Progress && l.applied%100 == 0 {
 			fmt.Printf("applied %d\n", l.applied)
+		}
+	}
+	return nil
+}
+
+// HandleReset implements outbox.StreamHandler for a child worker: it records the reset of
+// each project, after which the worker would refetch the project's state.
+func (l *ApplyLog) HandleReset(_ context.Context, r outbox.SSEReset) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, p := range r.Projects {
+		b, _ := json.Marshal(ApplyRecord{Kind: "reset", Project: p})
+		if _, err := l.f.Write(append(b, '\n')); err != nil {
+			return fmt.Errorf("append apply log: %w", err)
 		}
 	}
 	return nil
