@@ -170,7 +170,7 @@ func (p *proc) checkAlive(t *testing.T) {
 }
 
 type counts struct {
-	kills, terminations, restarts, freezes, pgRestarts, openTxs, sweeps int
+	kills, terminations, restarts, freezes, pgRestarts, openTxs, sweeps, childKills int
 }
 
 func TestFaultSuite(t *testing.T) {
@@ -254,11 +254,17 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 			Name: spec.name, DSN: childDSN, ListenDSN: listenDSN, Pooled: pooled, Scope: identities[spec.identity], Projects: projects,
 			Log: filepath.Join(dir, spec.name+".log"), Failing: spec.failing}})
 	}
-	for _, p := range append(append([]*proc(nil), observers...), writers...) {
+	// A child worker of obs-b1, fed over obs-b1's unix socket: the schedule kills and restarts
+	// it, and kills obs-b1 under it.
+	worker := &proc{name: "worker-b1", role: "child", args: roleArgs{Name: "worker-b1", Socket: filepath.Join(dir, "b1.sock"),
+		Positions: filepath.Join(dir, "worker-b1.pos"), Log: filepath.Join(dir, "worker-b1.log")}}
+	observers[2].args.ChildSocket = worker.args.Socket
+	everyone := func() []*proc { return append(append([]*proc{worker}, observers...), writers...) }
+	for _, p := range append(append(append([]*proc(nil), observers...), worker), writers...) {
 		p.start(t)
 	}
 	t.Cleanup(func() {
-		for _, p := range append(append([]*proc(nil), observers...), writers...) {
+		for _, p := range everyone() {
 			p.signal(syscall.SIGCONT)
 			p.signal(syscall.SIGKILL)
 		}
@@ -288,6 +294,18 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 			sleepRand(rng, 100, 1500)
 			p.start(t)
 			c.restarts++
+		case "kill-parent": // obs-b1 under its live worker, which reconnects to the new process
+			p := observers[2]
+			p.kill(t)
+			c.kills++
+			sleepRand(rng, 100, 1500)
+			p.start(t)
+			c.restarts++
+		case "kill-child": // the worker, SIGKILLed mid-stream, then restarted
+			worker.kill(t)
+			c.childKills++
+			sleepRand(rng, 100, 1500)
+			worker.start(t)
 		case "terminate": // an observer's backends, its LISTEN connection among them
 			p := observers[rng.IntN(len(observers))]
 			var n int
@@ -341,12 +359,12 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 	}
 	begin := time.Now()
 	mandatory := map[string]time.Duration{}
-	for _, kind := range []string{"kill-observer", "kill-writer", "terminate", "freeze", "pg-restart", "open-tx", "sweep", "retire"} {
+	for _, kind := range []string{"kill-observer", "kill-writer", "kill-parent", "kill-child", "terminate", "freeze", "pg-restart", "open-tx", "sweep", "retire"} {
 		mandatory[kind] = duration/10 + time.Duration(rng.Int64N(int64(duration*7/10)))
 	}
-	random := []string{"kill-observer", "kill-observer", "kill-writer", "terminate", "terminate", "freeze", "sweep", "sweep", "open-tx", "pg-restart"}
+	random := []string{"kill-observer", "kill-observer", "kill-writer", "kill-child", "terminate", "terminate", "freeze", "sweep", "sweep", "open-tx", "pg-restart"}
 	for time.Since(begin) < duration {
-		for _, p := range append(append([]*proc(nil), observers...), writers...) {
+		for _, p := range everyone() {
 			p.checkAlive(t)
 		}
 		require.NoError(t, inv.sampleCursors(ctx))
@@ -368,7 +386,7 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 	}
 
 	// Calm: the writers stop, every process runs, every live identity catches up.
-	for _, p := range append(append([]*proc(nil), observers...), writers...) {
+	for _, p := range everyone() {
 		p.signal(syscall.SIGCONT)
 		p.checkAlive(t)
 	}
@@ -381,6 +399,8 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 		live = append(live, "obs-c")
 	}
 	require.NoError(t, waitCaughtUp(ctx, pool, live, len(projects)))
+	require.NoError(t, waitWorkerCaughtUp(ctx, pool, worker.args.Positions, "obs-b", projects))
+	worker.stop(t)
 	for _, p := range observers {
 		if !retired[p.args.Scope] {
 			p.stop(t)
@@ -389,10 +409,17 @@ func runFaultSuite(t *testing.T, duration time.Duration, pooled bool) {
 	require.NoError(t, inv.sampleCursors(ctx))
 
 	sum := inv.verify(ctx, t, observers, live, failing, retired)
+	ws, err := readWorkerLog(worker.args.Log)
+	require.NoError(t, err)
 	fmt.Printf("faultsuite: seed=%d duration=%s written=%d observed=%s kills=%d restarts=%d terminations=%d freezes=%d pg_restarts=%d open_txs=%d sweeps=%d pruned=%d parked=%d duplicates_suppressed=%d lost=%d\n",
 		seed, duration, sum.written, sum.observed, c.kills, c.restarts, c.terminations, c.freezes, c.pgRestarts, c.openTxs, c.sweeps,
 		sum.pruned, sum.parked, sum.duplicates, sum.lost)
+	fmt.Printf("faultsuite: worker-b1 (child of obs-b1 over its unix socket) kills=%d applied=%d redelivered=%d resets=%d gaps_without_reset=%d fence_violations=%d\n",
+		c.childKills, ws.applied, ws.redelivered, ws.resets, ws.gaps, ws.fenceViolations)
 	require.Zero(t, sum.lost, "deletions lost")
+	require.Zero(t, ws.gaps, "the child worker skipped events without a reset")
+	require.Zero(t, ws.fenceViolations, "the child worker performed a writer-owned side effect")
+	require.Positive(t, ws.applied, "the child worker applied nothing")
 }
 
 func sleepRand(rng *rand.Rand, minMs, maxMs int) {

@@ -40,6 +40,12 @@ type roleArgs struct {
 	// Through PgBouncer: DSN goes through it, ListenDSN (observers) straight to PostgreSQL.
 	Pooled    bool   `json:"pooled,omitempty"`
 	ListenDSN string `json:"listenDsn,omitempty"`
+	// ChildSocket (observers) serves the observer's event stream to child workers there;
+	// Socket and Positions (child workers) are the parent's socket and the file that keeps
+	// the worker's position.
+	ChildSocket string `json:"childSocket,omitempty"`
+	Socket      string `json:"socket,omitempty"`
+	Positions   string `json:"positions,omitempty"`
 }
 
 // faultConfig is the deployment config of every child: short leases and a short backoff so
@@ -79,6 +85,8 @@ func runRole(role string) int {
 		err = runWriter(ctx, args, log)
 	case "observer":
 		err = runObserver(ctx, args, log)
+	case "child":
+		err = runChildWorker(ctx, args, log)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}
@@ -112,7 +120,7 @@ func hostConfig(a roleArgs) testhost.HostConfig {
 		cfg.ListenDSN = withAppName(a.ListenDSN, a.Name)
 	}
 	return testhost.HostConfig{DSN: withAppName(a.DSN, a.Name), Projects: a.Projects, SettingsScope: a.Scope,
-		Actor: a.Name, Outbox: cfg, SweepInterval: time.Hour}
+		Actor: a.Name, Outbox: cfg, SweepInterval: time.Hour, ChildSocket: a.ChildSocket}
 }
 
 // errStoppedStarting means the child was told to stop while it was starting: a clean exit.
@@ -269,6 +277,18 @@ func runObserver(ctx context.Context, a roleArgs, log *zap.Logger) error {
 	<-ctx.Done()
 	close(done)
 	return stopApp(app)
+}
+
+// runChildWorker follows its parent observer's stream over the parent's unix socket, applying
+// each event to its log, until it is told to stop.
+func runChildWorker(ctx context.Context, a roleArgs, log *zap.Logger) error {
+	al, err := testhost.OpenApplyLog(testhost.ApplyOptions{Path: a.Log})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = al.Close() }()
+	return testhost.RunWorker(ctx, testhost.WorkerOptions{Socket: a.Socket, Positions: a.Positions, Log: al,
+		Logger: log.With(zap.String("process", a.Name)), Ready: func() { fmt.Println("ready") }})
 }
 
 // shuffle is deterministic for a seed.
