@@ -58,6 +58,9 @@ func runChild(args []string) error {
 	fixed := fs.String("fixed", "", "observer: marker file that means the failing listener was fixed")
 	count := fs.Int("count", 300, "writer: tasks to delete per project")
 	rate := fs.Float64("rate", 20, "writer: deletes per second")
+	childSocket := fs.String("child-socket", "", "observer: serve the event stream to child workers on this unix socket")
+	socket := fs.String("socket", "", "worker: the parent's child socket")
+	positions := fs.String("positions", "", "worker: the file that keeps the worker's position")
 	if err := fs.Parse(args[1:]); err != nil {
 		return err
 	}
@@ -67,7 +70,7 @@ func runChild(args []string) error {
 	}
 	defer func() { _ = log.Sync() }()
 	host := testhost.HostConfig{DSN: *dsn, Projects: strings.Split(*projects, ","), SettingsScope: *scope,
-		HTTPAddr: *httpAddr, Actor: args[0] + ":" + *scope, Outbox: demoOutbox(),
+		HTTPAddr: *httpAddr, ChildSocket: *childSocket, Actor: args[0] + ":" + *scope, Outbox: demoOutbox(),
 		SSE: outbox.SSEOptions{Retry: 500 * time.Millisecond}, OpsAuthorize: loopbackOnly}
 
 	switch args[0] {
@@ -80,6 +83,14 @@ func runChild(args []string) error {
 		}
 		defer func() { _ = al.Close() }()
 		return runObserver(ctx, host, log, al)
+	case "worker":
+		al, err := testhost.OpenApplyLog(testhost.ApplyOptions{Path: *applied, Progress: true})
+		if err != nil {
+			return err
+		}
+		defer func() { _ = al.Close() }()
+		return testhost.RunWorker(ctx, testhost.WorkerOptions{Socket: *socket, Positions: *positions, Log: al, Logger: log,
+			Ready: func() { fmt.Printf("ready: following the parent's stream on %s\n", *socket) }})
 	}
 	return fmt.Errorf("child: unknown role %q", args[0])
 }

@@ -108,11 +108,36 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 		defer cancel()
 		return c.waitReady(readyCtx)
 	}
+	socket := filepath.Join(dir, "engine-eu.sock")
+	observers[1].extra = append(observers[1].extra, "-child-socket", socket)
 	for _, o := range observers {
 		if err := startObserver(o); err != nil {
 			return 1, err
 		}
 	}
+	// engine-eu's child worker: no database, no identity; its parent feeds it over a unix
+	// socket and it keeps its own position in a file.
+	worker := &observerSpec{name: "worker-eu", consumer: "engine-eu/worker", logPath: filepath.Join(dir, "worker-eu.applied.jsonl")}
+	startWorker := func() error {
+		c, err := startChild(worker.name, dir, "worker", "-socket", socket, "-positions", filepath.Join(dir, "worker-eu.pos"),
+			"-applied-log", worker.logPath)
+		if err != nil {
+			return err
+		}
+		worker.proc = c
+		readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		return c.waitReady(readyCtx)
+	}
+	if err := startWorker(); err != nil {
+		return 1, err
+	}
+	say("engine-eu serves its stream to a child worker over %s (a socket only this user can open)", socket)
+	defer func() {
+		if worker.proc != nil && worker.proc.cmd.ProcessState == nil {
+			worker.proc.kill()
+		}
+	}()
 	defer func() {
 		for _, o := range observers {
 			if o.proc != nil && o.proc.cmd.ProcessState == nil {
@@ -121,12 +146,12 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 		}
 	}()
 
-	seen := &streamSeen{}
+	seen := newStreamSeen()
 	sseCtx, stopSSE := context.WithCancel(ctx)
 	defer stopSSE()
-	sseDone := make(chan struct{})
-	go func() { defer close(sseDone); sseClient(sseCtx, "http://"+addr+"/events", seen) }()
-	say("a browser-style client follows http://%s/events (server-sent events; it resumes with Last-Event-ID)", addr)
+	sseDone := make(chan error, 1)
+	go func() { sseDone <- followStream(sseCtx, "http://"+addr+"/events", filepath.Join(dir, "viewer.pos"), seen) }()
+	say("a remote viewer follows http://%s/events with outbox.StreamClient (server-sent events; it resumes with Last-Event-ID)", addr)
 	say("operations page: http://%s/ops/ (served by the dashboard while the demo runs; its buttons work from this machine only)", addr)
 
 	writer, err := startChild("writer", dir, "writer", "-dsn", dsn, "-scope", "writer-node",
@@ -159,6 +184,21 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	if err := startObserver(observers[0]); err != nil {
 		return 1, err
 	}
+
+	// Fault: kill engine-eu's child worker mid-stream and start it again; it resumes from the
+	// position it saved.
+	if err := waitFor(ctx, 60*time.Second, "the worker to get halfway", func() (bool, error) {
+		r, err := readAppliedLog(worker.logPath)
+		return len(r.applied) >= tasksPerProject*len(projects)/2, err
+	}); err != nil {
+		return 1, err
+	}
+	say("SIGKILL engine-eu's child worker (pid %d)", worker.proc.cmd.Process.Pid)
+	worker.proc.kill()
+	if err := startWorker(); err != nil {
+		return 1, err
+	}
+	say("restarted the worker: it reconnects to engine-eu with its saved position")
 
 	if err := waitFor(ctx, 90*time.Second, "the poison event to be parked", func() (bool, error) {
 		dl, err := admin.DeadLetters(ctx, outbox.StatusFilter{ConsumerID: "engine-eu"})
@@ -202,6 +242,12 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	}); err != nil {
 		return 1, err
 	}
+	if err := waitFor(ctx, 30*time.Second, "the child worker to apply every deletion", func() (bool, error) {
+		r, err := readAppliedLog(worker.logPath)
+		return len(r.applied) >= tasksPerProject*len(projects), err
+	}); err != nil {
+		say("%v", err)
+	}
 	if err := waitFor(ctx, 10*time.Second, "the event-stream client to see every deletion", func() (bool, error) {
 		n, _, _, _, _ := seen.snapshot()
 		return n >= tasksPerProject*len(projects), nil
@@ -217,9 +263,11 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 		}
 	}
 	stopSSE()
-	<-sseDone
+	if err := <-sseDone; err != nil {
+		return 1, fmt.Errorf("remote viewer: %w", err)
+	}
 	printMetrics(ctx, "http://"+addr+"/metrics", observers[0])
-	for _, o := range observers {
+	for _, o := range append([]*observerSpec{worker}, observers...) {
 		stopCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
 		err := o.proc.stop(stopCtx)
 		cancel()
@@ -227,7 +275,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 			return 1, fmt.Errorf("stop %s: %w", o.name, err)
 		}
 	}
-	return report(ctx, pool, admin, observers, seen, time.Since(started))
+	return report(ctx, pool, admin, append(observers, worker), seen, time.Since(started))
 }
 
 func createDatabase(ctx context.Context, adminDSN, name string) error {
@@ -350,7 +398,7 @@ func report(ctx context.Context, pool *pgxpool.Pool, admin *outbox.Admin, observ
 	_ = tw.Flush()
 	streamed, dups, gaps, resets, conns := seen.snapshot()
 	fmt.Printf("\nrun-audit rows written by observers: %d (poisoned + replayed)\n", audits)
-	fmt.Printf("event stream: the client saw %d deletions over %d connections (it resumed across the dashboard's SIGKILL): duplicates %d, gaps %d, resets %d\n",
+	fmt.Printf("event stream: the remote viewer saw %d deletions over %d connections (it resumed across the dashboard's SIGKILL): duplicates %d, gaps %d, resets %d\n",
 		streamed, conns, dups, gaps, resets)
 	fmt.Printf("demo: written=%d observed=%s lost=%d (%s)\n", len(written), strings.Join(observed, ","), lostTotal, elapsed.Round(time.Second))
 	if lostTotal > 0 {

@@ -1,21 +1,21 @@
 // Command outbox-demo is the module's main job, run by `make demo`. On a throwaway PostgreSQL
-// it runs real OS processes: a writer deleting tasks in two projects and two observers with
-// persisted identities (one serving the SSE stream). Mid-stream it SIGKILLs an observer and
-// restarts it, and one observer's listener fails on one event until the event is parked as a
-// dead letter; the demo then "fixes" the listener and replays it. At the end it checks, from
-// the database and from each observer's own log, that every deletion was observed, and prints
-// a summary. It exits non-zero if anything was lost.
+// it runs real OS processes: a writer deleting tasks in two projects, and two observers with
+// persisted identities on two nodes: a dashboard serving the event stream over HTTP, which a
+// remote viewer follows with the module's stream client, and an engine feeding a child worker
+// over a unix socket. Mid-stream it SIGKILLs the dashboard and the child worker and restarts
+// them, and the engine's listener fails on one event until the event is parked as a dead
+// letter; the demo then "fixes" the listener and replays it. At the end it checks, from the
+// database and from each observer's and the worker's own log, that every deletion was
+// observed, and prints a summary. It exits non-zero if anything was lost.
 package main
 
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -138,110 +138,76 @@ func freePort() (string, error) {
 	return ln.Addr().String(), nil
 }
 
-// streamSeen is what the demo's browser-style client saw on the dashboard's event stream.
+// streamSeen is what the demo's remote viewer saw on the dashboard's event stream.
 type streamSeen struct {
 	mu          sync.Mutex
 	events      int
 	duplicates  int
 	gaps        int64
 	resets      int
-	connections int
+	connections func() int64
 	last        map[string]int64 // per project: the last sequence seen
 	afterReset  map[string]bool  // the next event of the project starts afresh
+}
+
+func newStreamSeen() *streamSeen {
+	return &streamSeen{last: map[string]int64{}, afterReset: map[string]bool{}, connections: func() int64 { return 0 }}
 }
 
 func (s *streamSeen) snapshot() (events, duplicates int, gaps int64, resets, connections int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.events, s.duplicates, s.gaps, s.resets, s.connections
+	return s.events, s.duplicates, s.gaps, s.resets, int(s.connections())
 }
 
-// sseClient follows the dashboard's event stream as a browser's EventSource does: when the
-// stream ends (the dashboard was killed) it reconnects, sending the last event ID it saw, and
-// the stream resumes where it left off. It checks every project's sequence for duplicates and
-// gaps.
-func sseClient(ctx context.Context, url string, seen *streamSeen) {
+// followStream follows the dashboard's event stream over HTTP with the module's client, as a
+// node that needs no cursor of its own would (a viewer): when the stream ends (the dashboard
+// was killed) the client reconnects with the last position it handled, backing off, and the
+// stream resumes where it left off. The viewer checks every project's sequence for duplicates
+// and gaps.
+func followStream(ctx context.Context, url, positions string, seen *streamSeen) error {
+	c, err := outbox.NewStreamClient(outbox.StreamClientOptions{URL: url, Positions: outbox.FilePositions(positions),
+		MinBackoff: 100 * time.Millisecond, MaxBackoff: time.Second}, seen)
+	if err != nil {
+		return err
+	}
 	seen.mu.Lock()
-	seen.last, seen.afterReset = map[string]int64{}, map[string]bool{}
+	seen.connections = func() int64 { return c.Stats().Connects }
 	seen.mu.Unlock()
-	lastID := ""
-	for ctx.Err() == nil {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-		if lastID != "" {
-			req.Header.Set("Last-Event-ID", lastID)
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err == nil {
-			if resp.StatusCode == http.StatusOK {
-				seen.mu.Lock()
-				seen.connections++
-				seen.mu.Unlock()
-				lastID = readStream(resp, lastID, seen)
-			}
-			_ = resp.Body.Close()
-		}
-		select {
-		case <-ctx.Done():
-		case <-time.After(500 * time.Millisecond): // the retry the stream suggests
-		}
+	if err := c.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+		return err
 	}
+	return nil
 }
 
-// readStream reads one connection's frames and returns the last event ID.
-func readStream(resp *http.Response, lastID string, seen *streamSeen) string {
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	event, data := "", ""
-	for sc.Scan() {
-		line := sc.Text()
-		switch {
-		case strings.HasPrefix(line, "id: "):
-			lastID = strings.TrimPrefix(line, "id: ")
-		case strings.HasPrefix(line, "event: "):
-			event = strings.TrimPrefix(line, "event: ")
-		case strings.HasPrefix(line, "data: "):
-			data = strings.TrimPrefix(line, "data: ")
-		case line == "" && data != "":
-			seen.take(event, data)
-			event, data = "", ""
-		}
-	}
-	return lastID
-}
-
-func (s *streamSeen) take(event, data string) {
+// HandleObserved implements outbox.StreamHandler.
+func (s *streamSeen) HandleObserved(_ context.Context, ev outbox.ObservedEvent) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	switch event {
-	case outbox.EventTypeTaskDeleted:
-		var ev struct {
-			ProjectID string `json:"projectId"`
-			Sequence  int64  `json:"sequence"`
-		}
-		if json.Unmarshal([]byte(data), &ev) != nil {
-			return
-		}
-		s.events++
-		last := s.last[ev.ProjectID] // the client started before the first deletion
-		switch {
-		case s.afterReset[ev.ProjectID]:
-			delete(s.afterReset, ev.ProjectID)
-		case ev.Sequence <= last:
-			s.duplicates++
-			return
-		case ev.Sequence > last+1:
-			s.gaps += ev.Sequence - last - 1
-		}
-		s.last[ev.ProjectID] = ev.Sequence
-	case outbox.SSEResetEvent:
-		var r outbox.SSEReset
-		if json.Unmarshal([]byte(data), &r) == nil {
-			s.resets++
-			for _, p := range r.Projects {
-				s.afterReset[p] = true
-			}
-		}
+	s.events++
+	last := s.last[ev.ProjectID] // the viewer started before the first deletion
+	switch {
+	case s.afterReset[ev.ProjectID]:
+		delete(s.afterReset, ev.ProjectID)
+	case ev.Sequence <= last:
+		s.duplicates++
+		return nil
+	case ev.Sequence > last+1:
+		s.gaps += ev.Sequence - last - 1
 	}
+	s.last[ev.ProjectID] = ev.Sequence
+	return nil
+}
+
+// HandleReset implements outbox.StreamHandler.
+func (s *streamSeen) HandleReset(_ context.Context, r outbox.SSEReset) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.resets++
+	for _, p := range r.Projects {
+		s.afterReset[p] = true
+	}
+	return nil
 }
 
 var errLost = errors.New("deletions were lost")
