@@ -227,6 +227,10 @@ func ExampleDB() (DB, func() error, error) {
 }
 
 func createDB(template string) (DB, func() error, error) {
+	return srv.createDB(template)
+}
+
+func (srv *server) createDB(template string) (DB, func() error, error) {
 	name := fmt.Sprintf("t%d_%d", os.Getpid(), dbCounter.Add(1))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
