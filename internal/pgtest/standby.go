@@ -41,8 +41,10 @@ func StartPair(t testing.TB) *Pair {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute) // a failure bound
 	defer cancel()
 	// Commits are flushed at once (fsync stays off, so a flush costs little): WAL reaches the
-	// standby when the commit returns, not within the WAL writer's delay.
-	primary, err := pgcluster.Start(ctx, pgcluster.Options{Settings: map[string]string{"synchronous_commit": "on"}})
+	// standby when the commit returns, not within the WAL writer's delay. Function calls are
+	// counted (pg_stat_user_functions), on the standby too, so a test can tell which server
+	// served a read.
+	primary, err := pgcluster.Start(ctx, pgcluster.Options{Settings: map[string]string{"synchronous_commit": "on", "track_functions": "pl"}})
 	if err != nil {
 		t.Fatalf("pgtest: start the pair's primary: %v", err)
 	}
