@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"strings"
 	"time"
 
@@ -258,8 +260,9 @@ func (l *scanLoop) scanStart(ctx context.Context, held []string) (heads map[stri
 	switch {
 	case ctx.Err() != nil:
 		return nil, open, ctx.Err(), openErr
-	case err != nil && recoveryConflict(err):
-		// Cancelled again and again: this scan reads from the primary, the next tries again.
+	case err != nil && !standbyDown(err):
+		// Cancelled again and again by recovery conflicts, or a failure the primary may share:
+		// this scan reads from the primary, the next tries the standby again.
 	case err != nil:
 		r.fallBack(fallbackUnreachable, 0, 0, err)
 	case want == 0:
@@ -274,7 +277,7 @@ func (l *scanLoop) scanStart(ctx context.Context, held []string) (heads map[stri
 		switch {
 		case ctx.Err() != nil:
 			return nil, open, ctx.Err(), openErr
-		case err != nil && recoveryConflict(err):
+		case err != nil && !standbyDown(err):
 		case err != nil:
 			r.fallBack(fallbackUnreachable, 0, 0, err)
 		case hr.newest >= want:
@@ -344,6 +347,7 @@ func (l *scanLoop) standbyHeads(ctx context.Context, held []string) (headsRead, 
 			return hr, err
 		}
 		l.reads.conflict()
+		conflictPause(ctx, attempt)
 	}
 }
 
@@ -391,7 +395,7 @@ func (r *readSource) conflict() {
 // read runs fn on the scan's source. On the standby, a statement cancelled by a recovery
 // conflict is tried again (readConflictRetries times); when the standby still fails, fn runs
 // on the primary, which serves the rest of the scan, and a standby that could not be reached
-// is left until it catches up.
+// (standbyDown) is left until it catches up.
 func (l *scanLoop) read(ctx context.Context, fn func(db *pgxpool.Pool) error) error {
 	r := l.reads
 	if r == nil || !r.scanStandby {
@@ -402,14 +406,20 @@ func (l *scanLoop) read(ctx context.Context, fn func(db *pgxpool.Pool) error) er
 		if err == nil || ctx.Err() != nil {
 			return err
 		}
-		if recoveryConflict(err) {
+		switch {
+		case recoveryConflict(err):
 			r.conflict()
 			if attempt < readConflictRetries {
+				conflictPause(ctx, attempt)
 				continue
 			}
 			r.scanStandby = false
-		} else {
+		case standbyDown(err):
 			r.fallBack(fallbackUnreachable, 0, 0, err)
+		default:
+			// A failure the primary may well share (a broken row, a statement timeout): the
+			// rest of this scan reads from the primary, whose answer the loop handles as usual.
+			r.scanStandby = false
 		}
 		return fn(l.pool)
 	}
@@ -442,4 +452,30 @@ func recoveryConflict(err error) bool {
 		return strings.Contains(pgErr.Message, "conflict with recovery")
 	}
 	return false
+}
+
+// standbyDown reports whether err says the standby could not be reached or dropped the
+// session: a failed connection, a connection lost, or a server shutting down or starting.
+func standbyDown(err error) bool {
+	var ce *pgconn.ConnectError
+	if errors.As(err, &ce) || pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, net.ErrClosed) {
+		return true
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		// Class 08, connection exception; 57P01-57P03, the server shutting down or starting.
+		return strings.HasPrefix(pgErr.Code, "08") || pgErr.Code == pgerrcode.AdminShutdown ||
+			pgErr.Code == pgerrcode.CrashShutdown || pgErr.Code == pgerrcode.CannotConnectNow
+	}
+	return false
+}
+
+// conflictPause lets the replay that cancelled a read go on before the read is tried again.
+func conflictPause(ctx context.Context, attempt int) {
+	sleepCtx(ctx, time.Duration(attempt+1)*5*time.Millisecond)
 }
