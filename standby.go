@@ -479,3 +479,34 @@ func standbyDown(err error) bool {
 func conflictPause(ctx context.Context, attempt int) {
 	sleepCtx(ctx, time.Duration(attempt+1)*5*time.Millisecond)
 }
+
+// StandbyLag is how far a standby is behind its primary, in ticks and in time (CompareStandby).
+type StandbyLag struct {
+	PrimaryTick   int64     // the primary's newest tick
+	PrimaryTickAt time.Time // when it was taken (the primary's clock)
+	StandbyTick   int64     // the standby's newest replayed tick
+	StandbyTickAt time.Time
+	Ticks         int64         // PrimaryTick - StandbyTick, at least 0
+	Lag           time.Duration // PrimaryTickAt - StandbyTickAt, at least 0; 0 when caught up
+	InRecovery    bool          // the standby is still a standby (false: promoted, or a primary)
+}
+
+// CompareStandby reads the newest tick on primary, then on standby, and says how far the standby
+// is behind: the figures a consumer with Config.ReadDSN compares before it reads from a standby.
+// The time figure is measured between ticks: after a quiet spell, the first new tick shows the
+// whole spell until the standby replays it.
+func CompareStandby(ctx context.Context, primary, standby DBTX) (StandbyLag, error) {
+	var l StandbyLag
+	if err := primary.QueryRow(ctx, newestTickSQL).Scan(&l.PrimaryTick, &l.PrimaryTickAt); err != nil {
+		return l, fmt.Errorf("compare standby: read the primary's newest tick: %w", err)
+	}
+	err := standby.QueryRow(ctx, `SELECT n.tick_id, n.ticked_at, pg_catalog.pg_is_in_recovery()
+FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
+	if err != nil {
+		return l, fmt.Errorf("compare standby: read the standby's newest tick: %w", err)
+	}
+	if l.StandbyTick < l.PrimaryTick {
+		l.Ticks, l.Lag = l.PrimaryTick-l.StandbyTick, max(l.PrimaryTickAt.Sub(l.StandbyTickAt), 0)
+	}
+	return l, nil
+}

@@ -140,6 +140,12 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 	require.Len(t, c.rec.snapshot(), 30, "nothing delivered past what the standby has")
 	requireCursorsWithin(t, c.pool, "paused-reader", c.rec)
 
+	lag, err := outbox.CompareStandby(ctx, c.pool, pgtest.Pool(t, db.StandbyURL))
+	require.NoError(t, err)
+	require.Positive(t, lag.Ticks, "the figures outboxctl status shows")
+	require.True(t, lag.InRecovery)
+	require.Less(t, lag.StandbyTick, lag.PrimaryTick)
+
 	clock.Advance(cfg.ReadMaxLag) // the wait runs out: the scan reads from the primary
 	requireInOrder(t, c.rec.waitCount(t, ctx, 60), 20)
 	st = c.consumer.Stats()
@@ -164,6 +170,11 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 	require.True(t, st.ReadingFromStandby)
 	require.EqualValues(t, 1, st.ReadReturns)
 	require.Zero(t, st.StandbyLagTicks)
+	require.NoError(t, pair.WaitReplayed(t))
+	lag, err = outbox.CompareStandby(ctx, c.pool, pgtest.Pool(t, db.StandbyURL))
+	require.NoError(t, err)
+	require.Zero(t, lag.Ticks)
+	require.Zero(t, lag.Lag)
 	n := len(c.rec.snapshot()) / 3
 	deleteRound(t, w, n+1, 30)
 	requireInOrder(t, c.rec.waitCount(t, ctx, 90), 30)
