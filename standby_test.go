@@ -113,7 +113,7 @@ func testStandbyDeliversInOrder(t *testing.T, pair *pgtest.Pair) {
 func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 	ctx := ctxT(t)
 	db := pair.NewDB(t)
-	w := standbyWriter(t, db.URL, 30)
+	w := standbyWriter(t, db.URL, 60)
 	clock := outboxtest.NewFakeClock()
 	cfg := metricsConfig() // LeaseTTL 30s: advancing the clock by ReadMaxLag keeps the leases
 	cfg.Clock = clock
@@ -160,9 +160,10 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 
 	pair.ResumeReplay(t)
 	require.NoError(t, pair.WaitReplayed(t))
-	// The next scans probe the standby, find it caught up, and read from it again.
+	// The next scans probe the standby, find it caught up, and read from it again. A probe
+	// races the tick that woke its scan to the standby, so it may take a few.
 	for i := 26; c.consumer.Stats().ReadReturns == 0; i++ {
-		require.LessOrEqual(t, i, 30, "the consumer went back to the standby")
+		require.LessOrEqual(t, i, 55, "the consumer went back to the standby")
 		deleteRound(t, w, i, i)
 		c.rec.waitCount(t, ctx, 3*i)
 	}
@@ -176,8 +177,8 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 	require.Zero(t, lag.Ticks)
 	require.Zero(t, lag.Lag)
 	n := len(c.rec.snapshot()) / 3
-	deleteRound(t, w, n+1, 30)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 90), 30)
+	deleteRound(t, w, n+1, 60)
+	requireInOrder(t, c.rec.waitCount(t, ctx, 180), 60)
 	require.Zero(t, c.consumer.Stats().Failures)
 	requireCursorsWithin(t, c.pool, "paused-reader", c.rec)
 
@@ -192,7 +193,7 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 func testStandbyKilled(t *testing.T, pair *pgtest.Pair) {
 	ctx := ctxT(t)
 	db := pair.NewDB(t)
-	w := standbyWriter(t, db.URL, 30)
+	w := standbyWriter(t, db.URL, 60)
 	cfg := fastConfig()
 	cfg.ReadDSN = db.StandbyURL
 	cfg.ReadMaxLag = 100 * time.Millisecond // how soon an unreachable standby is probed again
@@ -215,16 +216,18 @@ func testStandbyKilled(t *testing.T, pair *pgtest.Pair) {
 	require.NoError(t, pair.Standby.StartServer(ctx))
 	require.NoError(t, pair.WaitReplayed(t))
 	for i := 21; c.consumer.Stats().ReadReturns == 0; i++ {
-		require.LessOrEqual(t, i, 30, "the consumer went back to the standby")
+		require.LessOrEqual(t, i, 55, "the consumer went back to the standby")
 		deleteRound(t, w, i, i)
 		c.rec.waitCount(t, ctx, 3*i)
 		if c.consumer.Stats().ReadReturns == 0 {
-			time.Sleep(cfg.ReadMaxLag) // the probe of an unreachable standby waits this long
+			// An unreachable standby is probed again ReadMaxLag after it failed, on the real
+			// clock: this is that interval passing, not a wait for something to happen.
+			time.Sleep(cfg.ReadMaxLag)
 		}
 	}
 	n := len(c.rec.snapshot()) / 3
-	deleteRound(t, w, n+1, 30)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 90), 30)
+	deleteRound(t, w, n+1, 60)
+	requireInOrder(t, c.rec.waitCount(t, ctx, 180), 60)
 	require.True(t, c.consumer.Stats().ReadingFromStandby)
 	require.Zero(t, c.consumer.Stats().Failures)
 	requireCursorsWithin(t, c.pool, "killed-reader", c.rec)
