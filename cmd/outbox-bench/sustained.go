@@ -111,7 +111,7 @@ type sustainedResult struct {
 	ReadReturns           int64   `json:"read_returns,omitempty"`
 	StandbyWaits          int64   `json:"standby_waits,omitempty"`
 	TasksExhausted        bool    `json:"tasks_exhausted,omitempty"`
-	TimedOut               bool    `json:"timed_out,omitempty"`
+	TimedOut              bool    `json:"timed_out,omitempty"`
 }
 
 // taskQueue hands out one database's deletes, task t-1 .. t-n (t-i of project (i-1) mod
