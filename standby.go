@@ -346,7 +346,7 @@ func (l *scanLoop) standbyHeads(ctx context.Context, held []string) (headsRead, 
 		if err == nil || ctx.Err() != nil || !recoveryConflict(err) || attempt >= readConflictRetries {
 			return hr, err
 		}
-		l.reads.conflict()
+		l.reads.conflict(err)
 		conflictPause(ctx, attempt)
 	}
 }
@@ -387,9 +387,10 @@ func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead
 }
 
 // conflict counts a read the standby cancelled for a conflict with recovery.
-func (r *readSource) conflict() {
+func (r *readSource) conflict(err error) {
 	r.stats.readConflicts.Add(1)
 	r.metrics.readConflict(string(r.id))
+	r.log.Debug("a read on the standby was cancelled by recovery; it is tried again", zap.Error(err))
 }
 
 // read runs fn on the scan's source. On the standby, a statement cancelled by a recovery
@@ -408,7 +409,7 @@ func (l *scanLoop) read(ctx context.Context, fn func(db *pgxpool.Pool) error) er
 		}
 		switch {
 		case recoveryConflict(err):
-			r.conflict()
+			r.conflict(err)
 			if attempt < readConflictRetries {
 				conflictPause(ctx, attempt)
 				continue
@@ -438,20 +439,15 @@ func (l *scanLoop) readFromPrimary() bool {
 }
 
 // recoveryConflict reports whether a standby cancelled the statement (or ended the session)
-// for a conflict with recovery: SQLSTATE 40001 on a hot standby, or a cancellation whose
-// message says so.
+// for a conflict with recovery: SQLSTATE 40001 (what a read-only statement on a hot standby
+// gets for it), or any error whose message says so (a deadlock with the startup process, a
+// session ended for it, depending on the server's version).
 func recoveryConflict(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) {
 		return false
 	}
-	switch pgErr.Code {
-	case pgerrcode.SerializationFailure:
-		return true
-	case pgerrcode.QueryCanceled, pgerrcode.AdminShutdown, pgerrcode.DatabaseDropped:
-		return strings.Contains(pgErr.Message, "conflict with recovery")
-	}
-	return false
+	return pgErr.Code == pgerrcode.SerializationFailure || strings.Contains(pgErr.Message, "conflict with recovery")
 }
 
 // standbyDown reports whether err says the standby could not be reached or dropped the

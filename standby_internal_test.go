@@ -24,6 +24,7 @@ func TestStandbyErrorClasses(t *testing.T) {
 	require.True(t, recoveryConflict(fmt.Errorf("read events: %w", conflict)))
 	require.True(t, recoveryConflict(&pgconn.PgError{Code: pgerrcode.QueryCanceled, Message: "canceling statement due to conflict with recovery"}))
 	require.False(t, recoveryConflict(&pgconn.PgError{Code: pgerrcode.QueryCanceled, Message: "canceling statement due to statement timeout"}))
+	require.True(t, recoveryConflict(&pgconn.PgError{Code: pgerrcode.DeadlockDetected, Message: "canceling statement due to conflict with recovery"}))
 	require.False(t, recoveryConflict(io.ErrUnexpectedEOF))
 
 	for _, err := range []error{io.ErrUnexpectedEOF, fmt.Errorf("read heads: %w", io.EOF),

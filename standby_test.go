@@ -24,6 +24,7 @@ func TestStandbyReads(t *testing.T) {
 	pair := pgtest.StartPair(t)
 	t.Run("DeliversEveryEventOnceInOrder", func(t *testing.T) { testStandbyDeliversInOrder(t, pair) })
 	t.Run("PausedReplayIsWaitedForThenLeft", func(t *testing.T) { testStandbyPausedReplay(t, pair) })
+	t.Run("RecoveryConflictIsRetried", func(t *testing.T) { testStandbyRecoveryConflict(t, pair) })
 	t.Run("KilledStandby", func(t *testing.T) { testStandbyKilled(t, pair) })
 	t.Run("Promotion", func(t *testing.T) { testStandbyPromoted(t, pair) }) // last: the pair is gone after it
 }
@@ -188,6 +189,69 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 	require.Equal(t, "lag", labelValue(fams["outbox_read_fallbacks_total"].GetMetric()[0], "reason"))
 	require.EqualValues(t, 1, fams["outbox_read_returns_total"].GetMetric()[0].GetCounter().GetValue())
 	require.Zero(t, fams["outbox_read_standby_lag_ticks"].GetMetric()[0].GetGauge().GetValue())
+}
+
+// testStandbyRecoveryConflict: replay cancels a consumer's read on the standby for a conflict
+// with recovery; the read is tried again and the events are delivered, none counted as failed.
+// The conflict is made without races: the primary holds an exclusive lock on a table the
+// standby's read of heads takes second (lifecycle_outbox_heads), so the read, started by a
+// notification, waits on the standby for replay while holding its lock on the first
+// (lifecycle_tick); then the primary locks the first exclusively, and replay, which must take
+// that lock, cancels the read after max_standby_streaming_delay.
+func testStandbyRecoveryConflict(t *testing.T, pair *pgtest.Pair) {
+	ctx := ctxT(t)
+	db := pair.NewDB(t)
+	w := standbyWriter(t, db.URL, 20)
+	cfg := fastConfig()
+	cfg.ReadDSN = db.StandbyURL
+	// No poll and no idle tick while the lock is held: the one scan is the notified one, and
+	// the ticker does not queue behind the lock (it would hold the primary's tick table).
+	cfg.PollInterval = time.Hour
+	c := startProcess(t, db.URL, processOpts{id: "conflict-reader", projects: standbyProjects, cfg: cfg})
+	deleteRound(t, w, 1, 5)
+	c.rec.waitCount(t, ctx, 15)
+
+	standbyAdmin := pgtest.Pool(t, pair.Standby.URL("postgres"))
+	_, err := standbyAdmin.Exec(ctx, `ALTER SYSTEM SET max_standby_streaming_delay = '50ms'`)
+	require.NoError(t, err)
+	_, err = standbyAdmin.Exec(ctx, `SELECT pg_reload_conf()`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_, _ = standbyAdmin.Exec(ctx, `ALTER SYSTEM RESET max_standby_streaming_delay`)
+		_, _ = standbyAdmin.Exec(ctx, `SELECT pg_reload_conf()`)
+	})
+
+	primary := pgtest.Pool(t, db.URL)
+	hold, err := primary.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = hold.Rollback(context.Background()) }()
+	_, err = hold.Exec(ctx, `LOCK TABLE lifecycle_outbox_heads IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	require.NoError(t, pair.WaitReplayed(t)) // the standby's startup process holds it too
+
+	_, err = primary.Exec(ctx, `SELECT pg_notify($1, 'alpha')`, cfg.WithDefaults().TickChannel)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		return pgtest.QueryInt(t, standbyAdmin, `SELECT count(*)::int FROM pg_stat_activity
+WHERE datname = $1 AND wait_event_type = 'Lock'`, db.Name) > 0
+	}, waitLimit, 5*time.Millisecond, "the consumer's read of heads waits on the standby for replay's lock")
+
+	_, err = primary.Exec(ctx, `BEGIN; LOCK TABLE lifecycle_tick IN ACCESS EXCLUSIVE MODE; COMMIT`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return c.consumer.Stats().ReadConflicts > 0 }, waitLimit, 5*time.Millisecond,
+		"replay cancelled the read")
+	require.NoError(t, hold.Commit(ctx))
+
+	deleteRound(t, w, 6, 20)
+	requireInOrder(t, c.rec.waitCount(t, ctx, 60), 20)
+	st := c.consumer.Stats()
+	require.Zero(t, st.Failures, "a cancelled read is no failure of an event")
+	require.Zero(t, st.ReadFallbacks, "nor a reason to leave the standby")
+	require.Positive(t, pgtest.QueryInt(t, standbyAdmin, `SELECT (confl_lock + confl_deadlock)::int FROM pg_stat_database_conflicts
+WHERE datname = $1`, db.Name), "the standby counts the conflict")
+	requireCursorsWithin(t, c.pool, "conflict-reader", c.rec)
 }
 
 func testStandbyKilled(t *testing.T, pair *pgtest.Pair) {
