@@ -42,6 +42,9 @@ import (
 // reads from the primary (logged once, counted), probes the standby on each scan, and returns
 // to it once it has replayed the primary's newest tick (logged once, counted).
 
+// errNotStandby refuses a connection of the read pool to a server that is not in recovery.
+var errNotStandby = errors.New("the ReadDSN (read_dsn) server is not in recovery: not a standby (promoted, or a primary)")
+
 // readConflictRetries is how often a read the standby cancelled for a recovery conflict is
 // tried again on the standby before the scan reads from the primary.
 const readConflictRetries = 3
@@ -99,6 +102,18 @@ func (r *readSource) open() error {
 	pcfg.MaxConns = 4
 	if pcfg.ConnConfig.ConnectTimeout == 0 || pcfg.ConnConfig.ConnectTimeout > r.cfg.ReadMaxLag {
 		pcfg.ConnConfig.ConnectTimeout = r.cfg.ReadMaxLag
+	}
+	// A server that is not in recovery is not a standby of the primary (a promoted one, or a
+	// primary by mistake): its ticks and events may not be the primary's, so it serves nothing.
+	pcfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+		var inRecovery bool
+		if err := conn.QueryRow(ctx, `SELECT pg_catalog.pg_is_in_recovery()`).Scan(&inRecovery); err != nil {
+			return err
+		}
+		if !inRecovery {
+			return errNotStandby
+		}
+		return nil
 	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
 	if err != nil {
@@ -451,10 +466,11 @@ func recoveryConflict(err error) bool {
 }
 
 // standbyDown reports whether err says the standby could not be reached or dropped the
-// session: a failed connection, a connection lost, or a server shutting down or starting.
+// session: a failed connection, a connection lost, a server shutting down or starting, or one
+// that is no standby (errNotStandby).
 func standbyDown(err error) bool {
 	var ce *pgconn.ConnectError
-	if errors.As(err, &ce) || pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+	if errors.As(err, &ce) || pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, errNotStandby) ||
 		errors.Is(err, net.ErrClosed) {
 		return true
 	}

@@ -369,3 +369,22 @@ func labelValue(m *dto.Metric, name string) string {
 	}
 	return ""
 }
+
+// TestReadDSNOnAServerNotInRecoveryIsLeft: a ReadDSN that reaches a server not in recovery (a
+// promoted standby, or the primary by mistake) serves no read: the consumer reads from the
+// primary, says so once and counts it, and delivers every event.
+func TestReadDSNOnAServerNotInRecoveryIsLeft(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t)
+	db := pgtest.NewDB(t)
+	w := standbyWriter(t, db.URL, 10)
+	cfg := fastConfig()
+	cfg.ReadDSN = db.URL
+	c := startProcess(t, db.URL, processOpts{id: "misread", projects: standbyProjects, cfg: cfg})
+	deleteRound(t, w, 1, 10)
+	requireInOrder(t, c.rec.waitCount(t, ctx, 30), 10)
+	st := c.consumer.Stats()
+	require.EqualValues(t, 1, st.ReadFallbacks)
+	require.Zero(t, st.ReadReturns, "never taken for a standby")
+	require.False(t, st.ReadingFromStandby)
+}
