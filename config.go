@@ -130,6 +130,22 @@ type Config struct {
 	// may hold a password. Defaults to empty (use the pool's configuration).
 	ListenDSN string `yaml:"listen_dsn" json:"listen_dsn"`
 
+	// ReadDSN, when set, is a connection string to a hot standby of the database (streaming
+	// replication) from which the consumer reads what it delivers: ticks, heads, events, and
+	// the snapshot of a reconciliation. Everything it writes or locks stays on the pool (leases,
+	// cursors, acknowledgements, deliveries, dead letters, audit rows), and so does LISTEN and
+	// the ticker. Each scan reads from the standby only once it has replayed the newest tick
+	// the primary had when the scan began (waiting up to ReadMaxLag for it); otherwise, and
+	// while the standby is unreachable, the consumer reads from the primary and returns to the
+	// standby when it has caught up. It must parse as a PostgreSQL URL or key=value string;
+	// errors about it never repeat it. With TransactionPooler, it must be safe behind the pooler
+	// too. Defaults to empty (read from the pool). See the runbook's section on standbys.
+	ReadDSN string `yaml:"read_dsn" json:"read_dsn"`
+
+	// ReadMaxLag is how long a scan waits for the standby (ReadDSN) to replay the newest tick
+	// before it reads from the primary instead. Defaults to 5s; 10ms to 10m.
+	ReadMaxLag time.Duration `yaml:"read_max_lag" json:"read_max_lag"`
+
 	// ListenCheckTimeout bounds the consumer's wake-up self-test: after each LISTEN it sends
 	// itself a notification through the pool and expects it on the LISTEN connection within
 	// this time; when it does not arrive (a LISTEN through a transaction-pooling proxy) the
@@ -249,6 +265,7 @@ func (c Config) WithDefaults() Config {
 	def(&c.NotifyGap, 20*time.Millisecond)
 	def(&c.FollowUpInterval, min(2*time.Millisecond, c.PollInterval))
 	def(&c.ListenCheckTimeout, 2*time.Second)
+	def(&c.ReadMaxLag, 5*time.Second)
 	def(&c.WakeInterval, min(10*time.Millisecond, c.PollInterval))
 	def(&c.LockTimeout, 5*time.Second)
 	def(&c.StatementTimeout, 30*time.Second)
@@ -333,6 +350,18 @@ func (c Config) Validate() error {
 		if _, err := pgx.ParseConfig(c.ListenDSN); err != nil {
 			bad("ListenDSN", "does not parse: %s (the value is not shown: it may hold a password)", safetext.DSNParseReason(err))
 		}
+	}
+	if c.ReadDSN != "" {
+		if pcfg, err := pgx.ParseConfig(c.ReadDSN); err != nil {
+			bad("ReadDSN", "does not parse: %s (the value is not shown: it may hold a password)", safetext.DSNParseReason(err))
+		} else if c.TransactionPooler {
+			if err := CheckPoolerSafe(pcfg); err != nil {
+				bad("ReadDSN", "is not safe behind a transaction pooler (TransactionPooler is set): add default_query_exec_mode=exec")
+			}
+		}
+	}
+	if c.ReadMaxLag < 10*time.Millisecond || c.ReadMaxLag > 10*time.Minute {
+		bad("ReadMaxLag", "must be between 10ms and 10m")
 	}
 	if c.LockTimeout < time.Millisecond || c.LockTimeout > 10*time.Minute {
 		bad("LockTimeout", "must be between 1ms and 10m")

@@ -32,7 +32,7 @@ func TestLoadTheExampleConfigFile(t *testing.T) {
 		WakeInterval: 10 * time.Millisecond,
 		LockTimeout:  5 * time.Second, StatementTimeout: 30 * time.Second,
 		ListenDSN:          "host=/var/run/postgresql port=5432 dbname=tasks user=engine",
-		ListenCheckTimeout: 2 * time.Second, TransactionPooler: true,
+		ListenCheckTimeout: 2 * time.Second, TransactionPooler: true, ReadMaxLag: 5 * time.Second,
 		RetrySchedule: outbox.DefaultRetrySchedule, MaxAttempts: 10,
 		RetentionWindow: 720 * time.Hour, DeadLetterRetention: 720 * time.Hour, RetentionBatchSize: 5000, RetentionBudget: 500000,
 	}
@@ -168,6 +168,7 @@ func TestConfigFileErrorsNeverRepeatAValue(t *testing.T) {
 		{".yaml", "identity_field: " + secretDSN + "\n", "IdentityField (identity_field): must be"},
 		{".yaml", "writer_label: " + secretDSN + "\n", "WriterLabel (writer_label): must be"},
 		{".yaml", "listen_dsn: 'postgres://app:" + secretPassword + "@db:notaport/x'\n", "ListenDSN (listen_dsn): does not parse"},
+		{".yaml", "read_dsn: 'postgres://app:" + secretPassword + "@db:notaport/x'\n", "ReadDSN (read_dsn): does not parse"},
 		{".yaml", secretDSN + ": 1s\n", "is not a key of the outbox config"},
 		{".yaml", "listen_dsn: \"" + secretDSN + "\n", "line 2: not valid YAML"},
 		{".yaml", "listen_dsn: *" + secretPassword + "\n", "not valid YAML"},

@@ -113,7 +113,9 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 		dispatch: opts.Dispatcher, leases: leases, scans: scans, stats: st, state: map[string]*streamState{},
 		store: &deliveryStore{id: opts.ID, cfg: cfg, audit: opts.Audit},
 		recon: &reconciler{id: opts.ID, pool: opts.Pool, cfg: cfg, cache: opts.Cache, live: opts.LiveTasks},
+		reads: &readSource{cfg: cfg, id: opts.ID, log: log, metrics: opts.Metrics, stats: st},
 	}
+	st.onStandby.Store(cfg.ReadDSN != "")
 	loop.acks = &acknowledger{id: opts.ID, owner: owner, pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
 	return &Consumer{
 		id: opts.ID, owner: owner, cfg: cfg, log: log, metrics: opts.Metrics, stats: st,
@@ -154,6 +156,12 @@ func (c *Consumer) Start(ctx context.Context) error {
 	}
 	if err != nil {
 		run.Failed() // a failed start may be tried again
+		return err
+	}
+	// The standby's pool connects lazily: a standby down at start is a fallback, not a failure.
+	if err := c.loop.reads.open(); err != nil {
+		c.leases.release(c.lifecycle.StopContext())
+		run.Failed()
 		return err
 	}
 
@@ -232,6 +240,7 @@ func (c *Consumer) shutdown() {
 	c.loop.acks.await()
 	c.loop.acks.flush(ctx, c.loop.pendingAcks())
 	c.leases.release(ctx)
+	c.loop.reads.close()
 	c.metrics.unwatch(c.status)
 	c.log.Info("consumer stopped", zap.Int64("delivered", c.stats.delivered.Load()))
 }
@@ -261,11 +270,24 @@ type Stats struct {
 	Ticks           int64 // ticks this instance took as the ticker (or as a fallback)
 	Numbered        int64 // events its ticks numbered
 	Holes           int64 // missing events found (each reconciled its project)
+
+	// Reading from a standby (Config.ReadDSN); all zero without one.
+	ReadFallbacks      int64         // times the consumer left the standby for the primary (behind by ReadMaxLag, or unreachable)
+	ReadReturns        int64         // times it went back to the standby once it had caught up
+	ReadConflicts      int64         // standby reads cancelled by a conflict with recovery (retried; never an event's failure)
+	StandbyWaits       int64         // scans that waited for the standby to replay the primary's newest tick
+	ReadingFromStandby bool          // scans read from the standby now (false while fallen back)
+	StandbyWaiting     bool          // a scan is waiting for the standby now
+	StandbyLagTicks    int64         // ticks the primary has that the standby had not replayed, when last compared
+	StandbyLag         time.Duration // the primary's newest tick's time minus the standby's, when last compared (0 when caught up)
 }
 
 // stats are the counters every part of a consumer adds to.
 type stats struct {
 	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, ticks, numbered, holes atomic.Int64
+
+	readFallbacks, readReturns, readConflicts, standbyWaits, lagTicks, lagNanos atomic.Int64
+	onStandby, waiting                                                          atomic.Bool
 }
 
 // Stats returns the consumer's counters.
@@ -275,6 +297,9 @@ func (c *Consumer) Stats() Stats {
 		Delivered: s.delivered.Load(), Own: s.own.Load(), Suppressed: s.suppressed.Load(), Failures: s.failures.Load(),
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
 		Scans: s.scans.Load(), Ticks: s.ticks.Load(), Numbered: s.numbered.Load(), Holes: s.holes.Load(),
+		ReadFallbacks: s.readFallbacks.Load(), ReadReturns: s.readReturns.Load(), ReadConflicts: s.readConflicts.Load(),
+		StandbyWaits: s.standbyWaits.Load(), ReadingFromStandby: s.onStandby.Load(), StandbyWaiting: s.waiting.Load(),
+		StandbyLagTicks: s.lagTicks.Load(), StandbyLag: time.Duration(s.lagNanos.Load()),
 	}
 }
 

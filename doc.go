@@ -120,6 +120,15 @@
 // each event, and every dispatch attempt is a consumer span linked to it (tracing.go). Config
 // decodes from YAML and JSON with the keys of its field tags (LoadConfigFile).
 //
+// # Reading from a hot standby
+//
+// With Config.ReadDSN a consumer reads ticks, heads, events and reconciliation snapshots from a
+// physical streaming standby, and writes, locks, LISTENs and ticks on its pool (standby.go). A
+// scan reads there only once the standby has replayed the primary's newest tick, which the
+// primary returns with the scan's open deliveries; it waits for that up to Config.ReadMaxLag,
+// then reads from the primary until the standby catches up. Heads and events of a scan come
+// from one server, and a scan only ever moves from the standby to the primary.
+//
 // # Isolation
 //
 // Every role, row and client may be hostile or broken, and the database refuses what must never

@@ -163,21 +163,39 @@ func TestTickerIsNotExecutableByPublic(t *testing.T) {
 	requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 }
 
-// TestConfigValidatesListenDSNWithoutEchoingIt: a ListenDSN that does not parse is refused by
-// Validate, naming the field and none of the string (pgx's own message repeats part of a
-// password that holds a space).
+// TestConfigValidatesListenDSNWithoutEchoingIt: a ListenDSN or a ReadDSN that does not parse is
+// refused by Validate, naming the field and none of the string (pgx's own message repeats part
+// of a password that holds a space).
 func TestConfigValidatesListenDSNWithoutEchoingIt(t *testing.T) {
 	t.Parallel()
-	for _, dsn := range []string{"password=my Sup3rSecret phrase host=db", "host=db password=my Sup3rSecret phrase", "postgres://u:my Sup3rSecret phrase@db/x", "host=db port=x password=Sup3rSecret"} {
-		err := outbox.Config{ListenDSN: dsn}.WithDefaults().Validate()
-		require.Error(t, err, dsn)
-		require.Contains(t, err.Error(), "ListenDSN")
-		require.NotContains(t, err.Error(), "Sup3rSecret")
-		require.NotContains(t, err.Error(), "phrase")
-		var v *outbox.ValidationError
-		require.True(t, errors.As(err, &v))
+	fields := map[string]func(string) outbox.Config{
+		"ListenDSN": func(dsn string) outbox.Config { return outbox.Config{ListenDSN: dsn} },
+		"ReadDSN":   func(dsn string) outbox.Config { return outbox.Config{ReadDSN: dsn} },
 	}
-	require.NoError(t, outbox.Config{ListenDSN: "host=db user=listener password='my Sup3rSecret phrase'"}.WithDefaults().Validate())
+	for field, cfg := range fields {
+		for _, dsn := range []string{"password=my Sup3rSecret phrase host=db", "host=db password=my Sup3rSecret phrase", "postgres://u:my Sup3rSecret phrase@db/x", "host=db port=x password=Sup3rSecret"} {
+			err := cfg(dsn).WithDefaults().Validate()
+			require.Error(t, err, dsn)
+			require.Contains(t, err.Error(), field)
+			require.NotContains(t, err.Error(), "Sup3rSecret")
+			require.NotContains(t, err.Error(), "phrase")
+			var v *outbox.ValidationError
+			require.True(t, errors.As(err, &v))
+		}
+		require.NoError(t, cfg("host=db user=listener password='my Sup3rSecret phrase'").WithDefaults().Validate())
+	}
+	// A ReadDSN behind a transaction pooler must be safe there, like the pool; ReadMaxLag has
+	// bounds.
+	c := outbox.Config{TransactionPooler: true, ReadDSN: "host=pgbouncer password=Sup3rSecret"}.WithDefaults()
+	err := c.Validate()
+	require.ErrorContains(t, err, "ReadDSN (read_dsn): is not safe behind a transaction pooler")
+	require.NotContains(t, err.Error(), "Sup3rSecret")
+	c.ReadDSN += " default_query_exec_mode=exec"
+	require.NoError(t, c.Validate())
+	require.Equal(t, 5*time.Second, c.ReadMaxLag, "the default")
+	for _, lag := range []time.Duration{time.Millisecond, 11 * time.Minute} {
+		require.ErrorContains(t, outbox.Config{ReadMaxLag: lag}.WithDefaults().Validate(), "ReadMaxLag (read_max_lag): must be between 10ms and 10m")
+	}
 }
 
 // TestIdentifierChecksRefuseWhatTheyRefusedBefore: the heads', cursors' and project grants'

@@ -31,6 +31,7 @@ type scanLoop struct {
 	acks     *acknowledger
 	store    *deliveryStore
 	recon    *reconciler
+	reads    *readSource // where scans read: the standby (Config.ReadDSN) or the pool (standby.go)
 	scans    *scanRequests
 	stats    *stats
 
@@ -278,15 +279,7 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	// skips them this scan and the others go on.
 	// The heads and the open deliveries are read at once, on two connections: a woken scan
 	// waits for one round trip before it reads events, not two.
-	var open map[string][]delivery
-	var openErr error
-	opened := make(chan struct{})
-	go func() {
-		defer close(opened)
-		open, openErr = l.store.open(ctx, l.pool, held)
-	}()
-	heads, err := l.readHeads(ctx, held)
-	<-opened
+	heads, open, err, openErr := l.scanStart(ctx, held)
 	if held, failed = l.skipFailed("read heads", held, err); len(held) == 0 {
 		return failed
 	}
@@ -352,7 +345,10 @@ func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[strin
 	if len(projects) < 2 {
 		return nil, false, nil
 	}
-	first, err = readFirstEvents(ctx, l.pool, projects, after, l.cfg.BatchSize, capacity)
+	err = l.read(ctx, func(db *pgxpool.Pool) (err error) {
+		first, err = readFirstEvents(ctx, db, projects, after, l.cfg.BatchSize, capacity)
+		return err
+	})
 	if err == nil {
 		return first, false, nil
 	}
@@ -410,30 +406,16 @@ LEFT JOIN lifecycle_outbox_head h ON h.project_id = ANY ($1::text[])`
 // the stream was with other events. Every stream then restarts from its durable cursor, as a
 // new lease does; what it delivered and is still stored stays suppressed (verifyDelivered).
 func (l *scanLoop) readHeads(ctx context.Context, projects []string) (map[string]Head, error) {
-	rows, err := l.pool.Query(ctx, loopHeadsSQL, projects, l.seenTick)
+	hr, err := queryHeads(ctx, l.pool, projects, l.seenTick)
 	if err != nil {
-		return nil, fmt.Errorf("read heads: %w", err)
+		return nil, err
 	}
-	heads := make(map[string]Head, len(projects))
-	var newest int64
-	var newestAt time.Time
-	var seenAt *time.Time
-	for rows.Next() {
-		var project *string
-		var h Head
-		var last, floor *int64
-		if err := rows.Scan(&project, &last, &floor, &newest, &newestAt, &seenAt); err != nil {
-			rows.Close()
-			return nil, fmt.Errorf("read heads: %w", err)
-		}
-		if project != nil {
-			h.ProjectID, h.LastSequence, h.PrunedThrough = *project, *last, *floor
-			heads[h.ProjectID] = h
-		}
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read heads: %w", err)
-	}
+	return l.applyHeads(hr), nil
+}
+
+// applyHeads takes a read of heads (see readHeads) into the loop's view.
+func (l *scanLoop) applyHeads(hr headsRead) map[string]Head {
+	heads, newest, newestAt, seenAt := hr.heads, hr.newest, hr.newestAt, hr.seenAt
 	restored := l.seenTick > 0 && ((seenAt == nil && newest < l.seenTick) || (seenAt != nil && !seenAt.Equal(l.seenTickAt)))
 	if restored {
 		l.log.Warn("ticks this consumer saw were taken back (a restored database?): every stream restarts from its durable cursor",
@@ -445,7 +427,7 @@ func (l *scanLoop) readHeads(ctx context.Context, projects []string) (map[string
 			st.rewound = true
 		}
 	}
-	return heads, nil
+	return heads
 }
 
 // skipFailed takes the outcome of a step over projects: a *ProjectErrors drops the projects it
@@ -533,18 +515,27 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 			batch = first.events
 		} else {
 			// Later batches, and a first one read before a reconciliation moved the stream.
-			var err error
-			if batch, err = readEvents(ctx, l.pool, st.project, st.position, l.cfg.BatchSize, st.readKey()); err != nil {
+			err := l.read(ctx, func(db *pgxpool.Pool) (err error) {
+				batch, err = readEvents(ctx, db, st.project, st.position, l.cfg.BatchSize, st.readKey())
+				return err
+			})
+			if err != nil {
 				return err
 			}
 		}
 		first = nil
 		if len(batch) == 0 {
+			if l.readFromPrimary() {
+				continue // a hole on the standby is read again on the primary first
+			}
 			// The head counts events above the position and none is stored: a hole.
 			return l.hole(ctx, st, head, st.position+1)
 		}
 		stop, err := l.dispatchBatch(ctx, s, st, batch, retrying)
 		if h := (errHole{}); errors.As(err, &h) {
+			if l.readFromPrimary() {
+				continue
+			}
 			return l.hole(ctx, st, head, h.next)
 		}
 		if err != nil || stop {
@@ -744,7 +735,18 @@ const eventAtSQL = `SELECT task_id, deleted_at FROM lifecycle_outbox_read($1::te
 func (l *scanLoop) verifyDelivered(ctx context.Context, st *streamState) error {
 	var taskID string
 	var deletedAt time.Time
-	err := l.pool.QueryRow(ctx, eventAtSQL, st.project, st.delivered).Scan(&taskID, &deletedAt)
+	found := false
+	err := l.read(ctx, func(db *pgxpool.Pool) error {
+		err := db.QueryRow(ctx, eventAtSQL, st.project, st.delivered).Scan(&taskID, &deletedAt)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil // a no on the standby is an answer too: it has replayed what the scan needs
+		}
+		found = err == nil
+		return err
+	})
+	if err == nil && !found {
+		err = pgx.ErrNoRows
+	}
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return fmt.Errorf("check delivered event: %w", err)
 	}

@@ -33,6 +33,11 @@ type Metrics struct {
 	ticks             prometheus.Counter
 	tickedEvents      prometheus.Counter
 	streamHoles       *prometheus.CounterVec
+	readFallbacks     *prometheus.CounterVec
+	readReturns       *prometheus.CounterVec
+	readConflicts     *prometheus.CounterVec
+	readLagTicks      *prometheus.GaugeVec
+	readLagSeconds    *prometheus.GaugeVec
 	status            *statusCollector
 }
 
@@ -71,6 +76,16 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Events numbered by this process's ticks."}),
 		streamHoles: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_stream_holes_total",
 			Help: "Events counted by their tick but no longer stored, found by a consumer (each reconciled its project)."}, pc),
+		readFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_read_fallbacks_total",
+			Help: "Times a consumer with a read standby (ReadDSN) read from the primary instead, by reason (lag: behind by ReadMaxLag; unreachable)."}, []string{"consumer", "reason"}),
+		readReturns: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_read_returns_total",
+			Help: "Times a consumer went back to its read standby once it had caught up."}, []string{"consumer"}),
+		readConflicts: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_read_recovery_conflicts_total",
+			Help: "Reads on the standby cancelled by a conflict with recovery (retried)."}, []string{"consumer"}),
+		readLagTicks: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "outbox_read_standby_lag_ticks",
+			Help: "Ticks the primary had that the consumer's read standby had not replayed, when last compared."}, []string{"consumer"}),
+		readLagSeconds: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "outbox_read_standby_lag_seconds",
+			Help: "The primary's newest tick time minus the read standby's, when last compared (0 when caught up)."}, []string{"consumer"}),
 		status: &statusCollector{},
 	}
 	m.listenWakeups = newListenWakeupsGauge() // listen_selftest.go
@@ -86,7 +101,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		Help: "Projects whose lag and dead-letter gauges could not be read from the database at a scrape (each left out of that scrape)."})
 	for _, c := range []prometheus.Collector{m.dispatched, m.duration, m.failures, m.parkedTotal, m.replayedTotal,
 		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects,
-		m.listenWakeups, m.projectErrors, m.ticks, m.tickedEvents, m.streamHoles, m.status} {
+		m.listenWakeups, m.projectErrors, m.ticks, m.tickedEvents, m.streamHoles, m.readFallbacks, m.readReturns,
+		m.readConflicts, m.readLagTicks, m.readLagSeconds, m.status} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register outbox metrics: %w", err)
 		}
@@ -289,5 +305,30 @@ func (s *statusCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(s.lagSeconds, prometheus.GaugeValue, r.LagSeconds, lv...)
 		ch <- prometheus.MustNewConstMetric(s.deadOutstanding, prometheus.GaugeValue, float64(r.Dead+r.ReplayRequested), lv...)
 		ch <- prometheus.MustNewConstMetric(s.retrying, prometheus.GaugeValue, float64(r.Retrying), lv...)
+	}
+}
+
+func (m *Metrics) readFallback(consumer, reason string) {
+	if m != nil {
+		m.readFallbacks.WithLabelValues(consumer, reason).Inc()
+	}
+}
+
+func (m *Metrics) readReturn(consumer string) {
+	if m != nil {
+		m.readReturns.WithLabelValues(consumer).Inc()
+	}
+}
+
+func (m *Metrics) readConflict(consumer string) {
+	if m != nil {
+		m.readConflicts.WithLabelValues(consumer).Inc()
+	}
+}
+
+func (m *Metrics) readLag(consumer string, ticks int64, lag time.Duration) {
+	if m != nil {
+		m.readLagTicks.WithLabelValues(consumer).Set(float64(ticks))
+		m.readLagSeconds.WithLabelValues(consumer).Set(lag.Seconds())
 	}
 }

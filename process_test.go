@@ -107,6 +107,7 @@ type processOpts struct {
 	listeners []outbox.Listener
 	live      outbox.LiveTasks // defaults to the store
 	noStart   bool
+	metrics   *outbox.Metrics
 }
 
 func startProcess(t *testing.T, url string, o processOpts) *process {
@@ -131,7 +132,7 @@ func startProcess(t *testing.T, url string, o processOpts) *process {
 	})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
 		ID: o.id, Pool: p.pool, Config: o.cfg, Projects: outbox.StaticProjects(o.projects), Dispatcher: d,
-		LiveTasks: o.live, Cache: p.store.Cache(), Audit: p.store, Logger: zaptest.NewLogger(t),
+		LiveTasks: o.live, Cache: p.store.Cache(), Audit: p.store, Metrics: o.metrics, Logger: zaptest.NewLogger(t),
 	})
 	require.NoError(t, err)
 	p.consumer = c

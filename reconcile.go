@@ -58,7 +58,15 @@ func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason Reconc
 		semconv.MessagingConsumerGroupName(string(l.id)), attrReason.String(string(reason)))
 	defer func() { endSpan(span, err) }()
 	r := l.recon
-	head, live, err := r.snapshot(ctx, st.project)
+	// The snapshot comes from the scan's source: on a standby, a state of the primary it has
+	// replayed, whose head and live set agree as they do on the primary. What was deleted
+	// since is read on the primary, which has it all.
+	var head int64
+	var live []string
+	err = l.read(ctx, func(db *pgxpool.Pool) (err error) {
+		head, live, err = r.snapshot(ctx, db, st.project)
+		return err
+	})
 	if err != nil {
 		return err
 	}
@@ -151,8 +159,8 @@ func (r *reconciler) removeDeletedSince(ctx context.Context, project string, hea
 }
 
 // snapshot reads the head and the live task IDs in one REPEATABLE READ transaction.
-func (r *reconciler) snapshot(ctx context.Context, project string) (int64, []string, error) {
-	tx, err := r.pool.BeginTx(ctx, r.cfg.txOptions(pgx.RepeatableRead, pgx.ReadOnly))
+func (r *reconciler) snapshot(ctx context.Context, db *pgxpool.Pool, project string) (int64, []string, error) {
+	tx, err := db.BeginTx(ctx, r.cfg.txOptions(pgx.RepeatableRead, pgx.ReadOnly))
 	if err != nil {
 		return 0, nil, fmt.Errorf("reconcile: begin snapshot: %w", err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"runtime"
@@ -55,6 +56,42 @@ type Env struct {
 	logf   func(format string, a ...any)
 	newDB  func(ctx context.Context, label string) (*DB, error)
 	close  func()
+	// cluster is the throwaway cluster; nil on a -dsn server.
+	cluster *pgcluster.Cluster
+}
+
+// StartStandby starts a streaming hot standby of the throwaway cluster (pgcluster.StartStandby:
+// the cluster's options, hot_standby_feedback on), for cases whose consumers read from one.
+// The caller stops it. A -dsn server has none.
+func (e *Env) StartStandby(ctx context.Context) (*pgcluster.Cluster, error) {
+	if e.cluster == nil {
+		return nil, errors.New("a standby needs the throwaway cluster: run without -dsn")
+	}
+	e.logf("starting a streaming hot standby of the throwaway cluster")
+	sb, err := pgcluster.StartStandby(ctx, e.cluster)
+	if err != nil {
+		return nil, fmt.Errorf("start standby: %w", err)
+	}
+	return sb, nil
+}
+
+// ConsumerDSNOn is a key=value connection string for the database's consumer role on another
+// server of the same cluster (a standby listening on the unix socket directory host).
+func (d *DB) ConsumerDSNOn(host string) string {
+	q := func(v string) string {
+		return "'" + strings.ReplaceAll(strings.ReplaceAll(v, `\`, `\\`), "'", `\'`) + "'"
+	}
+	return fmt.Sprintf("host=%s port=%d dbname=%s user=%s password=%s sslmode=disable", q(host), d.cfg.ConnConfig.Port,
+		q(d.Name), q(d.consumer.name), q(d.consumer.password))
+}
+
+// SuperuserPoolOn opens a superuser pool of maxConns on the database on another server of the
+// same cluster (a standby listening on the unix socket directory host).
+func (d *DB) SuperuserPoolOn(ctx context.Context, host string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg := d.cfg.Copy()
+	cfg.ConnConfig.Host = host
+	cfg.MaxConns = maxConns
+	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
 // DB is one fresh database with the outbox and reference host schemas, and a login role for
@@ -275,7 +312,7 @@ func NewServerEnv(ctx context.Context, dsn string, logf func(string, ...any)) (*
 		if err != nil {
 			return nil, fmt.Errorf("start cluster: %w", err)
 		}
-		env.close = c.Stop
+		env.close, env.cluster = c.Stop, c
 		dsn = c.URL("postgres")
 	}
 	admin, err := pgx.ParseConfig(dsn)

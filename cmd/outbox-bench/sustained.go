@@ -25,6 +25,7 @@ func init() {
 			fs.Float64Var(&o.seconds, "seconds", o.seconds, "length of the measured phase with the outbox; the baseline runs as long, in two halves around it")
 			fs.IntVar(&o.tasks, "tasks", o.tasks, "live tasks created in each database (the writers stop early, and the line says so, if they run out)")
 			fs.StringVar(&o.mailbox, "mailbox", o.mailbox, `"included": the host's post-commit mailbox notice as it writes it; "excluded": it commits nothing on either side`)
+			fs.BoolVar(&o.standby, "standby", o.standby, "start a streaming hot standby of the throwaway cluster and have the consumers read from it (Config.ReadDSN); server CPU stays the primary's, the standby's is reported beside it")
 			return one(func(ctx context.Context, env *Env) (sustainedResult, error) { return runSustained(ctx, env, o) })
 		}})
 }
@@ -33,6 +34,7 @@ type sustainedOpts struct {
 	writers, consumers, projects, tasks int
 	seconds                             float64
 	mailbox                             string
+	standby                             bool
 }
 
 type sustainedResult struct {
@@ -99,8 +101,17 @@ type sustainedResult struct {
 	// Server CPU per delete on each side (0 when the server does not run on this machine).
 	ServerCPUPerTx         float64 `json:"server_cpu_us_per_tx"`
 	BaselineServerCPUPerTx float64 `json:"baseline_server_cpu_us_per_tx"`
-	TasksExhausted         bool    `json:"tasks_exhausted,omitempty"`
-	TimedOut               bool    `json:"timed_out,omitempty"`
+	// ReadFrom is where the consumers read events: "primary", or "standby" (-standby: a
+	// streaming hot standby of the same cluster, Config.ReadDSN). With a standby, the server CPU
+	// figures above stay the primary's (its WAL sender included) and the standby's own is
+	// StandbyServerCPUPerTx; ReadFallbacks and StandbyWaits sum the consumers' Stats.
+	ReadFrom              string  `json:"read_from"`
+	StandbyServerCPUPerTx float64 `json:"standby_server_cpu_us_per_tx,omitempty"`
+	ReadFallbacks         int64   `json:"read_fallbacks,omitempty"`
+	ReadReturns           int64   `json:"read_returns,omitempty"`
+	StandbyWaits          int64   `json:"standby_waits,omitempty"`
+	TasksExhausted        bool    `json:"tasks_exhausted,omitempty"`
+	TimedOut              bool    `json:"timed_out,omitempty"`
 }
 
 // taskQueue hands out one database's deletes, task t-1 .. t-n (t-i of project (i-1) mod
@@ -264,7 +275,7 @@ func (s *sustainedDB) phase(ctx context.Context, env *Env, name string, writers 
 // phase, baseline half, so that drift over the run weighs on both sides.
 func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResult, error) {
 	res := sustainedResult{Header: env.Header("sustained"), Writers: o.writers, Consumers: o.consumers, Projects: o.projects,
-		Seconds: o.seconds, Mailbox: o.mailbox, NumberingShare: -1, NumberingShareLessLockWait: -1}
+		Seconds: o.seconds, Mailbox: o.mailbox, NumberingShare: -1, NumberingShareLessLockWait: -1, ReadFrom: "primary"}
 	if o.writers < 1 || o.consumers < 1 || o.projects < 1 || o.seconds <= 0 || o.tasks < o.projects {
 		return res, errors.New("sustained: need writers, consumers, projects >= 1, seconds > 0 and tasks >= projects")
 	}
@@ -272,6 +283,16 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		return res, fmt.Errorf("sustained: -mailbox must be %q or %q", mailboxExcluded, mailboxIncluded)
 	}
 	phase := time.Duration(o.seconds * float64(time.Second))
+	var standbyHost string
+	if o.standby {
+		// Before the databases: they reach the standby as they are created.
+		sb, err := env.StartStandby(ctx)
+		if err != nil {
+			return res, err
+		}
+		defer sb.Stop()
+		standbyHost, res.ReadFrom = sb.SocketDir(), "standby"
+	}
 	base, err := newSustainedDB(ctx, env, "sustained_baseline", o, false)
 	if err != nil {
 		return res, err
@@ -300,6 +321,19 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		trackers[k] = newTimedTracker("t", o.tasks)
 		ids[k] = fmt.Sprintf("bench-sustained-%d", k)
 		specs[k] = consumerSpec{id: ids[k], projects: projects, listeners: []outbox.Listener{trackers[k].listener()}}
+		if o.standby {
+			specs[k].cfg.ReadDSN = ob.db.ConsumerDSNOn(standbyHost)
+		}
+	}
+	var standbyServer *serverCPU
+	var standbyCPU cpuMeter
+	if o.standby {
+		sbPool, err := ob.db.SuperuserPoolOn(ctx, standbyHost, 1)
+		if err != nil {
+			return res, err
+		}
+		standbyServer = findServer(ctx, sbPool)
+		sbPool.Close()
 	}
 	env.Logf("sustained: starting %d consumers of %d projects", o.consumers, o.projects)
 	consumers, err := startConsumers(ctx, ob.db, specs)
@@ -320,6 +354,7 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 	}
 
 	resetStats := func() error {
+		standbyCPU = startCPU(standbyServer)
 		if stats.ok {
 			return stats.reset(ctx)
 		}
@@ -328,6 +363,10 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 	run, runCPU, err := ob.phase(ctx, env, "outbox with consumers", o.writers, phase, resetStats)
 	if err != nil {
 		return res, err
+	}
+	_, sbCPU := standbyCPU.Stop()
+	if o.standby && run.tx > 0 {
+		res.StandbyServerCPUPerTx = round1(float64(sbCPU/time.Microsecond) / float64(run.tx))
 	}
 	switch {
 	case !stats.ok:
@@ -366,6 +405,12 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+	for _, c := range consumers {
+		st := c.Stats()
+		res.ReadFallbacks += st.ReadFallbacks
+		res.ReadReturns += st.ReadReturns
+		res.StandbyWaits += st.StandbyWaits
 	}
 	stopConsumers()
 

@@ -8,13 +8,15 @@ import (
 	"slices"
 	"strconv"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
 	"fusion/outbox"
 )
 
 func statusCommand(a *app) *cobra.Command {
-	var sortBy string
+	var sortBy, readDSN string
 	cmd := &cobra.Command{
 		Use:   "status",
 		Short: "Show each consumer's cursor, lag, lease and open deliveries",
@@ -44,17 +46,23 @@ Rows are ordered by project, then consumer; --sort lag puts the consumers furthe
 first (LAG_EVENTS, then LAG_SECONDS, descending). --json applies the same order and has no
 summary line.
 
---project and --consumer narrow the list; an unknown --consumer is an error.`,
+--project and --consumer narrow the list; an unknown --consumer is an error.
+
+--read-dsn names a hot standby that consumers read from (their read_dsn): a last line says how
+far it is behind the primary, in ticks and in seconds (the primary's newest tick time minus the
+standby's), or that it has caught up. It is not shown with --json.`,
 		Example: `  outboxctl status
   outboxctl status --sort lag
   outboxctl status --project alpha --consumer dashboard
-  outboxctl status --json | jq '.[] | select(.lagEvents > 1000)'`,
+  outboxctl status --json | jq '.[] | select(.lagEvents > 1000)'
+  outboxctl status --read-dsn "host=replica-1 dbname=tasks user=oncall"`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(ctx context.Context, cmd *cobra.Command, args []string) error {
-			return a.runStatus(ctx, cmd, sortBy)
+			return a.runStatus(ctx, cmd, sortBy, readDSN)
 		}),
 	}
 	cmd.Flags().StringVar(&sortBy, "sort", sortName, "row order: name (project, then consumer) or lag (furthest behind first)")
+	cmd.Flags().StringVar(&readDSN, "read-dsn", "", "a hot standby consumers read from: show how far it is behind the primary")
 	return cmd
 }
 
@@ -64,9 +72,19 @@ const (
 	sortLag  = "lag"
 )
 
-func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, sortBy string) error {
+func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, sortBy, readDSN string) error {
 	if sortBy != sortName && sortBy != sortLag {
 		return usageErrorf("--sort must be %q or %q (got %q)", sortName, sortLag, sortBy)
+	}
+	var standby *pgxpool.Config
+	if readDSN != "" {
+		if a.json {
+			return usageErrorf("--read-dsn adds a line under the table: it is not shown with --json")
+		}
+		var err error
+		if standby, err = pgxpool.ParseConfig(readDSN); err != nil {
+			return usageErrorf("--read-dsn does not parse (%s)", parseReason(err)) // never repeated: it may hold a password
+		}
 	}
 	if err := a.checkFilters(cmd, false, false, true, true); err != nil {
 		return err
@@ -122,7 +140,43 @@ func (a *app) runStatus(ctx context.Context, cmd *cobra.Command, sortBy string) 
 	if _, err := fmt.Fprintf(a.stdout, "\n%s\n", statusSummary(rows)); err != nil {
 		return fmt.Errorf("write summary: %w", err)
 	}
+	if standby != nil {
+		line, err := a.standbyLine(ctx, standby)
+		if err != nil {
+			return err
+		}
+		if _, err := fmt.Fprintln(a.stdout, line); err != nil {
+			return fmt.Errorf("write standby line: %w", err)
+		}
+	}
 	return partialError(partial)
+}
+
+// standbyLine says how far the standby consumers read from is behind the primary.
+func (a *app) standbyLine(ctx context.Context, cfg *pgxpool.Config) (string, error) {
+	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "outboxctl"
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	if err != nil {
+		return "", fmt.Errorf("--read-dsn: %w", connectError(cfg, err))
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+	lag, err := outbox.CompareStandby(ctx, a.pool, conn)
+	if err != nil {
+		return "", err
+	}
+	var line string
+	if lag.Ticks == 0 {
+		line = fmt.Sprintf("standby: caught up (tick %d)", lag.StandbyTick)
+	} else {
+		line = fmt.Sprintf("standby: %s behind the primary (%s seconds; tick %d of %d)", plural(int(lag.Ticks), "tick", "ticks"),
+			strconv.FormatFloat(lag.Lag.Seconds(), 'f', 1, 64), lag.StandbyTick, lag.PrimaryTick)
+	}
+	if !lag.InRecovery {
+		line += "; it is not in recovery: a primary, or a promoted standby"
+	}
+	return line, nil
 }
 
 // statusSummary is the line under the status table: how many consumers, how many behind and

@@ -63,6 +63,23 @@ func TestStatus(t *testing.T) {
 		require.NotContains(t, f.ctl(t, "status", "--json").stdout, "behind", "no summary in JSON")
 	})
 
+	t.Run("read dsn", func(t *testing.T) {
+		// The lag figures are tested on a real streaming standby in the module's
+		// TestStandbyReads; here the primary stands in for one, which says it is not one.
+		r := f.ctl(t, "status", "--read-dsn", f.db.URL)
+		require.Equal(t, 0, r.code, "%s", r)
+		lines := strings.Split(strings.TrimSuffix(r.stdout, "\n"), "\n")
+		last := lines[len(lines)-1]
+		require.Regexp(t, `^standby: caught up \(tick [0-9]+\); it is not in recovery: a primary, or a promoted standby$`, last)
+		r = f.ctl(t, "status", "--read-dsn", f.db.URL, "--json")
+		require.Equal(t, 2, r.code, "%s", r)
+		require.Contains(t, r.stderr, "--read-dsn adds a line under the table")
+		r = f.ctl(t, "status", "--read-dsn", "host=db port=x password=Sup3rSecret")
+		require.Equal(t, 2, r.code, "%s", r)
+		require.Contains(t, r.stderr, "--read-dsn does not parse")
+		require.NotContains(t, r.stderr+r.stdout, "Sup3rSecret")
+	})
+
 	t.Run("sort by lag", func(t *testing.T) {
 		names := func(r result) []string {
 			t.Helper()

@@ -44,6 +44,10 @@ type Cluster struct {
 	logFile string
 	cred    *syscall.Credential // nil when not running as root
 	opts    Options
+	// primary and slot are set on a standby (StartStandby): the cluster it follows and the
+	// replication slot it holds there, dropped by Stop.
+	primary *Cluster
+	slot    string
 
 	reaper     *exec.Cmd
 	reaperPipe *os.File
@@ -268,6 +272,23 @@ func (c *Cluster) Stop() {
 	_ = c.reaperPipe.Close()
 	_ = c.reaper.Wait()
 	_ = os.RemoveAll(c.baseDir)
+	if c.primary != nil && c.slot != "" {
+		// The slot would keep WAL on the primary for ever. A primary already stopped has
+		// nothing left to keep.
+		_ = c.primary.dropSlot(ctx, c.slot)
+	}
+}
+
+// dropSlot drops a replication slot of a standby that is gone, when the server still runs.
+func (c *Cluster) dropSlot(ctx context.Context, slot string) error {
+	c.mu.Lock()
+	stopped := c.stopped
+	c.mu.Unlock()
+	if stopped {
+		return nil
+	}
+	return c.run(ctx, "psql", "-X", "-q", "-h", c.sockDir, "-p", "5432", "-U", Superuser, "-d", "postgres",
+		"-c", "SELECT pg_catalog.pg_drop_replication_slot(slot_name) FROM pg_catalog.pg_replication_slots WHERE slot_name = '"+slot+"'")
 }
 
 // HandToPostgresUser prepares dir for server processes run as the "postgres" OS user when the
@@ -310,3 +331,90 @@ func StartReaper(script string, cred *syscall.Credential, args ...string) (*exec
 	_ = r.Close()
 	return cmd, w, nil
 }
+
+// StartStandby starts a streaming hot standby of primary: a base backup of it (pg_basebackup
+// with -R, over primary's unix socket, as the OS user that owns the clusters when running as
+// root) in a directory of its own, started with hot_standby and hot_standby_feedback on and
+// primary's options, listening on a socket directory of its own. The backup creates a physical
+// replication slot on primary, so the standby can be stopped and started again without
+// losing WAL; Stop drops it. The standby has a reaper like any cluster: nothing is left
+// running. It needs from primary what PostgreSQL 15's defaults give a throwaway cluster
+// (wal_level=replica, max_wal_senders > 0, and initdb's trust line for local replication).
+func StartStandby(ctx context.Context, primary *Cluster) (*Cluster, error) {
+	parent := filepath.Dir(primary.baseDir)
+	baseDir, err := os.MkdirTemp(parent, "pgs")
+	if err != nil {
+		return nil, fmt.Errorf("create standby directory: %w", err)
+	}
+	opts := primary.opts
+	opts.Settings = map[string]string{"hot_standby": "on", "hot_standby_feedback": "on"}
+	for k, v := range primary.opts.Settings {
+		if _, set := opts.Settings[k]; !set {
+			opts.Settings[k] = v
+		}
+	}
+	c := &Cluster{
+		binDir:  primary.binDir,
+		baseDir: baseDir,
+		dataDir: filepath.Join(baseDir, "data"),
+		sockDir: baseDir,
+		logFile: filepath.Join(baseDir, "server.log"),
+		opts:    opts,
+		primary: primary,
+		slot:    slotName(filepath.Base(baseDir)),
+	}
+	cred, err := HandToPostgresUser(baseDir, "pg_basebackup")
+	if err != nil {
+		_ = os.RemoveAll(baseDir)
+		return nil, err
+	}
+	c.cred = cred
+	if err := c.startReaper(); err != nil {
+		_ = os.RemoveAll(baseDir)
+		return nil, err
+	}
+	if err := c.run(ctx, "pg_basebackup", "-h", primary.sockDir, "-p", "5432", "-U", Superuser,
+		"-D", c.dataDir, "-R", "-X", "stream", "-c", "fast", "--no-sync", "-C", "-S", c.slot); err != nil {
+		c.slot = "" // nothing to drop, or nothing reachable to drop it on
+		c.Stop()
+		return nil, err
+	}
+	if err := c.start(ctx); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+// slotName makes a replication slot name (lower-case letters, digits, underscores) from a
+// directory name.
+func slotName(dir string) string {
+	return "standby_" + strings.Map(func(r rune) rune {
+		if (r >= 'a' && r <= 'z') || (r >= '0' && r <= '9') {
+			return r
+		}
+		if r >= 'A' && r <= 'Z' {
+			return r - 'A' + 'a'
+		}
+		return '_'
+	}, dir)
+}
+
+// Promote ends the standby's recovery (pg_ctl promote) and waits until it accepts writes. The
+// promoted server no longer follows its primary; the primary's slot for it stays until Stop.
+func (c *Cluster) Promote(ctx context.Context) error {
+	if c.primary == nil {
+		return errors.New("promote: not a standby")
+	}
+	return c.run(ctx, "pg_ctl", "promote", "-w", "-t", "60", "-D", c.dataDir)
+}
+
+// Kill stops the server at once (immediate mode: no shutdown checkpoint, as a crash would) and
+// keeps its data directory; StartServer starts it again, through crash recovery. A standby
+// started again resumes streaming from its slot.
+func (c *Cluster) Kill(ctx context.Context) error {
+	return c.run(ctx, "pg_ctl", "stop", "-w", "-t", "60", "-m", "immediate", "-D", c.dataDir)
+}
+
+// IsStandby reports whether c was started by StartStandby (promoted or not).
+func (c *Cluster) IsStandby() bool { return c.primary != nil }

@@ -8,6 +8,9 @@
 //
 // Bouncer (bouncer.go) puts one real PgBouncer, in transaction pooling mode, in front of the
 // throwaway cluster for the tests that must show the module works behind a pooler.
+//
+// StartPair (standby.go) starts a primary of its own and a streaming hot standby of it, for the
+// tests of reading from a standby; they can pause its replay, kill it and promote it.
 package pgtest
 
 import (
@@ -227,6 +230,10 @@ func ExampleDB() (DB, func() error, error) {
 }
 
 func createDB(template string) (DB, func() error, error) {
+	return srv.createDB(template)
+}
+
+func (srv *server) createDB(template string) (DB, func() error, error) {
 	name := fmt.Sprintf("t%d_%d", os.Getpid(), dbCounter.Add(1))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -53,3 +53,40 @@ func BenchmarkNewDB(b *testing.B) {
 		pgtest.NewDB(b)
 	}
 }
+
+// TestStandbyPair: a row written on the pair's primary shows on its standby, not while the
+// standby's replay is paused, again once it resumes; a promoted standby takes writes.
+func TestStandbyPair(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pair := pgtest.StartPair(t)
+	db := pair.NewDB(t)
+	primary, standby := pgtest.Pool(t, db.URL), pgtest.Pool(t, db.StandbyURL)
+	require.NoError(t, outbox.VerifySchema(ctx, standby), "the standby has the migrated database")
+	var inRecovery bool
+	require.NoError(t, standby.QueryRow(ctx, `SELECT pg_is_in_recovery()`).Scan(&inRecovery))
+	require.True(t, inRecovery)
+	count := func() int { return pgtest.QueryInt(t, standby, `SELECT count(*) FROM settings`) }
+
+	_, err := primary.Exec(ctx, `INSERT INTO settings (key, value) VALUES ('a', '1')`)
+	require.NoError(t, err)
+	require.NoError(t, pair.WaitReplayed(t))
+	require.Equal(t, 1, count(), "a row written on the primary is visible on the standby")
+
+	pair.PauseReplay(t)
+	_, err = primary.Exec(ctx, `INSERT INTO settings (key, value) VALUES ('b', '2')`)
+	require.NoError(t, err)
+	// Replay is paused: the row cannot show, however long we look. A short look suffices to
+	// catch a pause that does not hold.
+	require.Never(t, func() bool { return count() != 1 }, 200*time.Millisecond, 20*time.Millisecond)
+	pair.ResumeReplay(t)
+	require.NoError(t, pair.WaitReplayed(t))
+	require.Equal(t, 2, count(), "and once replay resumes")
+
+	_, err = standby.Exec(ctx, `INSERT INTO settings (key, value) VALUES ('c', '3')`)
+	require.Error(t, err, "a standby refuses writes")
+	require.NoError(t, pair.Standby.Promote(ctx))
+	_, err = standby.Exec(ctx, `INSERT INTO settings (key, value) VALUES ('c', '3')`)
+	require.NoError(t, err, "a promoted standby takes writes")
+}

@@ -1,0 +1,524 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/zap"
+
+	"fusion/outbox/internal/safetext"
+)
+
+// Reading from a hot standby (Config.ReadDSN). A scan reads the heads, the events and a
+// reconciliation's snapshot from one source: the standby, or the primary (the consumer's
+// pool). Everything the consumer writes or locks stays on the primary, and so does what it
+// reads of its own state (open deliveries, cursors, leases).
+//
+// What keeps it correct:
+//   - A scan starts by reading the heads on the standby while it reads its open deliveries on
+//     the primary, and with them the primary's newest tick. The standby serves the scan only
+//     once it has replayed that tick (and every tick the consumer saw before), so the tick
+//     whose notification started the scan is never missed, and a head never goes back below
+//     what the stream reached (which would look like a restored database). A scan waits up to
+//     ReadMaxLag for the standby to get there, then reads from the primary instead.
+//   - Heads and events of a scan come from the same server, so a head never counts events its
+//     server does not show. When a read on the standby fails, or finds a hole, the rest of the
+//     scan reads from the primary, which holds everything the standby does: a standby never
+//     turns into a reconciliation.
+//   - The cursor moves only with what was dispatched, whichever server it was read from.
+//
+// A statement the standby cancels for a conflict with recovery is retried, and after
+// readConflictRetries the scan reads from the primary; it never counts against an event. A
+// standby that cannot be reached, or that made a scan wait ReadMaxLag, is left: the consumer
+// reads from the primary (logged once, counted), probes the standby on each scan, and returns
+// to it once it has replayed the primary's newest tick (logged once, counted).
+
+// errNotStandby refuses a connection of the read pool to a server that is not in recovery.
+var errNotStandby = errors.New("the ReadDSN (read_dsn) server is not in recovery: not a standby (promoted, or a primary)")
+
+// readConflictRetries is how often a read the standby cancelled for a recovery conflict is
+// tried again on the standby before the scan reads from the primary.
+const readConflictRetries = 3
+
+// Reasons the consumer reads from the primary instead of the standby (the reason label of
+// outbox_read_fallbacks_total).
+const (
+	fallbackLag         = "lag"         // the standby did not replay the newest tick within ReadMaxLag
+	fallbackUnreachable = "unreachable" // the standby could not be reached or failed a read
+)
+
+// newestTickSQL reads the newest tick: the standby's probe.
+const newestTickSQL = `SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`
+
+// openWithTickSQL is openDeliveriesSQL with the newest tick on every row, and one row with
+// only the tick when nothing is open: the primary's tick costs no statement of its own.
+const openWithTickSQL = `
+SELECT t.tick_id, t.ticked_at, d.project_id, d.sequence, d.event_id, d.state, d.attempts, d.due, d.wait_seconds
+FROM (SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
+LEFT JOIN (` + openDeliveriesSQL + `) AS d (project_id, sequence, event_id, state, attempts, due, wait_seconds) ON true
+ORDER BY d.project_id, d.sequence`
+
+// readSource is where a consumer's scans read: the standby when Config.ReadDSN is set and it
+// serves, else the primary. Its fields other than the pool are the loop goroutine's.
+type readSource struct {
+	cfg     Config
+	id      ConsumerID
+	log     *zap.Logger
+	metrics *Metrics
+	stats   *stats
+
+	standby *pgxpool.Pool // opened at start, closed at shutdown; nil without ReadDSN
+
+	fallen     bool      // reading from the primary until the standby catches up
+	probeAfter time.Time // no probe of an unreachable standby before then
+	// scanStandby: the scan under way reads from the standby. It only goes from true to false
+	// within a scan: the primary holds everything the standby does, not the other way.
+	scanStandby bool
+}
+
+// configured reports whether a standby was configured.
+func (r *readSource) configured() bool { return r != nil && r.cfg.ReadDSN != "" }
+
+// open opens the standby's pool; it connects lazily, so a standby down at start costs nothing
+// but the fallback.
+func (r *readSource) open() error {
+	if !r.configured() {
+		return nil
+	}
+	pcfg, err := pgxpool.ParseConfig(r.cfg.ReadDSN)
+	if err != nil {
+		return fmt.Errorf("ReadDSN (read_dsn) does not parse: %s", safetext.DSNParseReason(err))
+	}
+	// The loop reads at most the heads and a probe at once.
+	pcfg.MaxConns = 4
+	if pcfg.ConnConfig.ConnectTimeout == 0 || pcfg.ConnConfig.ConnectTimeout > r.cfg.ReadMaxLag {
+		pcfg.ConnConfig.ConnectTimeout = r.cfg.ReadMaxLag
+	}
+	// A server that is not in recovery is not a standby of the primary (a promoted one, or a
+	// primary by mistake): its ticks and events may not be the primary's, so it serves nothing.
+	pcfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+		var inRecovery bool
+		if err := conn.QueryRow(ctx, `SELECT pg_catalog.pg_is_in_recovery()`).Scan(&inRecovery); err != nil {
+			return err
+		}
+		if !inRecovery {
+			return errNotStandby
+		}
+		return nil
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		return fmt.Errorf("open the standby's pool: %w", err)
+	}
+	r.standby = pool
+	return nil
+}
+
+func (r *readSource) close() {
+	if r != nil && r.standby != nil {
+		r.standby.Close()
+	}
+}
+
+// fallBack makes the consumer read from the primary until the standby catches up: logged
+// once, counted.
+func (r *readSource) fallBack(reason string, lagTicks int64, lag time.Duration, err error) {
+	r.scanStandby = false
+	if reason == fallbackUnreachable {
+		r.probeAfter = time.Now().Add(r.cfg.ReadMaxLag)
+	}
+	if r.fallen {
+		return
+	}
+	r.fallen = true
+	r.stats.onStandby.Store(false)
+	r.stats.readFallbacks.Add(1)
+	r.metrics.readFallback(string(r.id), reason)
+	fields := []zap.Field{zap.String("reason", reason), zap.Int64("lag_ticks", lagTicks), zap.Duration("lag", lag),
+		zap.Duration("read_max_lag", r.cfg.ReadMaxLag)}
+	if err != nil {
+		fields = append(fields, zap.Error(err))
+	}
+	r.log.Warn("reading from the primary instead of the standby until the standby catches up", fields...)
+}
+
+// returnToStandby makes the next scan read from the standby again: logged once, counted.
+func (r *readSource) returnToStandby(tick int64) {
+	r.fallen = false
+	r.stats.onStandby.Store(true)
+	r.stats.readReturns.Add(1)
+	r.metrics.readReturn(string(r.id))
+	r.log.Info("reading from the standby again: it has replayed the primary's newest tick", zap.Int64("tick", tick))
+}
+
+// setLag records how far the standby is behind the primary.
+func (r *readSource) setLag(ticks int64, lag time.Duration) {
+	ticks, lag = max(ticks, 0), max(lag, 0)
+	r.stats.lagTicks.Store(ticks)
+	r.stats.lagNanos.Store(int64(lag))
+	r.metrics.readLag(string(r.id), ticks, lag)
+}
+
+// headsRead is what one read of heads returned: the heads, the source's newest tick and when
+// it was taken, and when the tick the loop saw last was taken there (nil when not stored).
+type headsRead struct {
+	heads    map[string]Head
+	newest   int64
+	newestAt time.Time
+	seenAt   *time.Time
+}
+
+// queryHeads reads the heads of projects on db (loopHeadsSQL) with the newest tick.
+func queryHeads(ctx context.Context, db DBTX, projects []string, seenTick int64) (headsRead, error) {
+	rows, err := db.Query(ctx, loopHeadsSQL, projects, seenTick)
+	if err != nil {
+		return headsRead{}, fmt.Errorf("read heads: %w", err)
+	}
+	hr := headsRead{heads: make(map[string]Head, len(projects))}
+	for rows.Next() {
+		var project *string
+		var h Head
+		var last, floor *int64
+		if err := rows.Scan(&project, &last, &floor, &hr.newest, &hr.newestAt, &hr.seenAt); err != nil {
+			rows.Close()
+			return headsRead{}, fmt.Errorf("read heads: %w", err)
+		}
+		if project != nil {
+			h.ProjectID, h.LastSequence, h.PrunedThrough = *project, *last, *floor
+			hr.heads[h.ProjectID] = h
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return headsRead{}, fmt.Errorf("read heads: %w", err)
+	}
+	return hr, nil
+}
+
+// openWithTick reads the open deliveries of projects and the primary's newest tick in one
+// statement. When it fails, the deliveries are read as without a standby (project by project
+// if need be) and the tick is unknown (tick 0).
+func (s *deliveryStore) openWithTick(ctx context.Context, db DBTX, projects []string) (open map[string][]delivery, tick int64, tickAt time.Time, err error) {
+	rows, err := db.Query(ctx, openWithTickSQL, s.id, projects, s.offset())
+	if err == nil {
+		open, tick, tickAt, err = scanOpenWithTick(rows)
+	}
+	if err == nil || ctx.Err() != nil {
+		return open, tick, tickAt, err
+	}
+	open, err = s.open(ctx, db, projects)
+	return open, 0, time.Time{}, err
+}
+
+func scanOpenWithTick(rows pgx.Rows) (map[string][]delivery, int64, time.Time, error) {
+	defer rows.Close()
+	out := map[string][]delivery{}
+	var tick int64
+	var tickAt time.Time
+	for rows.Next() {
+		var p, eventID, state *string
+		var sequence *int64
+		var attempts *int
+		var due *bool
+		var waitSeconds *float64
+		if err := rows.Scan(&tick, &tickAt, &p, &sequence, &eventID, &state, &attempts, &due, &waitSeconds); err != nil {
+			return nil, 0, time.Time{}, err
+		}
+		if p == nil {
+			continue // nothing open: the row carries the tick alone
+		}
+		if sequence == nil || eventID == nil || state == nil || attempts == nil || due == nil || waitSeconds == nil {
+			return nil, 0, time.Time{}, errors.New("read open deliveries: a delivery row with a NULL column")
+		}
+		out[*p] = append(out[*p], delivery{sequence: *sequence, eventID: *eventID, state: DeliveryState(*state),
+			attempts: *attempts, due: *due, wait: clampWait(*waitSeconds)})
+	}
+	return out, tick, tickAt, rows.Err()
+}
+
+// scanStart reads what a scan starts from: the heads of held and their open deliveries, the
+// latter on the primary, the former on the scan's source, which it picks (see the top of
+// this file). The heads are applied to the stream states as readHeads does.
+func (l *scanLoop) scanStart(ctx context.Context, held []string) (heads map[string]Head, open map[string][]delivery, headsErr, openErr error) {
+	r := l.reads
+	r.scanStandby = false
+	if !r.configured() {
+		opened := make(chan struct{})
+		go func() {
+			defer close(opened)
+			open, openErr = l.store.open(ctx, l.pool, held)
+		}()
+		heads, headsErr = l.readHeads(ctx, held)
+		<-opened
+		return heads, open, headsErr, openErr
+	}
+	if r.fallen {
+		return l.scanStartFallen(ctx, held)
+	}
+	var want int64
+	var wantAt time.Time
+	opened := make(chan struct{})
+	go func() {
+		defer close(opened)
+		open, want, wantAt, openErr = l.store.openWithTick(ctx, l.pool, held)
+	}()
+	hr, err := l.standbyHeads(ctx, held)
+	<-opened
+	switch {
+	case ctx.Err() != nil:
+		return nil, open, ctx.Err(), openErr
+	case err != nil && !standbyDown(err):
+		// Cancelled again and again by recovery conflicts, or a failure the primary may share:
+		// this scan reads from the primary, the next tries the standby again.
+	case err != nil:
+		r.fallBack(fallbackUnreachable, 0, 0, err)
+	case want == 0:
+		// The primary's tick is unknown (its read failed): this scan reads from the primary.
+	default:
+		want = max(want, l.seenTick)
+		if hr.newest < want {
+			hr, err = l.awaitStandby(ctx, held, hr, want, wantAt)
+		} else {
+			r.setLag(0, 0)
+		}
+		switch {
+		case ctx.Err() != nil:
+			return nil, open, ctx.Err(), openErr
+		case err != nil && !standbyDown(err):
+		case err != nil:
+			r.fallBack(fallbackUnreachable, 0, 0, err)
+		case hr.newest >= want:
+			r.scanStandby = true
+		default:
+			r.fallBack(fallbackLag, want-hr.newest, wantAt.Sub(hr.newestAt), nil)
+		}
+	}
+	if !r.scanStandby {
+		if hr, err = queryHeads(ctx, l.pool, held, l.seenTick); err != nil {
+			return nil, open, err, openErr
+		}
+	}
+	return l.applyHeads(hr), open, nil, openErr
+}
+
+// scanStartFallen starts a scan that reads from the primary while the standby is behind or
+// unreachable, and probes the standby meanwhile: once it has replayed the primary's newest
+// tick, the next scan reads from it again.
+func (l *scanLoop) scanStartFallen(ctx context.Context, held []string) (heads map[string]Head, open map[string][]delivery, headsErr, openErr error) {
+	r := l.reads
+	var probe int64
+	var probeAt time.Time
+	var probeErr error
+	probing := time.Now().After(r.probeAfter)
+	done := make(chan struct{}, 2)
+	go func() {
+		defer func() { done <- struct{}{} }()
+		open, openErr = l.store.open(ctx, l.pool, held)
+	}()
+	go func() {
+		defer func() { done <- struct{}{} }()
+		if !probing {
+			return
+		}
+		pctx, cancel := context.WithTimeout(ctx, min(r.cfg.ReadMaxLag, 2*time.Second))
+		defer cancel()
+		probeErr = r.standby.QueryRow(pctx, newestTickSQL).Scan(&probe, &probeAt)
+	}()
+	hr, err := queryHeads(ctx, l.pool, held, l.seenTick)
+	<-done
+	<-done
+	if err != nil {
+		return nil, open, err, openErr
+	}
+	switch {
+	case !probing:
+	case probeErr != nil:
+		if ctx.Err() == nil {
+			r.probeAfter = time.Now().Add(r.cfg.ReadMaxLag)
+		}
+	default:
+		r.setLag(hr.newest-probe, hr.newestAt.Sub(probeAt))
+		if probe >= hr.newest && probe >= l.seenTick {
+			r.returnToStandby(probe)
+		}
+	}
+	return l.applyHeads(hr), open, nil, openErr
+}
+
+// standbyHeads reads the heads on the standby, trying again a statement cancelled by a
+// recovery conflict.
+func (l *scanLoop) standbyHeads(ctx context.Context, held []string) (headsRead, error) {
+	for attempt := 0; ; attempt++ {
+		hr, err := queryHeads(ctx, l.reads.standby, held, l.seenTick)
+		if err == nil || ctx.Err() != nil || !recoveryConflict(err) || attempt >= readConflictRetries {
+			return hr, err
+		}
+		l.reads.conflict(err)
+		conflictPause(ctx, attempt)
+	}
+}
+
+// awaitStandby reads the heads on the standby again until it has replayed tick want, for at
+// most ReadMaxLag on the consumer's clock. It returns the last heads it read: their newest
+// tick is below want when the wait ran out.
+func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead, want int64, wantAt time.Time) (headsRead, error) {
+	r := l.reads
+	r.stats.standbyWaits.Add(1)
+	r.stats.waiting.Store(true)
+	defer r.stats.waiting.Store(false)
+	deadline := r.cfg.Clock.NewTimer(r.cfg.ReadMaxLag)
+	defer deadline.Stop()
+	pause := time.Millisecond
+	for {
+		r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
+		wait := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			wait.Stop()
+			return hr, ctx.Err()
+		case <-deadline.C():
+			wait.Stop()
+			return hr, nil
+		case <-wait.C:
+		}
+		pause = min(pause*2, 20*time.Millisecond)
+		next, err := l.standbyHeads(ctx, held)
+		if err != nil {
+			return hr, err
+		}
+		if hr = next; hr.newest >= want {
+			r.setLag(0, 0)
+			return hr, nil
+		}
+	}
+}
+
+// conflict counts a read the standby cancelled for a conflict with recovery.
+func (r *readSource) conflict(err error) {
+	r.stats.readConflicts.Add(1)
+	r.metrics.readConflict(string(r.id))
+	r.log.Debug("a read on the standby was cancelled by recovery; it is tried again", zap.Error(err))
+}
+
+// read runs fn on the scan's source. On the standby, a statement cancelled by a recovery
+// conflict is tried again (readConflictRetries times); when the standby still fails, fn runs
+// on the primary, which serves the rest of the scan, and a standby that could not be reached
+// (standbyDown) is left until it catches up.
+func (l *scanLoop) read(ctx context.Context, fn func(db *pgxpool.Pool) error) error {
+	r := l.reads
+	if r == nil || !r.scanStandby {
+		return fn(l.pool)
+	}
+	for attempt := 0; ; attempt++ {
+		err := fn(r.standby)
+		if err == nil || ctx.Err() != nil {
+			return err
+		}
+		switch {
+		case recoveryConflict(err):
+			r.conflict(err)
+			if attempt < readConflictRetries {
+				conflictPause(ctx, attempt)
+				continue
+			}
+			r.scanStandby = false
+		case standbyDown(err):
+			r.fallBack(fallbackUnreachable, 0, 0, err)
+		default:
+			// A failure the primary may well share (a broken row, a statement timeout): the
+			// rest of this scan reads from the primary, whose answer the loop handles as usual.
+			r.scanStandby = false
+		}
+		return fn(l.pool)
+	}
+}
+
+// readFromPrimary makes the rest of the scan read from the primary (see scanProject: a hole
+// seen on the standby is read again there before anything is reconciled). It reports whether
+// the scan was reading from the standby.
+func (l *scanLoop) readFromPrimary() bool {
+	r := l.reads
+	if r == nil || !r.scanStandby {
+		return false
+	}
+	r.scanStandby = false
+	return true
+}
+
+// recoveryConflict reports whether a standby cancelled the statement (or ended the session)
+// for a conflict with recovery: SQLSTATE 40001 (what a read-only statement on a hot standby
+// gets for it), or any error whose message says so (a deadlock with the startup process, a
+// session ended for it, depending on the server's version).
+func recoveryConflict(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	return pgErr.Code == pgerrcode.SerializationFailure || strings.Contains(pgErr.Message, "conflict with recovery")
+}
+
+// standbyDown reports whether err says the standby could not be reached or dropped the
+// session: a failed connection, a connection lost, a server shutting down or starting, or one
+// that is no standby (errNotStandby).
+func standbyDown(err error) bool {
+	var ce *pgconn.ConnectError
+	if errors.As(err, &ce) || pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, errNotStandby) ||
+		errors.Is(err, net.ErrClosed) {
+		return true
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		// Class 08, connection exception; 57P01-57P03, the server shutting down or starting.
+		return strings.HasPrefix(pgErr.Code, "08") || pgErr.Code == pgerrcode.AdminShutdown ||
+			pgErr.Code == pgerrcode.CrashShutdown || pgErr.Code == pgerrcode.CannotConnectNow
+	}
+	return false
+}
+
+// conflictPause lets the replay that cancelled a read go on before the read is tried again.
+func conflictPause(ctx context.Context, attempt int) {
+	sleepCtx(ctx, time.Duration(attempt+1)*5*time.Millisecond)
+}
+
+// StandbyLag is how far a standby is behind its primary, in ticks and in time (CompareStandby).
+type StandbyLag struct {
+	PrimaryTick   int64     // the primary's newest tick
+	PrimaryTickAt time.Time // when it was taken (the primary's clock)
+	StandbyTick   int64     // the standby's newest replayed tick
+	StandbyTickAt time.Time
+	Ticks         int64         // PrimaryTick - StandbyTick, at least 0
+	Lag           time.Duration // PrimaryTickAt - StandbyTickAt, at least 0; 0 when caught up
+	InRecovery    bool          // the standby is still a standby (false: promoted, or a primary)
+}
+
+// CompareStandby reads the newest tick on primary, then on standby, and says how far the standby
+// is behind: the figures a consumer with Config.ReadDSN compares before it reads from a standby.
+// The time figure is measured between ticks: after a quiet spell, the first new tick shows the
+// whole spell until the standby replays it.
+func CompareStandby(ctx context.Context, primary, standby DBTX) (StandbyLag, error) {
+	var l StandbyLag
+	if err := primary.QueryRow(ctx, newestTickSQL).Scan(&l.PrimaryTick, &l.PrimaryTickAt); err != nil {
+		return l, fmt.Errorf("compare standby: read the primary's newest tick: %w", err)
+	}
+	err := standby.QueryRow(ctx, `SELECT n.tick_id, n.ticked_at, pg_catalog.pg_is_in_recovery()
+FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
+	if err != nil {
+		return l, fmt.Errorf("compare standby: read the standby's newest tick: %w", err)
+	}
+	if l.StandbyTick < l.PrimaryTick {
+		l.Ticks, l.Lag = l.PrimaryTick-l.StandbyTick, max(l.PrimaryTickAt.Sub(l.StandbyTickAt), 0)
+	}
+	return l, nil
+}
