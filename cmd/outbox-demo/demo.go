@@ -150,7 +150,9 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	sseCtx, stopSSE := context.WithCancel(ctx)
 	defer stopSSE()
 	sseDone := make(chan error, 1)
-	go func() { sseDone <- followStream(sseCtx, "http://"+addr+"/events", filepath.Join(dir, "viewer.pos"), seen) }()
+	go func() {
+		sseDone <- followStream(sseCtx, "http://"+addr+"/events", filepath.Join(dir, "viewer.pos"), seen)
+	}()
 	say("a remote viewer follows http://%s/events with outbox.StreamClient (server-sent events; it resumes with Last-Event-ID)", addr)
 	say("operations page: http://%s/ops/ (served by the dashboard while the demo runs; its buttons work from this machine only)", addr)
 
