@@ -45,6 +45,8 @@ var Statements = map[string]string{
 	"moduleSchemaSQL":         moduleSchemaSQL,
 	"notifySQL":               notifySQL,
 	"openDeliveriesSQL":       openDeliveriesSQL,
+	"openWithTickSQL":         openWithTickSQL,
+	"newestTickSQL":           newestTickSQL,
 	"planSQL":                 planSQL,
 	"projectsStatusSQL":       projectsStatusSQL,
 	"pruneBatchSQL":           pruneBatchSQL,
