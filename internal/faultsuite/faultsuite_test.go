@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -48,6 +49,8 @@ type proc struct {
 	lossesAt   map[string]int // owner token -> lease losses reported by that incarnation
 	done       bool           // writer finished its list
 	stopping   bool
+	stdin      io.WriteCloser // the runtimes role's commands
+	answers    chan string    // the runtimes role's answers ("added p", "removed p")
 }
 
 func (p *proc) start(t *testing.T) {
@@ -65,11 +68,17 @@ func (p *proc) start(t *testing.T) {
 	cmd.Stderr = logFile
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
+	var stdin io.WriteCloser
+	if p.role == "runtimes" {
+		stdin, err = cmd.StdinPipe()
+		require.NoError(t, err)
+	}
+	answers := make(chan string, 16)
 	require.NoError(t, cmd.Start())
 	ready := make(chan struct{})
 	exited := make(chan error, 1)
 	p.mu.Lock()
-	p.cmd, p.exited, p.owner, p.stopping = cmd, exited, "", false
+	p.cmd, p.exited, p.owner, p.stopping, p.stdin, p.answers = cmd, exited, "", false, stdin, answers
 	p.mu.Unlock()
 	go func() {
 		sc := bufio.NewScanner(out)
@@ -93,6 +102,8 @@ func (p *proc) start(t *testing.T) {
 					p.lossesAt[p.owner] = int(s.LeaseLosses)
 					p.mu.Unlock()
 				}
+			case strings.HasPrefix(line, "added ") || strings.HasPrefix(line, "removed "):
+				answers <- line
 			case line == "done":
 				p.mu.Lock()
 				p.done = true

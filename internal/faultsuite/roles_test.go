@@ -1,6 +1,7 @@
 package faultsuite
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -87,6 +88,8 @@ func runRole(role string) int {
 		err = runObserver(ctx, args, log)
 	case "child":
 		err = runChildWorker(ctx, args, log)
+	case "runtimes":
+		err = runRuntimes(ctx, args, log)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}
@@ -289,6 +292,73 @@ func runChildWorker(ctx context.Context, a roleArgs, log *zap.Logger) error {
 	defer func() { _ = al.Close() }()
 	return testhost.RunWorker(ctx, testhost.WorkerOptions{Socket: a.Socket, Positions: a.Positions, Log: al,
 		Logger: log.With(zap.String("process", a.Name)), Ready: func() { fmt.Println("ready") }})
+}
+
+// runRuntimes is an engine whose project manager starts and stops per-project runtimes while
+// it runs, as told by lines on its stdin ("add <project>", "remove <project>"; it answers
+// "added <project>" and "removed <project>"). Each project's runtime applies to a log of its
+// own, <Log>.<project>, so the suite sees which runtime got what.
+func runRuntimes(ctx context.Context, a roleArgs, log *zap.Logger) error {
+	runtimes := outbox.NewProjectRuntimes(outbox.ProjectRuntimesOptions{Logger: log})
+	var store *testhost.Store
+	app, err := startApp(ctx, func() *fx.App {
+		return fx.New(outbox.Module, testhost.Module, fx.Supply(hostConfig(a), log),
+			fx.Decorate(func(outbox.Projects) outbox.Projects { return runtimes }),
+			fx.Provide(outbox.AsListener(func() *outbox.ProjectRuntimes { return runtimes })),
+			fx.Populate(&store), fx.NopLogger)
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	logs := map[string]*testhost.ApplyLog{}
+	defer func() {
+		for _, l := range logs {
+			_ = l.Close()
+		}
+	}()
+	lines := make(chan string)
+	go func() {
+		sc := bufio.NewScanner(os.Stdin)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+	}()
+	for {
+		var line string
+		var open bool
+		select {
+		case <-ctx.Done():
+			return stopApp(app)
+		case line, open = <-lines:
+		}
+		if !open {
+			<-ctx.Done()
+			return stopApp(app)
+		}
+		verb, project, _ := strings.Cut(line, " ")
+		switch verb {
+		case "add":
+			l := logs[project]
+			if l == nil {
+				if l, err = testhost.OpenApplyLog(testhost.ApplyOptions{Path: a.Log + "." + project}); err != nil {
+					return err
+				}
+				l.UseStore(store)
+				logs[project] = l
+			}
+			err = runtimes.Add(ctx, project, l)
+		case "remove":
+			err = runtimes.Remove(ctx, project)
+		default:
+			err = fmt.Errorf("unknown command %q", line)
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", line, err)
+		}
+		fmt.Printf("%sed %s\n", strings.TrimSuffix(verb, "e"), project)
+	}
 }
 
 // shuffle is deterministic for a seed.

@@ -84,6 +84,10 @@ func OpenApplyLog(o ApplyOptions) (*ApplyLog, error) {
 	return l, nil
 }
 
+// UseStore gives the log the store whose writer-owned side effects it tries (and the fence
+// must refuse); ObserverApp and RunWorker set it themselves.
+func (l *ApplyLog) UseStore(s *Store) { l.store = s }
+
 // Close closes the log file.
 func (l *ApplyLog) Close() error { return l.f.Close() }
 
