@@ -170,7 +170,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	admin := outbox.NewAdmin(pool, outbox.AdminOptions{Audit: host})
 
 	// Fault: kill the dashboard mid-stream, leave it down a moment, start it again.
-	if err := waitFor(ctx, 60*time.Second, "the dashboard to get a third of the way", func() (bool, error) {
+	if err := testhost.WaitFor(ctx, 60*time.Second, "the dashboard to get a third of the way", func() (bool, error) {
 		return ackedAtLeast(ctx, admin, "dashboard", tasksPerProject*len(projects)/3)
 	}); err != nil {
 		return 1, err
@@ -189,7 +189,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 
 	// Fault: kill engine-eu's child worker mid-stream and start it again; it resumes from the
 	// position it saved.
-	if err := waitFor(ctx, 60*time.Second, "the worker to get halfway", func() (bool, error) {
+	if err := testhost.WaitFor(ctx, 60*time.Second, "the worker to get halfway", func() (bool, error) {
 		r, err := readAppliedLog(worker.logPath)
 		return len(r.applied) >= tasksPerProject*len(projects)/2, err
 	}); err != nil {
@@ -202,7 +202,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	}
 	say("restarted the worker: it reconnects to engine-eu with its saved position")
 
-	if err := waitFor(ctx, 90*time.Second, "the poison event to be parked", func() (bool, error) {
+	if err := testhost.WaitFor(ctx, 90*time.Second, "the poison event to be parked", func() (bool, error) {
 		dl, err := admin.DeadLetters(ctx, outbox.StatusFilter{ConsumerID: "engine-eu"})
 		return len(dl) == 1, err
 	}); err != nil {
@@ -226,7 +226,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	}
 	say("the listener is fixed; an operator requested a replay of the dead letter (actor demo, reason DEMO-1)")
 
-	if err := waitFor(ctx, 90*time.Second, "every consumer to catch up", func() (bool, error) {
+	if err := testhost.WaitFor(ctx, 90*time.Second, "every consumer to catch up", func() (bool, error) {
 		st, err := admin.Status(ctx, outbox.StatusFilter{})
 		if err != nil {
 			return false, err
@@ -244,13 +244,13 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	}); err != nil {
 		return 1, err
 	}
-	if err := waitFor(ctx, 30*time.Second, "the child worker to apply every deletion", func() (bool, error) {
+	if err := testhost.WaitFor(ctx, 30*time.Second, "the child worker to apply every deletion", func() (bool, error) {
 		r, err := readAppliedLog(worker.logPath)
 		return len(r.applied) >= tasksPerProject*len(projects), err
 	}); err != nil {
 		say("%v", err)
 	}
-	if err := waitFor(ctx, 10*time.Second, "the event-stream client to see every deletion", func() (bool, error) {
+	if err := testhost.WaitFor(ctx, 10*time.Second, "the event-stream client to see every deletion", func() (bool, error) {
 		n, _, _, _, _ := seen.snapshot()
 		return n >= tasksPerProject*len(projects), nil
 	}); err != nil {
@@ -304,25 +304,6 @@ func ackedAtLeast(ctx context.Context, admin *outbox.Admin, consumer string, n i
 	return total >= int64(n), nil
 }
 
-// waitFor polls cond until it holds, with a deadline.
-func waitFor(ctx context.Context, limit time.Duration, what string, cond func() (bool, error)) error {
-	ctx, cancel := context.WithTimeout(ctx, limit)
-	defer cancel()
-	for {
-		ok, err := cond()
-		if err != nil {
-			return fmt.Errorf("waiting for %s: %w", what, err)
-		}
-		if ok {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
-}
 
 // consumerReport is what one observer's own log and the database say about it.
 type consumerReport struct {

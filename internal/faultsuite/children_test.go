@@ -77,7 +77,7 @@ func TestChildWorkersFollowTheirParent(t *testing.T) {
 
 	waitApplied := func(p *proc, n int) {
 		t.Helper()
-		require.NoError(t, poll(ctx, time.Minute, fmt.Sprintf("%s to apply %d events", p.name, n), func() (bool, error) {
+		require.NoError(t, testhost.WaitFor(ctx, time.Minute, fmt.Sprintf("%s to apply %d events", p.name, n), func() (bool, error) {
 			s, err := readWorkerLog(p.args.Log)
 			return s.applied >= n, err
 		}))
@@ -122,25 +122,5 @@ func TestChildWorkersFollowTheirParent(t *testing.T) {
 // waitDone waits until a writer has deleted its whole list.
 func waitDone(ctx context.Context, t *testing.T, w *proc) {
 	t.Helper()
-	require.NoError(t, poll(ctx, 2*time.Minute, w.name+" to finish", func() (bool, error) { return w.isDone(), nil }))
-}
-
-// poll checks cond every 100ms until it holds, within limit.
-func poll(ctx context.Context, limit time.Duration, what string, cond func() (bool, error)) error {
-	ctx, cancel := context.WithTimeout(ctx, limit)
-	defer cancel()
-	for {
-		ok, err := cond()
-		if err != nil {
-			return fmt.Errorf("waiting for %s: %w", what, err)
-		}
-		if ok {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
+	require.NoError(t, testhost.WaitFor(ctx, 2*time.Minute, w.name+" to finish", func() (bool, error) { return w.isDone(), nil }))
 }

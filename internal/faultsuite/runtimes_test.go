@@ -85,7 +85,7 @@ func TestRuntimesFollowTheProjectManager(t *testing.T) {
 	applied := func(p string) ([]testhost.ApplyRecord, error) { return readApplied(logOf(p)) }
 	waitApplied := func(p string, n int) {
 		t.Helper()
-		err := poll(ctx, time.Minute, fmt.Sprintf("%s's runtime to apply %d events", p, n), func() (bool, error) {
+		err := testhost.WaitFor(ctx, time.Minute, fmt.Sprintf("%s's runtime to apply %d events", p, n), func() (bool, error) {
 			got, err := applied(p)
 			return len(got) >= n, err
 		})
