@@ -304,7 +304,6 @@ func ackedAtLeast(ctx context.Context, admin *outbox.Admin, consumer string, n i
 	return total >= int64(n), nil
 }
 
-
 // consumerReport is what one observer's own log and the database say about it.
 type consumerReport struct {
 	name       string
