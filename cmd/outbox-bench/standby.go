@@ -25,7 +25,9 @@ func init() {
 			fs.IntVar(&o.projects, "projects", o.projects, "projects the deletes spread over")
 			fs.Float64Var(&o.seconds, "seconds", o.seconds, "length of each measured run")
 			fs.IntVar(&o.rounds, "rounds", o.rounds, "times the whole set of runs is repeated, interleaved (the machine is noisy)")
-			return func(ctx context.Context, env *Env, emit func(any) error) error { return runStandbyCurve(ctx, env, o, emit) }
+			return func(ctx context.Context, env *Env, emit func(any) error) error {
+				return runStandbyCurve(ctx, env, o, emit)
+			}
 		}})
 }
 
@@ -39,9 +41,9 @@ const (
 )
 
 type standbyOpts struct {
-	consumers                        string
+	consumers                       string
 	rate, writers, projects, rounds int
-	seconds                          float64
+	seconds                         float64
 }
 
 func defaultStandbyOpts() standbyOpts {
