@@ -94,12 +94,16 @@ type standbyResult struct {
 	PrimaryConsumerStatements int64   `json:"primary_consumer_statements"`
 	PrimaryStatementsPerScan  float64 `json:"primary_statements_per_scan"`
 	PrimaryOpenReads          int64   `json:"primary_open_reads"`
-	StatementsSource          string  `json:"statements_source"`
-	ReadFallbacks             int64   `json:"read_fallbacks,omitempty"`
-	ReadReturns               int64   `json:"read_returns,omitempty"`
-	StandbyWaits              int64   `json:"standby_waits,omitempty"`
-	ReadConflicts             int64   `json:"read_conflicts,omitempty"`
-	TimedOut                  bool    `json:"timed_out,omitempty"`
+	// Their executor time (pg_stat_statements total_exec_time): all of them, and the reads of
+	// open deliveries.
+	PrimaryConsumerExecMS  float64 `json:"primary_consumer_exec_ms"`
+	PrimaryOpenReadsExecMS float64 `json:"primary_open_reads_exec_ms"`
+	StatementsSource       string  `json:"statements_source"`
+	ReadFallbacks          int64   `json:"read_fallbacks,omitempty"`
+	ReadReturns            int64   `json:"read_returns,omitempty"`
+	StandbyWaits           int64   `json:"standby_waits,omitempty"`
+	ReadConflicts          int64   `json:"read_conflicts,omitempty"`
+	TimedOut               bool    `json:"timed_out,omitempty"`
 }
 
 // standbyRun is one run's place in the schedule.
@@ -260,11 +264,13 @@ func runStandbyPoint(ctx context.Context, env *Env, o standbyOpts, standbyHost s
 	res.ReadFallbacks, res.ReadReturns = after.ReadFallbacks-before.ReadFallbacks, after.ReadReturns-before.ReadReturns
 	res.StandbyWaits, res.ReadConflicts = after.StandbyWaits-before.StandbyWaits, after.ReadConflicts-before.ReadConflicts
 	if stats.ok {
-		calls, opens, err := consumerCalls(ctx, ob.admin, ob.db.consumer.name)
+		cc, err := consumerCalls(ctx, ob.admin, ob.db.consumer.name)
 		if err != nil {
 			return res, err
 		}
-		res.PrimaryConsumerStatements, res.PrimaryOpenReads = calls, opens
+		calls := cc.calls
+		res.PrimaryConsumerStatements, res.PrimaryOpenReads = cc.calls, cc.opens
+		res.PrimaryConsumerExecMS, res.PrimaryOpenReadsExecMS = round3(cc.execMS), round3(cc.openExecMS)
 		res.StatementsSource = "pg_stat_statements, the consumer role's top-level statements"
 		if res.Scans > 0 {
 			res.PrimaryStatementsPerScan = round3(float64(calls) / float64(res.Scans))
@@ -332,19 +338,31 @@ func sumStats(cs []*runningConsumer) outbox.Stats {
 
 // consumerCallsSQL counts the consumer role's top-level statements in this database since the
 // last reset, and among them the reads of open deliveries (openDeliveriesSQL, alone or with
-// the primary's newest tick), matched by a part of their text that pg_stat_statements'
-// normalising (constants become $n) leaves alone.
+// the primary's newest tick, matched by openReadSQL), with their executor time.
 const consumerCallsSQL = `
 SELECT coalesce(sum(s.calls) FILTER (WHERE s.toplevel), 0)::bigint,
-       coalesce(sum(s.calls) FILTER (WHERE s.toplevel AND s.query LIKE '%least(next_attempt_at, last_failed_at%'), 0)::bigint
+       coalesce(sum(s.calls) FILTER (WHERE s.toplevel AND ` + openReadSQL + `), 0)::bigint,
+       coalesce(sum(s.total_exec_time) FILTER (WHERE s.toplevel), 0),
+       coalesce(sum(s.total_exec_time) FILTER (WHERE s.toplevel AND ` + openReadSQL + `), 0)
 FROM pg_stat_statements s
 WHERE s.dbid = ` + thisDB + ` AND s.userid = (SELECT r.oid FROM pg_roles r WHERE r.rolname = $1)`
 
-func consumerCalls(ctx context.Context, pool *pgxpool.Pool, role string) (calls, opens int64, err error) {
-	if err := pool.QueryRow(ctx, consumerCallsSQL, role).Scan(&calls, &opens); err != nil {
-		return 0, 0, fmt.Errorf("read pg_stat_statements: %w", err)
+// openReadSQL matches the reads of open deliveries by a part of their text that
+// pg_stat_statements' normalising (constants become $n) leaves alone.
+const openReadSQL = `s.query LIKE '%least(next_attempt_at, last_failed_at%'`
+
+// consumerStatements is what consumerCallsSQL returns.
+type consumerStatements struct {
+	calls, opens       int64
+	execMS, openExecMS float64
+}
+
+func consumerCalls(ctx context.Context, pool *pgxpool.Pool, role string) (consumerStatements, error) {
+	var c consumerStatements
+	if err := pool.QueryRow(ctx, consumerCallsSQL, role).Scan(&c.calls, &c.opens, &c.execMS, &c.openExecMS); err != nil {
+		return c, fmt.Errorf("read pg_stat_statements: %w", err)
 	}
-	return calls, opens, nil
+	return c, nil
 }
 
 // awaitReplay waits until the standby (sb) has replayed all the WAL the primary had written
