@@ -68,6 +68,7 @@ type chartRecord struct {
 	// The standby case: where its consumers read, the rate asked, and the standby's replay lag.
 	ReadFrom       string  `json:"read_from"`
 	Rate           float64 `json:"rate"`
+	AchievedRate   float64 `json:"achieved_rate"`
 	ReplayLagP99MS float64 `json:"replay_lag_p99_ms"`
 }
 
@@ -217,7 +218,14 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	if n == 0 {
 		return errors.New("no scale, drain, sustained or standby lines to draw")
 	}
-	panels := [][]*panel{{idleKS, idlePS}, {idleKC, idlePC}, {drain, sust}, {sustCPU, sustLag}, {sbCPU, sbLag}}
+	// A row none of whose panels has data is left out: a file of one case's lines (the standby
+	// case's, say) is drawn on its own rows.
+	var panels [][]*panel
+	for _, row := range [][]*panel{{idleKS, idlePS}, {idleKC, idlePC}, {drain, sust}, {sustCPU, sustLag}, {sbCPU, sbLag}} {
+		if len(row[0].series) > 0 || len(row[1].series) > 0 {
+			panels = append(panels, row)
+		}
+	}
 	plots := make([][]*plot.Plot, len(panels))
 	for j, row := range panels {
 		for _, pn := range row {
@@ -263,7 +271,8 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 // with the consumers reading from the primary and from a standby, and the run without
 // consumers (the hook and the ticker) drawn flat across the Ks measured, its reference; and
 // the p99 delivery lag of both against K beside the standby's p99 replay lag. A second round's
-// point at the same K is not drawn (panel.add keeps the first).
+// point at the same K is not drawn (panel.add keeps the first). A point whose writers fell short
+// of the rate asked is labelled with the rate they reached.
 func standbyPanels(recs []chartRecord) (cpu, lag *panel) {
 	cpu = &panel{title: "Standby reads: the primary's server CPU per delete at a steady rate", xLabel: "consumers",
 		yLabel: "µs of primary CPU per delete"}
@@ -281,7 +290,11 @@ func standbyPanels(recs []chartRecord) (cpu, lag *panel) {
 				from = "K consumers reading from a standby"
 				lag.add("p99 standby replay lag (standby runs)", r.Consumers, r.ReplayLagP99MS, "")
 			}
-			cpu.add(fmt.Sprintf("%s, %s deletes/s", from, humanCount(r.Rate)), r.Consumers, r.ServerCPUPerTx, "")
+			label := ""
+			if r.AchievedRate > 0 && r.AchievedRate < 0.95*r.Rate {
+				label = fmt.Sprintf("%.0f/s reached", r.AchievedRate)
+			}
+			cpu.add(fmt.Sprintf("%s, %s deletes/s asked", from, humanCount(r.Rate)), r.Consumers, r.ServerCPUPerTx, label)
 			lag.add("p99 commit-to-delivery lag, "+strings.TrimPrefix(from, "K "), r.Consumers, r.LagP99MS, "")
 		}
 	}
@@ -293,7 +306,7 @@ func standbyPanels(recs []chartRecord) (cpu, lag *panel) {
 	}
 	for _, r := range none {
 		for _, k := range ks {
-			cpu.add(fmt.Sprintf("hook and ticker, no consumer, %s deletes/s (drawn at each K)", humanCount(r.Rate)), k, r.ServerCPUPerTx, "")
+			cpu.add(fmt.Sprintf("hook and ticker, no consumer, %s deletes/s asked (drawn at each K)", humanCount(r.Rate)), k, r.ServerCPUPerTx, "")
 		}
 	}
 	return cpu, lag
