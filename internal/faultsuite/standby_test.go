@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
@@ -224,6 +225,9 @@ func runStandbySuite(t *testing.T, duration time.Duration) {
 	// The failover, with every process running: the primary stops (fast shutdown: it sends
 	// the standby all its WAL first), the standby is checked to have replayed it, then
 	// promoted.
+	// The standby streams (a standby started again, or a primary restarted, reconnects within
+	// wal_retrieve_retry_interval): a fast shutdown sends WAL only to a connected standby.
+	require.NoError(t, awaitStreaming(ctx, pool), "harness: the standby is not streaming from the primary")
 	t.Log("failover: stopping the primary")
 	require.NoError(t, pair.Primary.StopServer(ctx))
 	last := shutdownCheckpoint(ctx, t, pair.Primary)
@@ -352,6 +356,23 @@ func shutdownCheckpoint(ctx context.Context, t *testing.T, c *pgcluster.Cluster)
 	}
 	t.Fatalf("pg_controldata printed no checkpoint location:\n%s", out)
 	return ""
+}
+
+// awaitStreaming waits (a minute at most) until the primary pool is on has a standby streaming
+// from it.
+func awaitStreaming(ctx context.Context, pool *pgxpool.Pool) error {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		var n int
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'`).Scan(&n)
+		if err == nil && n > 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("no standby streaming after a minute (last error: %v)", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // awaitReplayed waits (a minute at most) until the standby url names has replayed WAL up to lsn.
