@@ -23,7 +23,7 @@ func init() {
 			fs.IntVar(&o.rate, "rate", o.rate, "deletes per second asked of the writers")
 			fs.IntVar(&o.writers, "writers", o.writers, "writer goroutines sharing the schedule")
 			fs.IntVar(&o.projects, "projects", o.projects, "projects the deletes spread over")
-			fs.Float64Var(&o.seconds, "seconds", o.seconds, "length of each measured run")
+			fs.Float64Var(&o.seconds, "seconds", o.seconds, "length of each run at the rate asked (rate x seconds deletes; longer when the writers fall behind)")
 			fs.IntVar(&o.rounds, "rounds", o.rounds, "times the whole set of runs is repeated, interleaved (the machine is noisy)")
 			return func(ctx context.Context, env *Env, emit func(any) error) error {
 				return runStandbyCurve(ctx, env, o, emit)
@@ -429,8 +429,9 @@ func (s *replaySampler) stop() []time.Duration {
 }
 
 // runPaced deletes at rate per second on writers goroutines sharing one schedule (task i is
-// due i/rate after the start) until d has passed or the tasks run out; a writer that falls
-// behind takes the next due task at once, so achieved rate says whether they kept up.
+// due i/rate after the start): every task due within d, or until the tasks run out. Writers
+// that fall behind take the next due task at once, so the run then lasts longer than d, and
+// the achieved rate says whether they kept up.
 func (q *taskQueue) runPaced(ctx context.Context, del deleteFunc, writers, rate int, d time.Duration) deleteRun {
 	type part struct {
 		calls []time.Duration
