@@ -8,7 +8,7 @@ import (
 )
 
 func init() {
-	register(benchCase{name: "all", usage: "every case (about 26 minutes on 2 cores; -quick: a smoke run of a few minutes)",
+	register(benchCase{name: "all", usage: "every case (about 29 minutes on 2 cores; -quick: a smoke run of a few minutes)",
 		flags: func(fs *flag.FlagSet) runner {
 			o := allOpts{drains: "10000,100000,200000,1000000:50"}
 			fs.StringVar(&o.drains, "drain-events", o.drains, "backlog sizes of the drain runs, each N or N:deletes-per-prewrite-transaction")
@@ -26,8 +26,8 @@ type allOpts struct {
 
 // runAll runs every case once (the write case in each configuration the issue names, plus one
 // run with the mailbox notice included and one with a writer role granted 10,000 projects one
-// by one, one drain per backlog size, sustained with 2 and 8
-// consumers, the scale curves, and longtx last), emitting each line as soon as its case ends. The drains'
+// by one, one drain per backlog size, sustained with 1 to 16 consumers, the standby curves,
+// the scale curves, and longtx last), emitting each line as soon as its case ends. The drains'
 // unsequenced backlogs are written one delete per transaction, as the host writes them, up to
 // 200k events, and 50 per transaction for 1M, where one per transaction would take minutes;
 // every line says which (prewrite_per_tx). Each drain is printed twice, as its drain line and
@@ -102,6 +102,15 @@ func runAll(ctx context.Context, env *Env, emit func(any) error, o allOpts) erro
 				tasks: size(400000, 100000), mailbox: mailboxIncluded})
 		}))
 	}
+	// Issue 33's standby curves: K = 1, 4, 16 reading from the primary and from a standby, and
+	// the hook and ticker with no consumer, at 1,000 deletes/s (about 3 minutes).
+	steps = append(steps, func(ctx context.Context, env *Env, emit func(any) error) error {
+		so := defaultStandbyOpts()
+		if o.quick {
+			so.consumers, so.rate, so.seconds = "1,4", 200, 2
+		}
+		return runStandbyCurve(ctx, env, so, emit)
+	})
 	steps = append(steps,
 		func(ctx context.Context, env *Env, emit func(any) error) error {
 			return runScale(ctx, env, scale, emit)

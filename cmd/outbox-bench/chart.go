@@ -26,7 +26,7 @@ import (
 func init() {
 	register(benchCase{name: "chart", offline: true, usage: "render a results file's scale curves, drains and sustained runs as a PNG (no database)",
 		flags: func(fs *flag.FlagSet) runner {
-			o := chartOpts{in: "bench/results.jsonl", out: "bench/scale.png", width: 1400, height: 1800}
+			o := chartOpts{in: "bench/results.jsonl", out: "bench/scale.png", width: 1400, height: 2250}
 			fs.StringVar(&o.in, "in", o.in, "JSON lines written by the bench")
 			fs.StringVar(&o.out, "out", o.out, "PNG to write")
 			fs.IntVar(&o.width, "width", o.width, "image width in pixels")
@@ -65,6 +65,11 @@ type chartRecord struct {
 	// The sustained runs' server CPU per delete transaction, with the module and without it.
 	ServerCPUPerTx         float64 `json:"server_cpu_us_per_tx"`
 	BaselineServerCPUPerTx float64 `json:"baseline_server_cpu_us_per_tx"`
+	// The standby case: where its consumers read, the rate asked, and the standby's replay lag.
+	ReadFrom       string  `json:"read_from"`
+	Rate           float64 `json:"rate"`
+	AchievedRate   float64 `json:"achieved_rate"`
+	ReplayLagP99MS float64 `json:"replay_lag_p99_ms"`
 }
 
 func readRecords(r io.Reader) ([]chartRecord, error) {
@@ -151,10 +156,13 @@ func (p *panel) add(name string, x, y float64, label string) {
 	p.series = append(p.series, &series{name: name, pts: plotter.XYs{{X: x, Y: y}}, labels: []string{label}})
 }
 
-// renderChart draws eight panels: the two idle curves (statements and CPU), drain rate against
-// backlog size (the scale curve's points and the drain lines, one series per backlog kind), and
+// renderChart draws ten panels: the two idle curves (statements and CPU), drain rate against
+// backlog size (the scale curve's points and the drain lines, one series per backlog kind),
 // the sustained runs against the consumer count: throughput ratio (each point labelled with its
-// p99 lag), the module's server CPU per delete, and the p99 lag.
+// p99 lag), the module's server CPU per delete, and the p99 lag; and the standby case against
+// the consumer count: the primary's server CPU per delete with the consumers reading from the
+// primary and from a standby, beside the run without consumers, and their p99 delivery lag with
+// the standby's replay lag.
 func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	if o.width < 200 || o.height < 200 {
 		return errors.New("the image needs at least 200x200 pixels")
@@ -170,6 +178,7 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 	sustCPU := &panel{title: "Sustained: the module's server CPU per delete", xLabel: "consumers",
 		yLabel: "µs per delete (with outbox − baseline)"}
 	sustLag := &panel{title: "Sustained: delivery lag", xLabel: "consumers", yLabel: "p99 lag (ms)"}
+	sbCPU, sbLag := standbyPanels(recs)
 	var first *chartRecord
 	commits := map[string]bool{}
 	var commitOrder []string
@@ -193,6 +202,7 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 			sust.add("tx/s with outbox ÷ without, labelled with the p99 lag", r.Consumers, r.Ratio, fmt.Sprintf("p99 lag %s ms", strconv.FormatFloat(r.LagP99MS, 'f', 0, 64)))
 			sustCPU.add("server CPU µs per delete, with outbox − without", r.Consumers, r.ServerCPUPerTx-r.BaselineServerCPUPerTx, "")
 			sustLag.add("p99 commit-to-delivery lag", r.Consumers, r.LagP99MS, "")
+		case r.Bench == "standby":
 		default:
 			continue
 		}
@@ -206,9 +216,16 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 		}
 	}
 	if n == 0 {
-		return errors.New("no scale, drain or sustained lines to draw")
+		return errors.New("no scale, drain, sustained or standby lines to draw")
 	}
-	panels := [][]*panel{{idleKS, idlePS}, {idleKC, idlePC}, {drain, sust}, {sustCPU, sustLag}}
+	// A row none of whose panels has data is left out: a file of one case's lines (the standby
+	// case's, say) is drawn on its own rows.
+	var panels [][]*panel
+	for _, row := range [][]*panel{{idleKS, idlePS}, {idleKC, idlePC}, {drain, sust}, {sustCPU, sustLag}, {sbCPU, sbLag}} {
+		if len(row[0].series) > 0 || len(row[1].series) > 0 {
+			panels = append(panels, row)
+		}
+	}
 	plots := make([][]*plot.Plot, len(panels))
 	for j, row := range panels {
 		for _, pn := range row {
@@ -248,6 +265,51 @@ func renderChart(w io.Writer, recs []chartRecord, o chartOpts) error {
 		return fmt.Errorf("write png: %w", err)
 	}
 	return nil
+}
+
+// standbyPanels draws the standby case's lines: the primary's server CPU per delete against K
+// with the consumers reading from the primary and from a standby, and the run without
+// consumers (the hook and the ticker) drawn flat across the Ks measured, its reference; and
+// the p99 delivery lag of both against K beside the standby's p99 replay lag. A second round's
+// point at the same K is not drawn (panel.add keeps the first). A point whose writers fell short
+// of the rate asked is labelled with the rate they reached.
+func standbyPanels(recs []chartRecord) (cpu, lag *panel) {
+	cpu = &panel{title: "Standby reads: the primary's server CPU per delete at a steady rate", xLabel: "consumers",
+		yLabel: "µs of primary CPU per delete"}
+	lag = &panel{title: "Standby reads: delivery lag at a steady rate", xLabel: "consumers", yLabel: "p99 (ms)"}
+	var none []*chartRecord
+	for i := range recs {
+		r := &recs[i]
+		switch {
+		case r.Bench != "standby":
+		case r.ReadFrom == "none":
+			none = append(none, r)
+		default:
+			from := "K consumers reading from the primary"
+			if r.ReadFrom == "standby" {
+				from = "K consumers reading from a standby"
+				lag.add("p99 standby replay lag (standby runs)", r.Consumers, r.ReplayLagP99MS, "")
+			}
+			label := ""
+			if r.AchievedRate > 0 && r.AchievedRate < 0.95*r.Rate {
+				label = fmt.Sprintf("%.0f/s reached", r.AchievedRate)
+			}
+			cpu.add(fmt.Sprintf("%s, %s deletes/s asked", from, humanCount(r.Rate)), r.Consumers, r.ServerCPUPerTx, label)
+			lag.add("p99 commit-to-delivery lag, "+strings.TrimPrefix(from, "K "), r.Consumers, r.LagP99MS, "")
+		}
+	}
+	var ks []float64
+	for _, s := range cpu.series {
+		for _, pt := range s.pts {
+			ks = append(ks, pt.X)
+		}
+	}
+	for _, r := range none {
+		for _, k := range ks {
+			cpu.add(fmt.Sprintf("hook and ticker, no consumer, %s deletes/s asked (drawn at each K)", humanCount(r.Rate)), k, r.ServerCPUPerTx, "")
+		}
+	}
+	return cpu, lag
 }
 
 func measureName(yName string) string {

@@ -24,6 +24,11 @@ const chartLines = `
 {"bench":"drain","events":10000,"events_per_s":26000,"backlog":"unsequenced","prewrite_per_tx":1}
 {"bench":"sustained","consumers":2,"ratio":0.8,"lag_p99_ms":12}
 {"bench":"sustained","consumers":8,"ratio":0.6,"lag_p99_ms":40}
+{"bench":"standby","consumers":0,"read_from":"none","rate":1000,"server_cpu_us_per_tx":400}
+{"bench":"standby","consumers":1,"read_from":"primary","rate":1000,"server_cpu_us_per_tx":600,"lag_p99_ms":20}
+{"bench":"standby","consumers":1,"read_from":"standby","rate":1000,"server_cpu_us_per_tx":450,"lag_p99_ms":25,"replay_lag_p99_ms":3}
+{"bench":"standby","consumers":16,"read_from":"primary","rate":1000,"achieved_rate":400,"server_cpu_us_per_tx":2000,"lag_p99_ms":90}
+{"bench":"standby","consumers":16,"read_from":"standby","rate":1000,"server_cpu_us_per_tx":700,"lag_p99_ms":80,"replay_lag_p99_ms":5}
 {"bench":"write","baseline":{"tx":1}}
 `
 
@@ -55,9 +60,61 @@ func TestChartRefusesNothingToDraw(t *testing.T) {
 	var buf bytes.Buffer
 	recs, err := readRecords(strings.NewReader(`{"bench":"write"}` + "\n"))
 	require.NoError(t, err)
-	require.ErrorContains(t, renderChart(&buf, recs, chartOpts{width: 400, height: 300}), "no scale, drain or sustained lines")
+	require.ErrorContains(t, renderChart(&buf, recs, chartOpts{width: 400, height: 300}), "no scale, drain, sustained or standby lines")
 	_, err = readRecords(strings.NewReader("{\"bench\":\"scale\"}\nnot json\n"))
 	require.ErrorContains(t, err, "line 2")
+}
+
+// TestChartStandbyPanels: the standby case's runs are two curves of the primary's CPU per
+// delete against K, with the run without consumers drawn flat at each K beside them, and the
+// lag panel has the standby's replay lag beside both delivery lags.
+func TestChartStandbyPanels(t *testing.T) {
+	recs, err := readRecords(strings.NewReader(chartLines))
+	require.NoError(t, err)
+	cpu, lag := standbyPanels(recs)
+	byName := func(p *panel) map[string][][2]float64 {
+		out := map[string][][2]float64{}
+		for _, s := range p.series {
+			for _, pt := range s.pts {
+				out[s.name] = append(out[s.name], [2]float64{pt.X, pt.Y})
+			}
+		}
+		return out
+	}
+	require.Equal(t, map[string][][2]float64{
+		"K consumers reading from the primary, 1k deletes/s asked":           {{1, 600}, {16, 2000}},
+		"K consumers reading from a standby, 1k deletes/s asked":             {{1, 450}, {16, 700}},
+		"hook and ticker, no consumer, 1k deletes/s asked (drawn at each K)": {{1, 400}, {16, 400}},
+	}, byName(cpu))
+	for _, s := range cpu.series {
+		if strings.Contains(s.name, "from the primary") {
+			require.Equal(t, []string{"", "400/s reached"}, s.labels, "the point whose writers fell short says so")
+		}
+	}
+	require.Equal(t, map[string][][2]float64{
+		"p99 commit-to-delivery lag, consumers reading from the primary": {{1, 20}, {16, 90}},
+		"p99 commit-to-delivery lag, consumers reading from a standby":   {{1, 25}, {16, 80}},
+		"p99 standby replay lag (standby runs)":                          {{1, 3}, {16, 5}},
+	}, byName(lag))
+}
+
+// TestChartDrawsOnlyRowsWithData: a file of the standby case's lines alone is drawn on its one
+// row, legibly at a small height.
+func TestChartDrawsOnlyRowsWithData(t *testing.T) {
+	var only []string
+	for _, l := range strings.Split(chartLines, "\n") {
+		if strings.Contains(l, `"bench":"standby"`) {
+			only = append(only, l)
+		}
+	}
+	recs, err := readRecords(strings.NewReader(strings.Join(only, "\n")))
+	require.NoError(t, err)
+	require.Len(t, recs, 5)
+	var buf bytes.Buffer
+	require.NoError(t, renderChart(&buf, recs, chartOpts{width: 900, height: 400}))
+	cfg, err := png.DecodeConfig(&buf)
+	require.NoError(t, err)
+	require.Equal(t, [2]int{900, 400}, [2]int{cfg.Width, cfg.Height})
 }
 
 func TestChartPanelDropsRepeatedX(t *testing.T) {

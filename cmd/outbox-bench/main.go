@@ -10,7 +10,7 @@
 // databases created on that server and migrated with the module's and the reference host's
 // migrations; -dsn points at an existing server instead (its role needs CREATEDB and CREATEROLE).
 //
-// Cases: write, write-trace, sequence, drain, latency, fanout, sustained, scale, ooo, reconcile,
+// Cases: write, write-trace, sequence, drain, latency, fanout, sustained, standby, scale, ooo, reconcile,
 // limits, retention, longtx, and all. Run a case with -h for its flags. "chart" needs no database: it
 // renders the lines of a results file as a PNG.
 package main

@@ -351,6 +351,53 @@ func TestSustainedWithoutStatStatements(t *testing.T) {
 	require.Contains(t, m["numbering_share_source"], "unavailable")
 }
 
+// TestStandbyCurve runs the standby case small on a throwaway cluster of its own (the case
+// starts a streaming standby of it): a run without consumers, then one consumer reading from
+// the primary and from the standby, each delivered every committed delete once.
+func TestStandbyCurve(t *testing.T) {
+	t.Parallel()
+	c, err := pgcluster.Start(ctxT(t), clusterOptions(false))
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("start a cluster: %v", err)
+		}
+		t.Skipf("no throwaway cluster: %v", err)
+	}
+	t.Cleanup(c.Stop)
+	env, err := NewServerEnv(ctxT(t), c.URL("postgres"), t.Logf)
+	require.NoError(t, err)
+	env.cluster = c
+	var lines []map[string]any
+	o := standbyOpts{consumers: "1", rate: 100, writers: 2, projects: 2, seconds: 1, rounds: 1}
+	require.NoError(t, runStandbyCurve(ctxT(t), env, o, func(v any) error {
+		lines = append(lines, line(t, v, "standby"))
+		return nil
+	}))
+	require.Len(t, lines, 3)
+	require.Equal(t, "none", lines[0]["read_from"])
+	require.EqualValues(t, 0, num(t, lines[0], "consumers"))
+	require.Nil(t, lines[0]["cpu_vs_no_consumers"])
+	from := map[string]bool{}
+	for _, m := range lines {
+		require.Positive(t, num(t, m, "tx"))
+		require.Zero(t, num(t, m, "errors"))
+		require.Nil(t, m["timed_out"])
+		if m["read_from"] == "none" {
+			continue
+		}
+		from[m["read_from"].(string)] = true
+		require.EqualValues(t, 1, num(t, m, "consumers"))
+		require.Equal(t, num(t, m, "tx"), num(t, m, "received"), "every committed delete was delivered")
+		require.Zero(t, num(t, m, "missing"))
+		require.Zero(t, num(t, m, "duplicates"))
+		require.Positive(t, num(t, m, "scans"))
+		require.Positive(t, num(t, m, "primary_consumer_statements"))
+		require.Positive(t, num(t, m, "lag_p99_ms"))
+		require.Equal(t, "pg_stat_statements, the consumer role's top-level statements", m["statements_source"])
+	}
+	require.Equal(t, map[string]bool{"primary": true, "standby": true}, from)
+}
+
 // scaleLines runs the scale case and returns its lines by curve.
 func scaleLines(t *testing.T, env *Env, o scaleOpts) map[string][]map[string]any {
 	t.Helper()

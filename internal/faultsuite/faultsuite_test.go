@@ -2,6 +2,8 @@
 // observers built like engine binaries) share one real PostgreSQL while faults are injected at
 // random, seeded and bounded; at the end the invariants are checked from the database and from
 // every observer's own log. `make test` runs it for a minute; `make soak` for ten.
+// TestFaultSuiteStandby (standby_test.go) runs it on a primary and a streaming hot standby of
+// its own, observers reading from the standby, and ends with a failover.
 package faultsuite
 
 import (
@@ -44,10 +46,11 @@ type proc struct {
 	mu         sync.Mutex
 	cmd        *exec.Cmd
 	exited     chan error
-	owner      string         // lease owner token of the current incarnation
-	stats      outbox.Stats   // latest stats line of the current incarnation
-	lossesAt   map[string]int // owner token -> lease losses reported by that incarnation
-	done       bool           // writer finished its list
+	owner      string                  // lease owner token of the current incarnation
+	stats      outbox.Stats            // latest stats line of the current incarnation
+	lossesAt   map[string]int          // owner token -> lease losses reported by that incarnation
+	statsAt    map[string]outbox.Stats // owner token -> latest stats of that incarnation
+	done       bool                    // writer finished its list
 	stopping   bool
 	stdin      io.WriteCloser // the runtimes role's commands
 	answers    chan string    // the runtimes role's answers ("added p", "removed p")
@@ -100,6 +103,10 @@ func (p *proc) start(t *testing.T) {
 						p.lossesAt = map[string]int{}
 					}
 					p.lossesAt[p.owner] = int(s.LeaseLosses)
+					if p.statsAt == nil {
+						p.statsAt = map[string]outbox.Stats{}
+					}
+					p.statsAt[p.owner] = s
 					p.mu.Unlock()
 				}
 			case strings.HasPrefix(line, "added ") || strings.HasPrefix(line, "removed "):

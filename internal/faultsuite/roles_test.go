@@ -47,6 +47,9 @@ type roleArgs struct {
 	ChildSocket string `json:"childSocket,omitempty"`
 	Socket      string `json:"socket,omitempty"`
 	Positions   string `json:"positions,omitempty"`
+	// ReadDSN (observers) is a hot standby's DSN the consumer reads from (Config.ReadDSN),
+	// with ReadMaxLag of a second so that a lagging standby is left within the run.
+	ReadDSN string `json:"readDsn,omitempty"`
 }
 
 // faultConfig is the deployment config of every child: short leases and a short backoff so
@@ -121,6 +124,9 @@ func hostConfig(a roleArgs) testhost.HostConfig {
 	cfg.TransactionPooler = a.Pooled
 	if a.ListenDSN != "" {
 		cfg.ListenDSN = withAppName(a.ListenDSN, a.Name)
+	}
+	if a.ReadDSN != "" {
+		cfg.ReadDSN, cfg.ReadMaxLag = withAppName(a.ReadDSN, a.Name), time.Second
 	}
 	return testhost.HostConfig{DSN: withAppName(a.DSN, a.Name), Projects: a.Projects, SettingsScope: a.Scope,
 		Actor: a.Name, Outbox: cfg, SweepInterval: time.Hour, ChildSocket: a.ChildSocket}
