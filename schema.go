@@ -14,7 +14,7 @@ import (
 
 // SchemaVersion is the migration version this build needs. VerifySchema fails unless the
 // database is at exactly this version with unchanged migration checksums.
-const SchemaVersion = 22
+const SchemaVersion = 23
 
 // schemaTable records the module's applied migrations.
 const schemaTable = "lifecycle_outbox_schema"
