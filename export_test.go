@@ -61,6 +61,7 @@ var Statements = map[string]string{
 	"replayFailedSQL":         replayFailedSQL,
 	"replayMissingSQL":        replayMissingSQL,
 	"replayResolvedSQL":       replayResolvedSQL,
+	"replayHintSQL":           replayHintSQL,
 	"requestReplaySQL":        requestReplaySQL,
 	"resolveRetriedSQL":       resolveRetriedSQL,
 	"retiredSQL":              retiredSQL,
