@@ -460,21 +460,27 @@ func headOfLineRetry(open []delivery, position int64) *delivery {
 // taken, if it is still stored, in one statement. The tick table always holds a tick.
 //
 // When $3 is true (a poll's scan, see scanLoop.hintTicker) it also says whether events the
-// role may see committed after the newest tick and are not numbered: a transaction the tick's
-// snapshot shows as running, or one that started after it (txid at or past its xmax), has
-// committed an event, or a writer of schema 16 or earlier left rows for the ticker to adopt.
-// Rows of transactions still running are not visible, so not counted. Once per statement, by
-// the log's batch index (txid first), whatever the number of projects.
+// role may see committed after the newest tick and are not numbered: a transaction that
+// started after the tick's snapshot (txid at or past its xmax), or one the snapshot shows as
+// running, has committed an event, or a writer of schema 16 or earlier left rows for the
+// ticker to adopt. Rows of transactions still running are not visible, so not counted. It is
+// worked out once per statement (after the LIMIT), whatever the number of projects, by probes
+// of the log's batch index (txid first): from the xmax on, and once per transaction the
+// snapshot shows as running (at most as many as can be open at once, however long one of them
+// has been open). Each probe is ordered and limited so that the planner walks the index rather
+// than the log, whatever it estimates.
 const loopHeadsSQL = `
 SELECT h.project_id, h.last_sequence, h.pruned_through, t.tick_id, t.ticked_at,
        (SELECT s.ticked_at FROM lifecycle_tick s WHERE s.tick_id = $2), t.unticked
 FROM (SELECT n.tick_id, n.ticked_at,
-             $3::boolean AND (
-                 EXISTS (SELECT 1 FROM lifecycle_event_log e WHERE e.txid >= pg_catalog.pg_snapshot_xmax(n.snapshot))
-                 OR EXISTS (SELECT 1 FROM pg_catalog.pg_snapshot_xip(n.snapshot) AS x (txid)
-                            JOIN lifecycle_event_log e ON e.txid = x.txid)
+             coalesce($3::boolean AND (
+                 (SELECT e.txid FROM lifecycle_event_log e WHERE e.txid >= pg_catalog.pg_snapshot_xmax(n.snapshot)
+                  ORDER BY e.txid LIMIT 1) IS NOT NULL
+                 OR EXISTS (SELECT 1 FROM pg_catalog.pg_snapshot_xip(n.snapshot) AS x (txid),
+                            LATERAL (SELECT e.project_id FROM lifecycle_event_log e WHERE e.txid = x.txid
+                                     ORDER BY e.project_id LIMIT 1) AS y)
                  OR EXISTS (SELECT 1 FROM lifecycle_outbox_pending)
-                 OR EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.sequence IS NULL)) AS unticked
+                 OR EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.sequence IS NULL)), false) AS unticked
       FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
 LEFT JOIN lifecycle_outbox_head h ON h.project_id = ANY ($1::text[])`
 
