@@ -48,9 +48,9 @@ type Config struct {
 
 	// PollInterval is the longest a consumer waits between scans when no notification
 	// arrives. Notifications only shorten it. An idle consumer's poll is one statement, its
-	// read of heads, which also says whether events committed without a tick (a writer's
-	// hint lost): the consumer then hints the elected ticker, so such an event waits about one
-	// PollInterval plus a tick. Defaults to 1s; must be at least 10ms.
+	// read of heads; that of the consumer whose ticker is elected also says whether events
+	// committed that no tick numbered (a writer's hint lost), and it then ticks, so such an
+	// event waits about one PollInterval plus a tick. Defaults to 1s; must be at least 10ms.
 	PollInterval time.Duration `yaml:"poll_interval" json:"poll_interval"`
 
 	// BatchSize is how many events of one project a consumer reads in one statement, and how

@@ -119,7 +119,7 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	loop.acks = &acknowledger{id: opts.ID, owner: owner, pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
 	tk := newTicker(opts.Pool, cfg, log, opts.Metrics, st)
 	if tk.campaigns() {
-		loop.hint = tk.hint
+		loop.elected, loop.tickNow = tk.leading.Load, tk.poke
 	}
 	return &Consumer{
 		id: opts.ID, owner: owner, cfg: cfg, log: log, metrics: opts.Metrics, stats: st,
@@ -278,8 +278,8 @@ type Stats struct {
 	// primary: after a lease was gained, a replay hint, a write whose outcome was unknown, and
 	// every TickFallbackInterval. Other scans use what the consumer knows of them.
 	OpenReads int64
-	// TickHints counts the hints this consumer sent the elected ticker after a poll found
-	// events committed that no tick had numbered (a writer's hint lost).
+	// TickHints counts the ticks this consumer, its ticker elected, asked for after a poll
+	// found events committed that no tick had numbered (a writer's hint lost).
 	TickHints int64
 
 	// Reading from a standby (Config.ReadDSN); all zero without one.

@@ -39,6 +39,8 @@ var Statements = map[string]string{
 	"headSQL":                 headSQL,
 	"headsSQL":                headsSQL,
 	"loopHeadsSQL":            loopHeadsSQL,
+	"loopHeadsUntickedSQL":    loopHeadsUntickedSQL,
+	"untickedSQL":             untickedSQL,
 	"insertAuditSQL":          insertAuditSQL,
 	"insertEventSQL":          insertEventSQL,
 	"lockDeliverySQL":         lockDeliverySQL,

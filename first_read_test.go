@@ -32,9 +32,9 @@ type scanReads struct {
 }
 
 // scanTracer sorts the statements a consumer's pool sends into its scans. A scan starts with
-// its one read of heads (loopHeadsSQL; the open deliveries, when it reads them, are read at
-// the same time on another connection), before any read of events, so that statement starts
-// each scan.
+// its one read of heads (loopHeadsSQL, or loopHeadsUntickedSQL on the elected ticker's polls;
+// the open deliveries, when it reads them, are read at the same time on another connection),
+// before any read of events, so that statement starts each scan.
 type scanTracer struct {
 	mu    sync.Mutex
 	scans []scanReads // scans[0]: before the first scan
@@ -43,7 +43,7 @@ type scanTracer struct {
 func (s *scanTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if len(s.scans) == 0 || d.SQL == outbox.Statements["loopHeadsSQL"] {
+	if len(s.scans) == 0 || d.SQL == outbox.Statements["loopHeadsSQL"] || d.SQL == outbox.Statements["loopHeadsUntickedSQL"] {
 		s.scans = append(s.scans, scanReads{})
 	}
 	cur := &s.scans[len(s.scans)-1]

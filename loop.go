@@ -55,13 +55,15 @@ type scanLoop struct {
 	// which bounds what a lost replay hint costs. Owned by the loop goroutine.
 	openReadAt time.Time
 	// unticked: the last read of heads of a poll found events committed that no tick has
-	// numbered (a writer's hint lost); the loop then hints the ticker (hint). Owned by the loop
-	// goroutine.
+	// numbered (a writer's hint lost); the loop then tells its ticker (hintTicker). Owned by
+	// the loop goroutine.
 	unticked bool
-	// hint tells the elected ticker that events committed without a tick; nil when there is no
-	// election (NotifyDisabled, or a transaction pooler without ListenDSN), where every
+	// elected reports whether this consumer's ticker is the elected one, whose polls ask
+	// whether events committed without a tick; tickNow asks it for a tick. Both nil when there
+	// is no election (NotifyDisabled, or a transaction pooler without ListenDSN), where every
 	// consumer ticks once per PollInterval anyway.
-	hint func(ctx context.Context, project string) error
+	elected func() bool
+	tickNow func()
 	// rest, when set (by tests), is called each time the loop waits with nothing armed but the
 	// poll interval: what one poll costs is the scans between two rests.
 	rest func()
@@ -314,6 +316,7 @@ func (f *followUps) add(scan map[string]struct{}) {
 func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]struct{}, full bool) (failed bool) {
 	l.acks.await() // the last scan's acknowledgement: a stream whose write matched nothing lost its lease
 	held := l.syncStates()
+	check := full && l.elected != nil && l.elected()
 	if !full {
 		scoped := held[:0:0]
 		for _, p := range held {
@@ -324,6 +327,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 		held = scoped
 	}
 	if len(held) == 0 {
+		if check {
+			l.checkUnticked(ctx)
+		}
 		return false
 	}
 	for _, p := range held {
@@ -336,7 +342,7 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	// connections: a woken scan waits for one round trip before it reads events, not two. Most
 	// scans read no open deliveries: the streams know them (streamState.open).
 	reading := l.openToRead(held, full)
-	heads, read, err, openErr := l.scanStart(ctx, held, reading, full && l.hint != nil)
+	heads, read, err, openErr := l.scanStart(ctx, held, reading, check)
 	l.takeOpen(reading, read, openErr)
 	if held, failed = l.skipFailed("read heads", held, err); len(held) == 0 {
 		return failed
@@ -348,7 +354,7 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 		open[p] = l.state[p].open
 	}
 	if l.unticked {
-		l.hintTicker(ctx, held)
+		l.hintTicker()
 	}
 	first, alone, err := l.readFirst(ctx, held, heads, open)
 	held, stepFailed = l.skipFailed("read events", held, err)
@@ -458,31 +464,26 @@ func headOfLineRetry(open []delivery, position int64) *delivery {
 
 // loopHeadsSQL reads the heads of projects ($1) with the newest tick and the time tick $2 was
 // taken, if it is still stored, in one statement. The tick table always holds a tick.
-//
-// When $3 is true (a poll's scan, see scanLoop.hintTicker) it also says whether events the
-// role may see committed after the newest tick and are not numbered: a transaction that
-// started after the tick's snapshot (txid at or past its xmax), or one the snapshot shows as
-// running, has committed an event, or a writer of schema 16 or earlier left rows for the
-// ticker to adopt. Rows of transactions still running are not visible, so not counted. It is
-// worked out once per statement (after the LIMIT), whatever the number of projects, by probes
-// of the log's batch index (txid first): from the xmax on, and once per transaction the
-// snapshot shows as running (at most as many as can be open at once, however long one of them
-// has been open). Each probe is ordered and limited so that the planner walks the index rather
-// than the log, whatever it estimates.
 const loopHeadsSQL = `
 SELECT h.project_id, h.last_sequence, h.pruned_through, t.tick_id, t.ticked_at,
+       (SELECT s.ticked_at FROM lifecycle_tick s WHERE s.tick_id = $2)
+FROM (SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
+LEFT JOIN lifecycle_outbox_head h ON h.project_id = ANY ($1::text[])`
+
+// loopHeadsUntickedSQL is loopHeadsSQL that also says, once per statement whatever the number
+// of projects, whether events committed that no tick numbered (lifecycle_outbox_unticked,
+// migration 0023): what the poll of the consumer whose ticker is elected reads (see
+// scanLoop.hintTicker). Every other scan reads loopHeadsSQL, which plans as it always did.
+const loopHeadsUntickedSQL = `
+SELECT h.project_id, h.last_sequence, h.pruned_through, t.tick_id, t.ticked_at,
        (SELECT s.ticked_at FROM lifecycle_tick s WHERE s.tick_id = $2), t.unticked
-FROM (SELECT n.tick_id, n.ticked_at,
-             coalesce($3::boolean AND (
-                 (SELECT e.txid FROM lifecycle_event_log e WHERE e.txid >= pg_catalog.pg_snapshot_xmax(n.snapshot)
-                  ORDER BY e.txid LIMIT 1) IS NOT NULL
-                 OR EXISTS (SELECT 1 FROM pg_catalog.pg_snapshot_xip(n.snapshot) AS x (txid),
-                            LATERAL (SELECT e.project_id FROM lifecycle_event_log e WHERE e.txid = x.txid
-                                     ORDER BY e.project_id LIMIT 1) AS y)
-                 OR EXISTS (SELECT 1 FROM lifecycle_outbox_pending)
-                 OR EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.sequence IS NULL)), false) AS unticked
+FROM (SELECT n.tick_id, n.ticked_at, lifecycle_outbox_unticked() AS unticked
       FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
 LEFT JOIN lifecycle_outbox_head h ON h.project_id = ANY ($1::text[])`
+
+// untickedSQL asks whether events committed that no tick numbered, for the elected ticker's
+// consumer when it holds no lease and so reads no heads.
+const untickedSQL = `SELECT lifecycle_outbox_unticked()`
 
 // readHeads returns the heads of projects, as the ticker left them. A head below what the
 // stream reached marks the stream rewound: only a restored database moves a head back. So does

@@ -104,26 +104,34 @@ func (l *scanLoop) skipFailedOf(step string, projects, of []string, err error) (
 	return l.skipFailed(step, projects, err)
 }
 
-// hintTicker tells the elected ticker that events committed which no tick has numbered: a
-// poll's read of heads found them (loopHeadsSQL), which happens when a writer's hint was lost
-// (the writer died between its commit and its hint, or its notification failed). The elected
-// ticker otherwise ticks once per TickFallbackInterval when it hears no hint, so this bounds
-// the delivery of such an event by the poll interval of any consumer of its project, plus a
-// tick. The elected ticker of this process is told directly; another is sent the hint on
-// Config.NotifyChannel, as writers send theirs.
-func (l *scanLoop) hintTicker(ctx context.Context, held []string) {
+// hintTicker tells this consumer's ticker, the elected one, that events committed which no
+// tick has numbered: its poll's read of heads found them (loopHeadsUntickedSQL), which happens
+// when a writer's hint was lost (the writer died between its commit and its hint, or its
+// notification failed). The elected ticker otherwise ticks once per TickFallbackInterval when
+// it hears no hint, so this bounds the delivery of such an event by the elected consumer's
+// poll interval, plus a tick and a scan.
+func (l *scanLoop) hintTicker() {
 	l.unticked = false
-	if l.hint == nil || len(held) == 0 {
+	if l.tickNow == nil {
 		return
 	}
 	l.stats.tickHints.Add(1)
-	hctx, cancel := context.WithTimeout(ctx, min(l.cfg.PollInterval, 5*time.Second))
-	defer cancel()
-	if err := l.hint(hctx, held[0]); err != nil && ctx.Err() == nil {
-		if n, ok := l.skipLog.due("hint the ticker", time.Now()); ok {
-			l.log.Warn("events committed without a tick, and the hint to the ticker failed; it ticks within TickFallbackInterval anyway",
+	l.tickNow()
+}
+
+// checkUnticked asks whether events committed that no tick numbered, with a statement of its
+// own: for the elected ticker's consumer when it holds no lease, so reads no heads.
+func (l *scanLoop) checkUnticked(ctx context.Context) {
+	err := l.pool.QueryRow(ctx, untickedSQL).Scan(&l.unticked)
+	if err != nil {
+		if n, ok := l.skipLog.due("check for events not ticked", time.Now()); ok && ctx.Err() == nil {
+			l.log.Warn("could not check for events committed without a tick; the ticker ticks within TickFallbackInterval anyway",
 				zap.Int("times_since_last_logged", n), zap.Error(err))
 		}
+		return
+	}
+	if l.unticked {
+		l.hintTicker()
 	}
 }
 

@@ -192,7 +192,11 @@ type headsRead struct {
 // queryHeads reads the heads of projects on db (loopHeadsSQL) with the newest tick, and
 // whether events committed that no tick numbered when unticked is set.
 func queryHeads(ctx context.Context, db DBTX, projects []string, seenTick int64, unticked bool) (headsRead, error) {
-	rows, err := db.Query(ctx, loopHeadsSQL, projects, seenTick, unticked)
+	sql := loopHeadsSQL
+	if unticked {
+		sql = loopHeadsUntickedSQL
+	}
+	rows, err := db.Query(ctx, sql, projects, seenTick)
 	if err != nil {
 		return headsRead{}, fmt.Errorf("read heads: %w", err)
 	}
@@ -201,7 +205,11 @@ func queryHeads(ctx context.Context, db DBTX, projects []string, seenTick int64,
 		var project *string
 		var h Head
 		var last, floor *int64
-		if err := rows.Scan(&project, &last, &floor, &hr.newest, &hr.newestAt, &hr.seenAt, &hr.unticked); err != nil {
+		dest := []any{&project, &last, &floor, &hr.newest, &hr.newestAt, &hr.seenAt}
+		if unticked {
+			dest = append(dest, &hr.unticked)
+		}
+		if err := rows.Scan(dest...); err != nil {
 			rows.Close()
 			return headsRead{}, fmt.Errorf("read heads: %w", err)
 		}

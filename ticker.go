@@ -184,11 +184,11 @@ const tickerLockKey int64 = 0x6c69666574696b72 // "lifetikr"
 // (another role can take an advisory lock) slows delivery to that interval and stops nothing.
 //
 // An event whose writer sent no hint (it died between its commit and its hint, or its
-// notification failed) is found by the consumers' polls: a poll's read of heads also says
-// whether events committed that no tick numbered, and the consumer then hints the ticker
-// itself (scanLoop.hintTicker). So the elected ticker, idle, ticks only once per
-// TickFallbackInterval, and such an event waits about one PollInterval of a consumer of its
-// project, plus a tick; TickFallbackInterval at most, whatever the consumers do.
+// notification failed) is found by the elected ticker's own consumer: its poll's read of heads
+// also says whether events committed that no tick numbered, in any project, and it then asks
+// its ticker for a tick (scanLoop.hintTicker). So the elected ticker, idle, ticks only once per
+// TickFallbackInterval, and such an event waits about one PollInterval, plus a tick and a scan;
+// TickFallbackInterval at most, whatever the consumers do.
 type ticker struct {
 	pool    *pgxpool.Pool
 	cfg     Config
@@ -211,19 +211,13 @@ func (t *ticker) campaigns() bool {
 	return !t.cfg.NotifyDisabled && !(t.cfg.TransactionPooler && t.cfg.ListenDSN == "")
 }
 
-// hint tells the elected ticker that events committed which no tick numbered (see
-// scanLoop.hintTicker): directly when it is this candidate, else with a notification on
-// NotifyChannel, the way writers send theirs, which only the elected one hears.
-func (t *ticker) hint(ctx context.Context, project string) error {
-	if t.leading.Load() {
-		select {
-		case t.hints <- struct{}{}:
-		default: // a tick is already asked for
-		}
-		return nil
+// poke asks the ticker for a tick, as a writer's hint does: the consumer's poll found events
+// committed that no tick numbered (scanLoop.hintTicker). Only the elected one ticks on it.
+func (t *ticker) poke() {
+	select {
+	case t.hints <- struct{}{}:
+	default: // a tick is already asked for
 	}
-	_, err := t.pool.Exec(ctx, notifySQL, t.cfg.NotifyChannel, []string{project})
-	return err
 }
 
 // run campaigns and ticks until ctx ends.
@@ -256,9 +250,9 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 		case elected && followUp:
 			wait = t.cfg.TickFloor - time.Since(last)
 		case elected:
-			// The idle poll, once per TickFallbackInterval without a tick: the consumers' polls
-			// hint the ticker when an event committed without a hint (scanLoop.hintTicker), so
-			// this only bounds what a lost hint of theirs costs too.
+			// The idle tick, once per TickFallbackInterval without a tick: this consumer's polls
+			// ask for a tick when an event committed without a hint (scanLoop.hintTicker), so
+			// this only bounds what happens when they cannot.
 			wait = t.cfg.TickFallbackInterval - time.Since(last)
 		default:
 			wait = fallback - time.Since(last)

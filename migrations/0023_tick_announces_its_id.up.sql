@@ -9,6 +9,16 @@
 -- rolling deploy. A notification is only a hint that anyone who may connect can send: a consumer
 -- checks an announced tick on the primary before it lets a standby that has not replayed it make
 -- it wait long or leave the standby.
+--
+-- lifecycle_outbox_unticked() says whether events committed that no tick numbered, in any
+-- project. The elected ticker, idle, ticked once per PollInterval to bound the wait of an event
+-- whose writer sent no hint (it died between its commit and its hint); now the consumer whose
+-- ticker is elected asks this with its poll's read of heads, which costs no statement of its
+-- own, and tells its ticker, so the idle ticker ticks once per TickFallbackInterval. It runs as
+-- its owner, so that one consumer's question covers every project whatever its role may read
+-- (it says no more than whether a tick would number something, which any consumer may cause
+-- by ticking), on generic plans planned once per session: planned with each read of heads, its
+-- statements cost more server CPU than the idle ticks they replace.
 
 -- lifecycle_outbox_tick as in 0020, but the tick announces its own ID before its projects.
 CREATE OR REPLACE FUNCTION lifecycle_outbox_tick(p_channel text)
@@ -113,8 +123,52 @@ BEGIN
 END;
 $$;
 
+
+CREATE FUNCTION lifecycle_outbox_unticked()
+RETURNS boolean
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+AS $$
+DECLARE
+    v_snapshot pg_snapshot;
+BEGIN
+    SELECT t.snapshot INTO v_snapshot FROM lifecycle_tick t ORDER BY t.tick_id DESC LIMIT 1;
+    IF v_snapshot IS NULL THEN
+        RETURN false;
+    END IF;
+    -- A transaction that started after the newest tick's snapshot (from its xmax on, by the
+    -- batch index), or one the snapshot shows as running (one probe each: at most as many as
+    -- can be open at once), has committed an event; or a writer of schema 16 or earlier left
+    -- rows for the ticker to adopt. Rows of transactions still running are not visible.
+    RETURN EXISTS (SELECT 1 FROM lifecycle_event_log e
+                   WHERE e.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(v_snapshot))
+        OR EXISTS (SELECT 1 FROM pg_catalog.pg_snapshot_xip(v_snapshot) AS x (txid),
+                   LATERAL (SELECT 1 FROM lifecycle_event_log e WHERE e.txid OPERATOR(pg_catalog.=) x.txid LIMIT 1) AS y)
+        OR EXISTS (SELECT 1 FROM lifecycle_outbox_pending)
+        OR EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.sequence IS NULL);
+END;
+$$;
+
 DO $$
+DECLARE
+    r record;
 BEGIN
     EXECUTE pg_catalog.format('ALTER FUNCTION lifecycle_outbox_tick(text) SET search_path = pg_catalog, %I, pg_temp', pg_catalog.current_schema());
+    EXECUTE pg_catalog.format('ALTER FUNCTION lifecycle_outbox_unticked() SET search_path = pg_catalog, %I, pg_temp', pg_catalog.current_schema());
+    -- As the readers (0021, 0022): one generic plan per statement and session, walking indexes.
+    ALTER FUNCTION lifecycle_outbox_unticked() SET plan_cache_mode = force_generic_plan;
+    ALTER FUNCTION lifecycle_outbox_unticked() SET max_parallel_workers_per_gather = 0;
+    ALTER FUNCTION lifecycle_outbox_unticked() SET enable_seqscan = off;
+    ALTER FUNCTION lifecycle_outbox_unticked() SET enable_bitmapscan = off;
+    REVOKE EXECUTE ON FUNCTION lifecycle_outbox_unticked() FROM PUBLIC;
+    -- Whoever may tick may ask.
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole::text AS role_name
+        FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+        WHERE p.oid OPERATOR(pg_catalog.=) 'lifecycle_outbox_tick(text)'::regprocedure
+          AND a.grantee OPERATOR(pg_catalog.<>) 0 AND a.grantee OPERATOR(pg_catalog.<>) p.proowner
+          AND a.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE'
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION lifecycle_outbox_unticked() TO %s', r.role_name);
+    END LOOP;
 END;
 $$;
