@@ -22,6 +22,7 @@ type Admin struct {
 	log         *zap.Logger
 	lockTimeout time.Duration
 	stmtTimeout time.Duration
+	tickChannel string
 }
 
 // AdminOptions configure an Admin.
@@ -34,6 +35,11 @@ type AdminOptions struct {
 	LockTimeout time.Duration
 	// StatementTimeout bounds each statement of a mutating call. Defaults to 30s.
 	StatementTimeout time.Duration
+	// TickChannel is the consumers' Config.TickChannel, on which RequestReplay tells the
+	// consumer that owns the dead letter to read its open deliveries. Defaults to the default
+	// TickChannel. A consumer that does not hear it picks the request up within its
+	// TickFallbackInterval all the same.
+	TickChannel string
 }
 
 // NewAdmin returns the operator calls on pool.
@@ -53,8 +59,11 @@ func NewAdmin(pool *pgxpool.Pool, opts AdminOptions) *Admin {
 	if opts.StatementTimeout <= 0 {
 		opts.StatementTimeout = 30 * time.Second
 	}
+	if opts.TickChannel == "" {
+		opts.TickChannel = Config{}.WithDefaults().TickChannel
+	}
 	return &Admin{pool: pool, clock: opts.Clock, audit: opts.Audit, log: opts.Logger.Named("outbox.admin"),
-		lockTimeout: opts.LockTimeout, stmtTimeout: opts.StatementTimeout}
+		lockTimeout: opts.LockTimeout, stmtTimeout: opts.StatementTimeout, tickChannel: opts.TickChannel}
 }
 
 // begin starts a mutating call's transaction with its timeouts.
@@ -280,9 +289,14 @@ SELECT state FROM lifecycle_consumer_deliveries WHERE project_id = $1 AND consum
 const cursorExistsSQL = `
 SELECT EXISTS (SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = $1 AND ($2 = '' OR project_id = $2))`
 
+// replayHintSQL tells the consumer that owns a dead letter that a replay of it was requested.
+const replayHintSQL = `SELECT pg_catalog.pg_notify($1, $2)`
+
 // RequestReplay marks a dead letter for replay. Only the consumer that owns it re-dispatches
-// it, on its next scan; it resolves the dead letter and writes the consumer-replayed audit row
-// naming this operator. It returns ErrUnknownConsumer or ErrNotDeadLetter when there is
+// it: told by a notification on AdminOptions.TickChannel once the request committed, it reads
+// its open deliveries of the project on its next scan of it (within TickFallbackInterval if
+// the notification is lost); it resolves the dead letter and writes the consumer-replayed audit
+// row naming this operator. It returns ErrUnknownConsumer or ErrNotDeadLetter when there is
 // nothing to replay.
 func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID string, err error) {
 	if err := r.Validate(); err != nil {
@@ -295,6 +309,12 @@ func (a *Admin) RequestReplay(ctx context.Context, r ReplayRequest) (eventID str
 	if err == nil {
 		a.log.Info("replay requested", zap.String("project_id", r.ProjectID), zap.String("consumer_id", r.ConsumerID),
 			zap.Int64("sequence", r.Sequence), zap.String("event_id", eventID), zap.String("actor", r.Actor))
+		// After the commit, so that the consumer's read sees the request. Only a hint: the
+		// request stands whether it is heard or not.
+		if _, err := a.pool.Exec(ctx, replayHintSQL, a.tickChannel, replayPayload(r.ConsumerID, r.ProjectID)); err != nil {
+			a.log.Warn("the replay was requested but the consumer was not told; it picks the request up within its TickFallbackInterval",
+				zap.String("project_id", r.ProjectID), zap.String("consumer_id", r.ConsumerID), zap.Error(err))
+		}
 		return eventID, nil
 	}
 	if !errors.Is(err, pgx.ErrNoRows) {

@@ -47,7 +47,10 @@ type Config struct {
 	AckInterval time.Duration `yaml:"ack_interval" json:"ack_interval"`
 
 	// PollInterval is the longest a consumer waits between scans when no notification
-	// arrives. Notifications only shorten it. Defaults to 1s; must be at least 10ms.
+	// arrives. Notifications only shorten it. An idle consumer's poll is one statement, its
+	// read of heads; that of the consumer whose ticker is elected also says whether events
+	// committed that no tick numbered (a writer's hint lost), and it then ticks, so such an
+	// event waits about one PollInterval plus a tick. Defaults to 1s; must be at least 10ms.
 	PollInterval time.Duration `yaml:"poll_interval" json:"poll_interval"`
 
 	// BatchSize is how many events of one project a consumer reads in one statement, and how
@@ -79,8 +82,10 @@ type Config struct {
 	// Defaults to "lifecycle_outbox".
 	NotifyChannel string `yaml:"notify_channel" json:"notify_channel"`
 
-	// TickChannel is the channel on which the ticker announces each tick, one notification
-	// per project with new events; consumers LISTEN on it. Writers' hints on NotifyChannel are
+	// TickChannel is the channel on which the ticker announces each tick ("tick/<tick_id>",
+	// then one notification per project with new events, whose payload is the project ID);
+	// consumers LISTEN on it. Admin.RequestReplay sends "replay/<consumer>/<project>" on it
+	// (give AdminOptions.TickChannel the same value). Writers' hints on NotifyChannel are
 	// heard by the elected ticker only. Defaults to NotifyChannel + "_tick".
 	TickChannel string `yaml:"tick_channel" json:"tick_channel"`
 
@@ -90,10 +95,14 @@ type Config struct {
 	// about TickFloor for its tick. Defaults to 2ms; 1ms to PollInterval.
 	TickFloor time.Duration `yaml:"tick_floor" json:"tick_floor"`
 
-	// TickFallbackInterval is how often a consumer that is not the elected ticker ticks anyway
-	// when it took no tick of its own for that long: a session that holds the election lock
-	// without ticking then slows delivery to this interval instead of stopping it. Defaults
-	// to 5 × PollInterval; at least PollInterval.
+	// TickFallbackInterval bounds what a lost hint costs. Every consumer ticks when it took
+	// no tick of its own for that long (the elected ticker when it heard no hint, the others
+	// anyway): a session that holds the election lock without ticking then slows delivery to
+	// this interval instead of stopping it. A consumer reads its open deliveries (retries,
+	// replay requests) again at least this often, on its Clock, so a replay request whose
+	// notification it did not hear waits at most this long plus a poll; with ReadDSN that read
+	// also shows the primary's newest tick. Defaults to 5 × PollInterval; at least
+	// PollInterval.
 	TickFallbackInterval time.Duration `yaml:"tick_fallback_interval" json:"tick_fallback_interval"`
 
 	// NotifyGap is the shortest time between two wake-up notifications sent by one writer
@@ -135,15 +144,19 @@ type Config struct {
 	// the snapshot of a reconciliation. Everything it writes or locks stays on the pool (leases,
 	// cursors, acknowledgements, deliveries, dead letters, audit rows), and so does LISTEN and
 	// the ticker. Each scan reads from the standby only once it has replayed the newest tick
-	// the primary had when the scan began (waiting up to ReadMaxLag for it); otherwise, and
-	// while the standby is unreachable, the consumer reads from the primary and returns to the
-	// standby when it has caught up. It must parse as a PostgreSQL URL or key=value string;
+	// the consumer knows the primary has (announced by the ticker's notifications, checked on
+	// the primary before a standby that has not replayed it holds a scan back; waiting up to
+	// ReadMaxLag for it); otherwise, and while the standby is unreachable, the consumer reads
+	// from the primary and returns to the standby when it has caught up. A scan the standby
+	// serves sends the primary no statement. It must parse as a PostgreSQL URL or key=value string;
 	// errors about it never repeat it. With TransactionPooler, it must be safe behind the pooler
 	// too. Defaults to empty (read from the pool). See the runbook's section on standbys.
 	ReadDSN string `yaml:"read_dsn" json:"read_dsn"`
 
 	// ReadMaxLag is how long a scan waits for the standby (ReadDSN) to replay the newest tick
-	// before it reads from the primary instead. Defaults to 5s; 10ms to 10m.
+	// before it reads from the primary instead. An announced tick the standby has not replayed
+	// after min(50ms, ReadMaxLag/2) is first checked on the primary. Defaults to 5s; 10ms to
+	// 10m.
 	ReadMaxLag time.Duration `yaml:"read_max_lag" json:"read_max_lag"`
 
 	// ListenCheckTimeout bounds the consumer's wake-up self-test: after each LISTEN it sends

@@ -117,10 +117,14 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	}
 	st.onStandby.Store(cfg.ReadDSN != "")
 	loop.acks = &acknowledger{id: opts.ID, owner: owner, pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
+	tk := newTicker(opts.Pool, cfg, log, opts.Metrics, st)
+	if tk.campaigns() {
+		loop.elected, loop.tickNow = tk.leading.Load, tk.poke
+	}
 	return &Consumer{
 		id: opts.ID, owner: owner, cfg: cfg, log: log, metrics: opts.Metrics, stats: st,
 		status: &statusSource{db: opts.Pool, projects: leases.observedProjects, clock: cfg.Clock, log: log},
-		leases: leases, loop: loop, ticker: newTicker(opts.Pool, cfg, log, opts.Metrics, st),
+		leases: leases, loop: loop, ticker: tk,
 		waker: &waker{id: opts.ID, pool: opts.Pool, cfg: cfg, metrics: opts.Metrics, log: log, scans: scans},
 	}, nil
 }
@@ -270,12 +274,20 @@ type Stats struct {
 	Ticks           int64 // ticks this instance took as the ticker (or as a fallback)
 	Numbered        int64 // events its ticks numbered
 	Holes           int64 // missing events found (each reconciled its project)
+	// OpenReads counts the scans that read open deliveries (retries, replay requests) on the
+	// primary: after a lease was gained, a replay hint, a write whose outcome was unknown, and
+	// every TickFallbackInterval. Other scans use what the consumer knows of them.
+	OpenReads int64
+	// TickHints counts the ticks this consumer, its ticker elected, asked for after a poll
+	// found events committed that no tick had numbered (a writer's hint lost).
+	TickHints int64
 
 	// Reading from a standby (Config.ReadDSN); all zero without one.
 	ReadFallbacks      int64         // times the consumer left the standby for the primary (behind by ReadMaxLag, or unreachable)
 	ReadReturns        int64         // times it went back to the standby once it had caught up
 	ReadConflicts      int64         // standby reads cancelled by a conflict with recovery (retried; never an event's failure)
 	StandbyWaits       int64         // scans that waited for the standby to replay the primary's newest tick
+	TickChecks         int64         // announced ticks the standby had not replayed, checked on the primary (an announcement is only a hint)
 	ReadingFromStandby bool          // scans read from the standby now (false while fallen back)
 	StandbyWaiting     bool          // a scan is waiting for the standby now
 	StandbyLagTicks    int64         // ticks the primary has that the standby had not replayed, when last compared
@@ -285,9 +297,10 @@ type Stats struct {
 // stats are the counters every part of a consumer adds to.
 type stats struct {
 	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, ticks, numbered, holes atomic.Int64
+	openReads, tickHints                                                                                                atomic.Int64
 
-	readFallbacks, readReturns, readConflicts, standbyWaits, lagTicks, lagNanos atomic.Int64
-	onStandby, waiting                                                          atomic.Bool
+	readFallbacks, readReturns, readConflicts, standbyWaits, tickChecks, lagTicks, lagNanos atomic.Int64
+	onStandby, waiting                                                                      atomic.Bool
 }
 
 // Stats returns the consumer's counters.
@@ -297,8 +310,9 @@ func (c *Consumer) Stats() Stats {
 		Delivered: s.delivered.Load(), Own: s.own.Load(), Suppressed: s.suppressed.Load(), Failures: s.failures.Load(),
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
 		Scans: s.scans.Load(), Ticks: s.ticks.Load(), Numbered: s.numbered.Load(), Holes: s.holes.Load(),
+		OpenReads: s.openReads.Load(), TickHints: s.tickHints.Load(),
 		ReadFallbacks: s.readFallbacks.Load(), ReadReturns: s.readReturns.Load(), ReadConflicts: s.readConflicts.Load(),
-		StandbyWaits: s.standbyWaits.Load(), ReadingFromStandby: s.onStandby.Load(), StandbyWaiting: s.waiting.Load(),
+		StandbyWaits: s.standbyWaits.Load(), TickChecks: s.tickChecks.Load(), ReadingFromStandby: s.onStandby.Load(), StandbyWaiting: s.waiting.Load(),
 		StandbyLagTicks: s.lagTicks.Load(), StandbyLag: time.Duration(s.lagNanos.Load()),
 	}
 }

@@ -33,8 +33,22 @@ type delivery struct {
 	eventID  string
 	state    DeliveryState
 	attempts int
-	due      bool
-	wait     time.Duration // until next_attempt_at, for a retry not yet due
+	// dueAt is when a retry falls due, on the consumer's shifted clock (shiftedNow); zero when
+	// it was due when read. The database computes the wait; the consumer adds it to the time
+	// the read returned, so a retry never falls due here before it does in the row.
+	dueAt time.Time
+}
+
+// dueBy reports whether the delivery's next attempt may run at now (shifted clock).
+func (d *delivery) dueBy(now time.Time) bool { return d.dueAt.IsZero() || !now.Before(d.dueAt) }
+
+// dueAfter turns what the database said of a retry (due now, or the wait until it is) into
+// dueAt, from readAt, when the read returned.
+func dueAfter(readAt time.Time, due bool, wait time.Duration) time.Time {
+	if due {
+		return time.Time{}
+	}
+	return readAt.Add(wait)
 }
 
 // FailureUndecodableEvent is the class of a row the consumer cannot decode or deliver as it is
@@ -104,18 +118,32 @@ func (s *deliveryStore) queryOpen(ctx context.Context, db DBTX, projects []strin
 		return nil, err
 	}
 	defer rows.Close()
-	out := map[string][]delivery{}
+	type row struct {
+		project string
+		d       delivery
+		due     bool
+		wait    time.Duration
+	}
+	var got []row
 	for rows.Next() {
-		var p string
-		var d delivery
+		var r row
 		var waitSeconds float64
-		if err := rows.Scan(&p, &d.sequence, &d.eventID, &d.state, &d.attempts, &d.due, &waitSeconds); err != nil {
+		if err := rows.Scan(&r.project, &r.d.sequence, &r.d.eventID, &r.d.state, &r.d.attempts, &r.due, &waitSeconds); err != nil {
 			return nil, err
 		}
-		d.wait = clampWait(waitSeconds)
-		out[p] = append(out[p], d)
+		r.wait = clampWait(waitSeconds)
+		got = append(got, r)
 	}
-	return out, rows.Err()
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	readAt := shiftedNow(s.cfg.Clock)
+	out := map[string][]delivery{}
+	for _, r := range got {
+		r.d.dueAt = dueAfter(readAt, r.due, r.wait)
+		out[r.project] = append(out[r.project], r.d)
+	}
+	return out, nil
 }
 
 const lockDeliverySQL = `

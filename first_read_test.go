@@ -31,9 +31,10 @@ type scanReads struct {
 	all      int // every statement the pool sent meanwhile, from any of the consumer's goroutines
 }
 
-// scanTracer sorts the statements a consumer's pool sends into its scans. A scan reads its
-// projects' open deliveries in one statement (while nothing fails), after the read of heads
-// and before any read of events, so that statement starts each scan.
+// scanTracer sorts the statements a consumer's pool sends into its scans. A scan starts with
+// its one read of heads (loopHeadsSQL, or loopHeadsUntickedSQL on the elected ticker's polls;
+// the open deliveries, when it reads them, are read at the same time on another connection),
+// before any read of events, so that statement starts each scan.
 type scanTracer struct {
 	mu    sync.Mutex
 	scans []scanReads // scans[0]: before the first scan
@@ -42,7 +43,7 @@ type scanTracer struct {
 func (s *scanTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if len(s.scans) == 0 || d.SQL == outbox.Statements["openDeliveriesSQL"] {
+	if len(s.scans) == 0 || d.SQL == outbox.Statements["loopHeadsSQL"] || d.SQL == outbox.Statements["loopHeadsUntickedSQL"] {
 		s.scans = append(s.scans, scanReads{})
 	}
 	cur := &s.scans[len(s.scans)-1]

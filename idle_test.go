@@ -13,8 +13,9 @@ import (
 )
 
 // What an idle consumer costs: one scan per poll and nothing between polls. A scan of an idle
-// project is two statements (the read of heads and the read of open deliveries), so the scans
-// per poll are its cost.
+// project is one statement, its read of heads (its open deliveries are read again only once
+// per TickFallbackInterval: open_deliveries_test.go counts the statements), so the scans per
+// poll are its cost.
 
 // TestIdleConsumerScansOncePerPoll counts the scans of an idle consumer (NOTIFY off) between
 // two moments its loop is at rest with nothing armed but the poll interval. The polls are
@@ -87,7 +88,7 @@ func startPolledConsumer(t *testing.T, pool *pgxpool.Pool, id string, cfg outbox
 	t.Helper()
 	ctx := ctxT(t)
 	cfg.NotifyDisabled, cfg.PollInterval = true, time.Hour
-	cfg.LeaseTTL, cfg.HeartbeatInterval = time.Hour, 20*time.Minute // no heartbeat asks for a scan
+	cfg.LeaseTTL, cfg.HeartbeatInterval = max(cfg.LeaseTTL, time.Hour), 20*time.Minute // no heartbeat asks for a scan
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: outbox.ConsumerID(id), Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{NoLocalWriter: true}), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)

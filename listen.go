@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -14,11 +17,27 @@ import (
 	"fusion/outbox/internal/safetext"
 )
 
-// The wake-up channel (Config.TickChannel). The ticker's function sends one notification per
-// project with new events when a tick commits; the payload is the project ID and nothing else.
-// A notification is only a hint that shortens a consumer's wait: the cursor scan is what
-// delivers, so a lost notification costs at most one poll interval and a forged one costs one
-// scan. (Writers notify Config.NotifyChannel, which only the elected ticker hears.)
+// The wake-up channel (Config.TickChannel). The ticker's function sends, when a tick commits,
+// "tick/<tick_id>" and then one notification per project with new events, whose payload is
+// the project ID and nothing else (migration 0023; notifications of one transaction arrive in
+// the order they were sent). An operator's replay request sends "replay/<consumer>/<project>"
+// (Admin.RequestReplay). Neither is a project ID ('/' is not allowed in one), so a consumer of
+// an earlier build skips them as not its own.
+//
+// A notification is only a hint, which anyone who may connect can send. It shortens a
+// consumer's wait and causes reads, never a decision: the cursor scan is what delivers, so a
+// lost project notification costs at most one poll interval and a forged one one scan; a lost
+// replay hint costs at most TickFallbackInterval (the consumer reads its open deliveries again
+// that often) and a forged one a read of them; an announced tick only says what a standby
+// should have replayed, and is checked on the primary before a standby that has not replayed
+// it makes a scan wait long or leave it (standby.go). (Writers notify Config.NotifyChannel,
+// which only the elected ticker hears.)
+
+// The payloads of the wake-up channel that are not project IDs.
+const (
+	tickPayloadPrefix   = "tick/"
+	replayPayloadPrefix = "replay/"
+)
 
 // parseWakePayload checks a notification payload and returns the project it names. Payloads
 // that are not ours (anything but a valid project ID) are an error, which the consumer logs
@@ -28,6 +47,44 @@ func parseWakePayload(payload string) (string, error) {
 		return "", fmt.Errorf("wake-up payload is not a project ID: %w", err)
 	}
 	return payload, nil
+}
+
+// parseTickPayload returns the tick a "tick/<tick_id>" payload announces: a positive number
+// in its canonical form.
+func parseTickPayload(payload string) (int64, bool) {
+	digits, ok := strings.CutPrefix(payload, tickPayloadPrefix)
+	if !ok {
+		return 0, false
+	}
+	id, err := strconv.ParseInt(digits, 10, 64)
+	if err != nil || id < 1 || strconv.FormatInt(id, 10) != digits {
+		return 0, false
+	}
+	return id, true
+}
+
+// replayPayload is the hint an operator's replay request sends to the consumer that owns the
+// dead letter: it has that consumer read the project's open deliveries again.
+func replayPayload(consumer, project string) string {
+	return replayPayloadPrefix + consumer + "/" + project
+}
+
+// parseReplayPayload returns the consumer and project a "replay/<consumer>/<project>" payload
+// names, both valid identifiers.
+func parseReplayPayload(payload string) (consumer ConsumerID, project string, ok bool) {
+	rest, ok := strings.CutPrefix(payload, replayPayloadPrefix)
+	if !ok {
+		return "", "", false
+	}
+	c, p, ok := strings.Cut(rest, "/")
+	if !ok {
+		return "", "", false
+	}
+	id, err := ParseConsumerID(c)
+	if err != nil || ValidateProjectID(p) != nil {
+		return "", "", false
+	}
+	return id, p, true
 }
 
 // waker keeps the consumer's LISTEN connection and its self-test (listen_selftest.go), and
@@ -89,7 +146,9 @@ func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{wk.cfg.TickChannel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
-	wk.scans.request() // catch up on whatever committed while no one was listening
+	// Catch up on whatever committed while no one was listening, and on replay requests
+	// whose hints went unheard meanwhile.
+	wk.scans.requestRead()
 	ready()
 	check, err := wk.startSelfTest(ctx) // see listen_selftest.go
 	if err != nil {
@@ -104,13 +163,34 @@ func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
 		if wk.heard(check, n.Payload) {
 			continue
 		}
-		project, err := parseWakePayload(n.Payload)
-		if err != nil {
-			wk.log.Debug("skipped a notification that is not ours", zap.String("channel", n.Channel), zap.Int("payload_bytes", len(n.Payload)))
-			continue
-		}
-		wk.scans.request(project)
+		wk.note(n.Channel, n.Payload)
 	}
+}
+
+// note acts on a notification: a project's wake-up asks for a scan of it, a tick's
+// announcement raises the newest tick the loop was told of, and a replay hint for this
+// consumer has the loop read the project's open deliveries on its next scan of it.
+func (wk *waker) note(channel, payload string) {
+	switch {
+	case strings.HasPrefix(payload, tickPayloadPrefix):
+		if id, ok := parseTickPayload(payload); ok {
+			wk.scans.announce(id)
+			return
+		}
+	case strings.HasPrefix(payload, replayPayloadPrefix):
+		if consumer, project, ok := parseReplayPayload(payload); ok {
+			if consumer == wk.id {
+				wk.scans.requestRead(project)
+			}
+			return
+		}
+	default:
+		if project, err := parseWakePayload(payload); err == nil {
+			wk.scans.request(project)
+			return
+		}
+	}
+	wk.log.Debug("skipped a notification that is not ours", zap.String("channel", channel), zap.Int("payload_bytes", len(payload)))
 }
 
 // listenConn opens the waker's dedicated connection (see dedicatedConn).
@@ -151,25 +231,53 @@ type scanRequests struct {
 	wake  chan struct{}
 	mu    sync.Mutex
 	dirty map[string]struct{}
+	// stale are the projects whose open deliveries the loop reads again when it next scans
+	// them ("" for every project).
+	stale map[string]struct{}
+	// announced is the newest tick the ticker's notifications announced: a hint, which the
+	// loop checks on the primary before it lets a standby make it wait for it (standby.go).
+	announced atomic.Int64
 }
 
 func newScanRequests() *scanRequests {
-	return &scanRequests{wake: make(chan struct{}, 1), dirty: map[string]struct{}{}}
+	return &scanRequests{wake: make(chan struct{}, 1), dirty: map[string]struct{}{}, stale: map[string]struct{}{}}
 }
 
 // request asks the loop to look at projects soon (all of them when projects is nil).
 func (r *scanRequests) request(projects ...string) {
 	r.mu.Lock()
+	markAll(r.dirty, projects)
+	r.mu.Unlock()
+	r.poke()
+}
+
+// requestRead asks the loop to look at projects soon and to read their open deliveries again
+// first (all of them when projects is nil).
+func (r *scanRequests) requestRead(projects ...string) {
+	r.mu.Lock()
+	markAll(r.dirty, projects)
+	markAll(r.stale, projects)
+	r.mu.Unlock()
+	r.poke()
+}
+
+// markAll adds projects to set, or "" (every project) when projects is nil.
+func markAll(set map[string]struct{}, projects []string) {
 	if projects == nil {
-		r.dirty[""] = struct{}{}
+		set[""] = struct{}{}
 	}
 	for _, p := range projects {
-		r.dirty[p] = struct{}{}
+		set[p] = struct{}{}
 	}
-	r.mu.Unlock()
-	select {
-	case r.wake <- struct{}{}:
-	default:
+}
+
+// announce raises the newest announced tick to id.
+func (r *scanRequests) announce(id int64) {
+	for {
+		cur := r.announced.Load()
+		if id <= cur || r.announced.CompareAndSwap(cur, id) {
+			return
+		}
 	}
 }
 
@@ -182,19 +290,20 @@ func (r *scanRequests) poke() {
 	}
 }
 
-// take returns the projects to scan and whether a full scan was asked for.
-func (r *scanRequests) take() (map[string]struct{}, bool) {
+// take returns the projects to scan, whether a full scan was asked for, and the projects whose
+// open deliveries to read again ("" for all).
+func (r *scanRequests) take() (dirty map[string]struct{}, all bool, stale map[string]struct{}) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	d := r.dirty
-	r.dirty = map[string]struct{}{}
-	_, all := d[""]
-	return d, all
+	dirty, stale = r.dirty, r.stale
+	r.dirty, r.stale = map[string]struct{}{}, map[string]struct{}{}
+	_, all = dirty[""]
+	return dirty, all, stale
 }
 
 // wakeLimiter coalesces the scans that notifications start. Anyone who may connect can NOTIFY
-// on the channel, so without it a flood of notifications would cost a scan (a read of heads and
-// one of open deliveries) each. A notification for a project whose last notified scan found
+// on the channel, so without it a flood of notifications would cost a scan (a read of heads,
+// and of open deliveries after a replay hint) each. A notification for a project whose last notified scan found
 // nothing to do, less than the wake interval ago, is held, and the notifications held start one
 // scan when the interval has passed. A notified scan that found work does not hold the next one
 // back: real deletions are delivered at once however fast they come, since each scan then

@@ -46,6 +46,24 @@ type scanLoop struct {
 	// loop goroutine.
 	seenTick   int64
 	seenTickAt time.Time
+	// checkedTick is the newest tick a read on the primary showed (its heads, or its newest
+	// tick read with open deliveries or to check an announcement): an announced tick up to it
+	// needs no check (standby.go). Owned by the loop goroutine.
+	checkedTick int64
+	// openReadAt is when the open deliveries of every held project were last read, on the
+	// shifted clock: a full scan reads them all again once TickFallbackInterval has passed,
+	// which bounds what a lost replay hint costs. Owned by the loop goroutine.
+	openReadAt time.Time
+	// unticked: the last read of heads of a poll found events committed that no tick has
+	// numbered (a writer's hint lost); the loop then tells its ticker (hintTicker). Owned by
+	// the loop goroutine.
+	unticked bool
+	// elected reports whether this consumer's ticker is the elected one, whose polls ask
+	// whether events committed without a tick; tickNow asks it for a tick. Both nil when there
+	// is no election (NotifyDisabled, or a transaction pooler without ListenDSN), where every
+	// consumer ticks once per PollInterval anyway.
+	elected func() bool
+	tickNow func()
 	// rest, when set (by tests), is called each time the loop waits with nothing armed but the
 	// poll interval: what one poll costs is the scans between two rests.
 	rest func()
@@ -84,7 +102,45 @@ type streamState struct {
 	// unackedSince is when the stream first dispatched beyond its durable cursor (zero when
 	// nothing waits): its cursor is written AckInterval later at the latest.
 	unackedSince time.Time
+	// open are the stream's open deliveries (head-of-line retries, replay requests) as this
+	// instance last read or wrote them, in sequence order; openKnown says they are current.
+	// Under the lease nothing but this instance writes them, except an operator asking for a
+	// replay (whose hint, or the periodic read, makes them stale): so they are read only when a
+	// lease is gained, after a hint, every TickFallbackInterval, and after a write whose outcome
+	// is unknown. open is never changed in place: a scan may hold the slice it started with.
+	open      []delivery
+	openKnown bool
 }
+
+// putOpen records the open delivery d (replacing the one at its sequence) after this instance
+// wrote it.
+func (st *streamState) putOpen(d delivery) {
+	out := make([]delivery, 0, len(st.open)+1)
+	for _, o := range st.open {
+		if o.sequence != d.sequence {
+			out = append(out, o)
+		}
+	}
+	out = append(out, d)
+	sort.Slice(out, func(i, j int) bool { return out[i].sequence < out[j].sequence })
+	st.open = out
+}
+
+// closeOpen forgets the open delivery at sequence after this instance closed it (resolved it,
+// or parked it as a dead letter).
+func (st *streamState) closeOpen(sequence int64) {
+	out := make([]delivery, 0, len(st.open))
+	for _, o := range st.open {
+		if o.sequence != sequence {
+			out = append(out, o)
+		}
+	}
+	st.open = out
+}
+
+// forgetOpen has the next scan read the stream's open deliveries: a write of them failed, and
+// may or may not have committed.
+func (st *streamState) forgetOpen() { st.openKnown = false }
 
 // readKey is the key the next read of st continues after, or the zero key.
 func (st *streamState) readKey() eventKey {
@@ -119,8 +175,9 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	followUp := false
 	for {
 		l.releaseDropped(ctx)
-		dirty, all := l.scans.take()
+		dirty, all, stale := l.scans.take()
 		full = full || all
+		l.markStale(stale)
 		var failed bool
 		if full {
 			wakes.covered()
@@ -259,6 +316,7 @@ func (f *followUps) add(scan map[string]struct{}) {
 func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]struct{}, full bool) (failed bool) {
 	l.acks.await() // the last scan's acknowledgement: a stream whose write matched nothing lost its lease
 	held := l.syncStates()
+	check := full && l.elected != nil && l.elected()
 	if !full {
 		scoped := held[:0:0]
 		for _, p := range held {
@@ -269,6 +327,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 		held = scoped
 	}
 	if len(held) == 0 {
+		if check {
+			l.checkUnticked(ctx)
+		}
 		return false
 	}
 	for _, p := range held {
@@ -277,14 +338,24 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	l.stats.scans.Add(1)
 	// One project's broken rows cost only that project: a step that failed for some projects
 	// skips them this scan and the others go on.
-	// The heads and the open deliveries are read at once, on two connections: a woken scan
-	// waits for one round trip before it reads events, not two.
-	heads, open, err, openErr := l.scanStart(ctx, held)
+	// The heads and the open deliveries that must be read are read at once, on two
+	// connections: a woken scan waits for one round trip before it reads events, not two. Most
+	// scans read no open deliveries: the streams know them (streamState.open).
+	reading := l.openToRead(held, full)
+	heads, read, err, openErr := l.scanStart(ctx, held, reading, check)
+	l.takeOpen(reading, read, openErr)
 	if held, failed = l.skipFailed("read heads", held, err); len(held) == 0 {
 		return failed
 	}
-	held, stepFailed := l.skipFailed("read open deliveries", held, openErr)
+	held, stepFailed := l.skipFailedOf("read open deliveries", held, reading, openErr)
 	failed = failed || stepFailed
+	open := make(map[string][]delivery, len(held))
+	for _, p := range held {
+		open[p] = l.state[p].open
+	}
+	if l.unticked {
+		l.hintTicker()
+	}
 	first, alone, err := l.readFirst(ctx, held, heads, open)
 	held, stepFailed = l.skipFailed("read events", held, err)
 	failed = failed || stepFailed
@@ -336,7 +407,7 @@ func (l *scanLoop) readFirst(ctx context.Context, held []string, heads map[strin
 		if _, ok := l.reconcileReason(st, head); ok {
 			continue // the stream restarts at the head: nothing below it is read
 		}
-		if r := headOfLineRetry(open[p], st.position); r != nil && r.sequence == st.position+1 && !r.due {
+		if r := headOfLineRetry(open[p], st.position); r != nil && r.sequence == st.position+1 && !r.dueBy(shiftedNow(l.cfg.Clock)) {
 			continue
 		}
 		projects, after = append(projects, p), append(after, st.position)
@@ -399,17 +470,34 @@ SELECT h.project_id, h.last_sequence, h.pruned_through, t.tick_id, t.ticked_at,
 FROM (SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
 LEFT JOIN lifecycle_outbox_head h ON h.project_id = ANY ($1::text[])`
 
+// loopHeadsUntickedSQL is loopHeadsSQL that also says, once per statement whatever the number
+// of projects, whether events committed that no tick numbered (lifecycle_outbox_unticked,
+// migration 0023): what the poll of the consumer whose ticker is elected reads (see
+// scanLoop.hintTicker). Every other scan reads loopHeadsSQL, which plans as it always did.
+const loopHeadsUntickedSQL = `
+SELECT h.project_id, h.last_sequence, h.pruned_through, t.tick_id, t.ticked_at,
+       (SELECT s.ticked_at FROM lifecycle_tick s WHERE s.tick_id = $2), t.unticked
+FROM (SELECT n.tick_id, n.ticked_at, lifecycle_outbox_unticked() AS unticked
+      FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
+LEFT JOIN lifecycle_outbox_head h ON h.project_id = ANY ($1::text[])`
+
+// untickedSQL asks whether events committed that no tick numbered, for the elected ticker's
+// consumer when it holds no lease and so reads no heads.
+const untickedSQL = `SELECT lifecycle_outbox_unticked()`
+
 // readHeads returns the heads of projects, as the ticker left them. A head below what the
 // stream reached marks the stream rewound: only a restored database moves a head back. So does
 // a tick this loop saw that is gone while no newer one is stored, or that was taken again: a
 // restore took ticks back, and the ticks taken since may have brought the head back to where
 // the stream was with other events. Every stream then restarts from its durable cursor, as a
 // new lease does; what it delivered and is still stored stays suppressed (verifyDelivered).
-func (l *scanLoop) readHeads(ctx context.Context, projects []string) (map[string]Head, error) {
-	hr, err := queryHeads(ctx, l.pool, projects, l.seenTick)
+func (l *scanLoop) readHeads(ctx context.Context, projects []string, unticked bool) (map[string]Head, error) {
+	announced := l.scans.announced.Load()
+	hr, err := queryHeads(ctx, l.pool, projects, l.seenTick, unticked)
 	if err != nil {
 		return nil, err
 	}
+	l.checked(announced, hr.newest)
 	return l.applyHeads(hr), nil
 }
 
@@ -422,6 +510,7 @@ func (l *scanLoop) applyHeads(hr headsRead) map[string]Head {
 			zap.Int64("tick_seen", l.seenTick), zap.Int64("newest_tick", newest))
 	}
 	l.seenTick, l.seenTickAt = newest, newestAt
+	l.unticked = hr.unticked
 	for p, h := range heads {
 		if st := l.state[p]; st != nil && (h.LastSequence < st.position || (restored && st.position > 0)) {
 			st.rewound = true
@@ -506,8 +595,8 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *streamState,
 		if ctx.Err() != nil || !l.leases.valid(st.project, st.epoch) {
 			return nil
 		}
-		if retrying != nil && retrying.sequence == st.position+1 && !retrying.due {
-			st.blocked, st.retryAt = true, shiftedNow(l.cfg.Clock).Add(retrying.wait)
+		if retrying != nil && retrying.sequence == st.position+1 && !retrying.dueBy(shiftedNow(l.cfg.Clock)) {
+			st.blocked, st.retryAt = true, retrying.dueAt
 			return nil
 		}
 		var batch []storedEvent
@@ -787,6 +876,9 @@ func (l *scanLoop) syncStates() []string {
 			// delivered beyond it is suppressed, once checked to be still what is stored.
 			st.lease, st.epoch, st.acked, st.position, st.keyAt = ls.grant, ls.epoch, ls.acked, max(ls.acked, 0), -1
 			st.checkDelivered = st.delivered > st.position
+			// Another process of the identity may have held the lease meanwhile and written
+			// retries or dead letters: what this instance knew of them is read again.
+			st.open, st.openKnown = nil, false
 		}
 		out = append(out, p)
 	}

@@ -123,7 +123,7 @@ func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	}
 	o := &Outbox{writer: writer, dispatcher: dispatcher, runner: runner, retention: retention, metrics: metrics,
 		admin: NewAdmin(operatorPool, AdminOptions{Audit: audit, Clock: cfg.Clock, Logger: log,
-			LockTimeout: cfg.LockTimeout, StatementTimeout: cfg.StatementTimeout}),
+			LockTimeout: cfg.LockTimeout, StatementTimeout: cfg.StatementTimeout, TickChannel: cfg.TickChannel}),
 		disabled: cfg.Disabled}
 	if r, ok := deps.Projects.(ProjectsRefresher); ok {
 		r.SetRefresher(o.RefreshProjects)

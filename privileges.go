@@ -46,7 +46,8 @@ const writerOutboxColumns = "project_id, task_id, deleted_at, writer_process_id,
 
 // consumerGrants: the consumer ticks (the owner's function numbers what committed, for every
 // project; see migration 0018), reads events through lifecycle_outbox_read and
-// lifecycle_outbox_read_parts, and writes its own cursors, leases and delivery attempts, and
+// lifecycle_outbox_read_parts, asks lifecycle_outbox_unticked whether events committed that no
+// tick numbered (migration 0023), and writes its own cursors, leases and delivery attempts, and
 // the poison and replay audit rows. It cannot number by hand, retire anyone, ask for a replay,
 // prune or delete.
 var consumerGrants = []grant{
@@ -69,14 +70,16 @@ var consumerGrants = []grant{
 	{"EXECUTE", "FUNCTION " + adoptSignature},
 	{"EXECUTE", "FUNCTION " + readSignature},
 	{"EXECUTE", "FUNCTION " + readPartsSignature},
+	{"EXECUTE", "FUNCTION " + untickedSignature},
 }
 
-// The ticker's and the readers' functions (migrations 0018 and 0022).
+// The ticker's and the readers' functions (migrations 0018, 0022 and 0023).
 const (
 	tickSignature      = "lifecycle_outbox_tick(text)"
 	adoptSignature     = "lifecycle_outbox_adopt_legacy(integer)"
 	readSignature      = "lifecycle_outbox_read(text, bigint, integer, xid8, timestamptz, text)"
 	readPartsSignature = "lifecycle_outbox_read_parts(text[], bigint[], integer)"
+	untickedSignature  = "lifecycle_outbox_unticked()" // migration 0023
 )
 
 // operatorGrants: outboxctl and the retention sweep read status, request replays, retire and
@@ -113,7 +116,7 @@ var moduleObjects = []string{
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE lifecycle_event_log", "TABLE lifecycle_tick", "TABLE lifecycle_tick_project",
 	"TABLE " + schemaTable, "FUNCTION " + tickSignature, "FUNCTION " + adoptSignature, "FUNCTION " + readSignature,
-	"FUNCTION " + readPartsSignature, "FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
+	"FUNCTION " + readPartsSignature, "FUNCTION " + untickedSignature, "FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
 }
 
 // GrantWriterRole gives role what the writer hook needs (see writerGrants) in the given

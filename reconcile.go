@@ -82,8 +82,10 @@ func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason Reconc
 		return r.restartCursorTx(ctx, tx, st.project, head, reason)
 	})
 	if err != nil {
+		st.forgetOpen()
 		return fmt.Errorf("reconcile: %w", err)
 	}
+	st.supersedeOpen(head)
 	previous := st.acked
 	// Every in-memory position restarts at the head: sequences above it are new events even
 	// if this instance delivered events under those numbers before (a database restored to an
@@ -101,6 +103,17 @@ func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason Reconc
 		l.log.Info("reconciled", fields...)
 	}
 	return nil
+}
+
+// supersedeOpen forgets the retries at or below head, which restartCursorTx resolved.
+func (st *streamState) supersedeOpen(head int64) {
+	out := make([]delivery, 0, len(st.open))
+	for _, d := range st.open {
+		if d.state != DeliveryRetrying || d.sequence > head {
+			out = append(out, d)
+		}
+	}
+	st.open = out
 }
 
 // restartCursorTx moves the cursor to head, records why, and resolves the retries it

@@ -25,17 +25,22 @@ func (l *scanLoop) recordFailure(ctx context.Context, st *streamState, ev Event,
 		return err
 	})
 	if err != nil {
+		st.forgetOpen()
 		return false, fmt.Errorf("record failed delivery: %w", err)
 	}
 	fields := []zap.Field{zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence),
 		zap.String("event_id", ev.EventID), zap.String("class", string(class)), zap.Int("attempts", attempts)}
 	if !parked {
 		delay := l.cfg.retryDelay(attempts)
+		// The row falls due at next_attempt_at, the database's now() at the write plus delay:
+		// no later than this instance's clock now plus delay, which is when it retries.
 		st.blocked, st.retryAt = true, shiftedNow(l.cfg.Clock).Add(delay)
+		st.putOpen(delivery{sequence: ev.Sequence, eventID: ev.EventID, state: DeliveryRetrying, attempts: attempts, dueAt: st.retryAt})
 		l.log.Warn("delivery failed; the stream waits for the retry", append(fields, zap.Duration("retry_in", delay))...)
 		return false, nil
 	}
 	st.acked, st.position = ev.Sequence, ev.Sequence
+	st.closeOpen(ev.Sequence)
 	if class != FailureUndecodableEvent {
 		l.dispatch.applyToCache(ctx, ev)
 	}
@@ -61,9 +66,11 @@ func (l *scanLoop) resolveRetried(ctx context.Context, st *streamState, ev Event
 		return l.store.resolveRetriedTx(ctx, tx, st.project, ev.Sequence)
 	})
 	if err != nil {
+		st.forgetOpen()
 		return fmt.Errorf("resolve retried delivery: %w", err)
 	}
 	st.acked = ev.Sequence
+	st.closeOpen(ev.Sequence)
 	l.log.Info("retried delivery succeeded", zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence), zap.String("event_id", ev.EventID))
 	return nil
 }
@@ -81,9 +88,9 @@ func (l *scanLoop) replay(ctx context.Context, s *session, st *streamState, d de
 		// put the request back to dead rather than trying on every scan.
 		l.log.Error("replay requested for an event that is no longer stored; left as a dead letter", zap.String("project_id", st.project),
 			zap.Int64("sequence", d.sequence), zap.String("event_id", d.eventID))
-		return l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
+		return l.closedReplay(st, d, l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
 			return l.store.replayMissingTx(ctx, tx, st.project, d.sequence)
-		})
+		}))
 	}
 	ev := row.Event
 	outcome, class := Failed, FailureUndecodableEvent
@@ -99,9 +106,9 @@ func (l *scanLoop) replay(ctx context.Context, s *session, st *streamState, d de
 	if outcome == Failed {
 		l.stats.failures.Add(1)
 		l.metrics.failure(st.project, string(l.id), class)
-		err := l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
+		err := l.closedReplay(st, d, l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
 			return l.store.replayFailedTx(ctx, tx, st.project, ev.Sequence, class)
-		})
+		}))
 		if err != nil {
 			return fmt.Errorf("record failed replay: %w", err)
 		}
@@ -109,11 +116,11 @@ func (l *scanLoop) replay(ctx context.Context, s *session, st *streamState, d de
 		return nil
 	}
 	var warnActor bool
-	err = l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
+	err = l.closedReplay(st, d, l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
 		var err error
 		warnActor, err = l.store.replayResolvedTx(ctx, tx, st.project, ev)
 		return err
-	})
+	}))
 	if warnActor {
 		l.log.Warn("replay request names no valid actor and reason; the audit row leaves them out",
 			zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence))
@@ -124,5 +131,17 @@ func (l *scanLoop) replay(ctx context.Context, s *session, st *streamState, d de
 	l.stats.replayed.Add(1)
 	l.metrics.replayed(st.project, string(l.id))
 	l.log.Info("dead letter replayed and resolved", fields...)
+	return nil
+}
+
+// closedReplay records the outcome of the write that closed the replay request d (resolved it,
+// or put it back to dead): it is no longer open, or, when the write failed, the stream's open
+// deliveries are read again. It returns err.
+func (l *scanLoop) closedReplay(st *streamState, d delivery, err error) error {
+	if err != nil {
+		st.forgetOpen()
+		return err
+	}
+	st.closeOpen(d.sequence)
 	return nil
 }

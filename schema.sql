@@ -1,4 +1,4 @@
--- The outbox module's whole schema as a freshly migrated database has it (schema version 22).
+-- The outbox module's whole schema as a freshly migrated database has it (schema version 23).
 --
 -- GENERATED: do not edit. `make schema` rewrites this file: it applies migrations/*.up.sql to an
 -- empty throwaway database on PostgreSQL 15 and formats pg_dump's schema-only dump of it
@@ -864,9 +864,6 @@ CREATE FUNCTION lifecycle_outbox_tick(p_channel text) RETURNS TABLE(tick_id bigi
     LANGUAGE plpgsql SECURITY DEFINER
     SET lock_timeout TO '1s'
     SET search_path TO 'pg_catalog', 'public', 'pg_temp'
-    SET plan_cache_mode TO 'force_generic_plan'
-    SET enable_seqscan TO 'off'
-    SET enable_bitmapscan TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -955,6 +952,9 @@ BEGIN
     END IF;
     INSERT INTO lifecycle_tick (tick_id, snapshot) VALUES (v_id, v_cur);
     IF p_channel IS NOT NULL THEN
+        -- The tick's ID first, then its projects: notifications of one transaction arrive in
+        -- the order they were sent, so a consumer knows which tick woke it before it scans.
+        PERFORM pg_catalog.pg_notify(p_channel, 'tick/' OPERATOR(pg_catalog.||) v_id::text);
         PERFORM pg_catalog.pg_notify(p_channel, p.project_id::text)
         FROM lifecycle_tick_project p WHERE p.tick_id OPERATOR(pg_catalog.=) v_id ORDER BY p.project_id;
     END IF;
@@ -963,6 +963,37 @@ END;
 $$;
 
 REVOKE ALL ON FUNCTION lifecycle_outbox_tick(p_channel text) FROM PUBLIC;
+
+
+CREATE FUNCTION lifecycle_outbox_unticked() RETURNS boolean
+    LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET max_parallel_workers_per_gather TO '0'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    AS $$
+DECLARE
+    v_snapshot pg_snapshot;
+BEGIN
+    SELECT t.snapshot INTO v_snapshot FROM lifecycle_tick t ORDER BY t.tick_id DESC LIMIT 1;
+    IF v_snapshot IS NULL THEN
+        RETURN false;
+    END IF;
+    -- A transaction that started after the newest tick's snapshot (from its xmax on, by the
+    -- batch index), or one the snapshot shows as running (one probe each: at most as many as
+    -- can be open at once), has committed an event; or a writer of schema 16 or earlier left
+    -- rows for the ticker to adopt. Rows of transactions still running are not visible.
+    RETURN EXISTS (SELECT 1 FROM lifecycle_event_log e
+                   WHERE e.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(v_snapshot))
+        OR EXISTS (SELECT 1 FROM pg_catalog.pg_snapshot_xip(v_snapshot) AS x (txid),
+                   LATERAL (SELECT 1 FROM lifecycle_event_log e WHERE e.txid OPERATOR(pg_catalog.=) x.txid LIMIT 1) AS y)
+        OR EXISTS (SELECT 1 FROM lifecycle_outbox_pending)
+        OR EXISTS (SELECT 1 FROM lifecycle_outbox o WHERE o.sequence IS NULL);
+END;
+$$;
+
+REVOKE ALL ON FUNCTION lifecycle_outbox_unticked() FROM PUBLIC;
 
 
 ----------------------------------------------------------------------------------------------------

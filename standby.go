@@ -24,12 +24,22 @@ import (
 // reads of its own state (open deliveries, cursors, leases).
 //
 // What keeps it correct:
-//   - A scan starts by reading the heads on the standby while it reads its open deliveries on
-//     the primary, and with them the primary's newest tick. The standby serves the scan only
-//     once it has replayed that tick (and every tick the consumer saw before), so the tick
-//     whose notification started the scan is never missed, and a head never goes back below
-//     what the stream reached (which would look like a restored database). A scan waits up to
-//     ReadMaxLag for the standby to get there, then reads from the primary instead.
+//   - A scan starts by reading the heads on the standby. The standby serves the scan only once
+//     it has replayed the tick the scan must see: the newest tick the ticker announced (each
+//     tick's notifications start with "tick/<tick_id>", before those of its projects, so the
+//     tick whose notification started the scan is known when it starts), the newest the
+//     primary showed when the scan also read open deliveries there (openWithTickSQL: at least
+//     every TickFallbackInterval, and after the LISTEN connection was lost), and every tick the
+//     consumer saw before. So the tick whose notification started the scan is never missed,
+//     and a head never goes back below what the stream reached (which would look like a
+//     restored database). A scan waits up to ReadMaxLag for the standby to get there, then
+//     reads from the primary instead. A scan that the standby serves at once sends the primary
+//     no statement.
+//   - An announced tick is a hint, which anyone who may NOTIFY can forge. When the standby has
+//     not replayed it within standbyGrace, the scan reads the primary's newest tick (one
+//     statement) and waits for that instead: a forged announcement costs that read and the
+//     grace, never a long wait or a fallback. Only a tick the primary showed makes a scan wait
+//     for ReadMaxLag or leave the standby.
 //   - Heads and events of a scan come from the same server, so a head never counts events its
 //     server does not show. When a read on the standby fails, or finds a hole, the rest of the
 //     scan reads from the primary, which holds everything the standby does: a standby never
@@ -169,17 +179,24 @@ func (r *readSource) setLag(ticks int64, lag time.Duration) {
 }
 
 // headsRead is what one read of heads returned: the heads, the source's newest tick and when
-// it was taken, and when the tick the loop saw last was taken there (nil when not stored).
+// it was taken, and when the tick the loop saw last was taken there (nil when not stored);
+// unticked when asked for (see loopHeadsSQL).
 type headsRead struct {
 	heads    map[string]Head
 	newest   int64
 	newestAt time.Time
 	seenAt   *time.Time
+	unticked bool
 }
 
-// queryHeads reads the heads of projects on db (loopHeadsSQL) with the newest tick.
-func queryHeads(ctx context.Context, db DBTX, projects []string, seenTick int64) (headsRead, error) {
-	rows, err := db.Query(ctx, loopHeadsSQL, projects, seenTick)
+// queryHeads reads the heads of projects on db (loopHeadsSQL) with the newest tick, and
+// whether events committed that no tick numbered when unticked is set.
+func queryHeads(ctx context.Context, db DBTX, projects []string, seenTick int64, unticked bool) (headsRead, error) {
+	sql := loopHeadsSQL
+	if unticked {
+		sql = loopHeadsUntickedSQL
+	}
+	rows, err := db.Query(ctx, sql, projects, seenTick)
 	if err != nil {
 		return headsRead{}, fmt.Errorf("read heads: %w", err)
 	}
@@ -188,7 +205,11 @@ func queryHeads(ctx context.Context, db DBTX, projects []string, seenTick int64)
 		var project *string
 		var h Head
 		var last, floor *int64
-		if err := rows.Scan(&project, &last, &floor, &hr.newest, &hr.newestAt, &hr.seenAt); err != nil {
+		dest := []any{&project, &last, &floor, &hr.newest, &hr.newestAt, &hr.seenAt}
+		if unticked {
+			dest = append(dest, &hr.unticked)
+		}
+		if err := rows.Scan(dest...); err != nil {
 			rows.Close()
 			return headsRead{}, fmt.Errorf("read heads: %w", err)
 		}
@@ -209,7 +230,7 @@ func queryHeads(ctx context.Context, db DBTX, projects []string, seenTick int64)
 func (s *deliveryStore) openWithTick(ctx context.Context, db DBTX, projects []string) (open map[string][]delivery, tick int64, tickAt time.Time, err error) {
 	rows, err := db.Query(ctx, openWithTickSQL, s.id, projects, s.offset())
 	if err == nil {
-		open, tick, tickAt, err = scanOpenWithTick(rows)
+		open, tick, tickAt, err = scanOpenWithTick(rows, s.cfg.Clock)
 	}
 	if err == nil || ctx.Err() != nil {
 		return open, tick, tickAt, err
@@ -218,9 +239,15 @@ func (s *deliveryStore) openWithTick(ctx context.Context, db DBTX, projects []st
 	return open, 0, time.Time{}, err
 }
 
-func scanOpenWithTick(rows pgx.Rows) (map[string][]delivery, int64, time.Time, error) {
+func scanOpenWithTick(rows pgx.Rows, clock Clock) (map[string][]delivery, int64, time.Time, error) {
 	defer rows.Close()
-	out := map[string][]delivery{}
+	type row struct {
+		project string
+		d       delivery
+		due     bool
+		wait    time.Duration
+	}
+	var got []row
 	var tick int64
 	var tickAt time.Time
 	for rows.Next() {
@@ -238,40 +265,72 @@ func scanOpenWithTick(rows pgx.Rows) (map[string][]delivery, int64, time.Time, e
 		if sequence == nil || eventID == nil || state == nil || attempts == nil || due == nil || waitSeconds == nil {
 			return nil, 0, time.Time{}, errors.New("read open deliveries: a delivery row with a NULL column")
 		}
-		out[*p] = append(out[*p], delivery{sequence: *sequence, eventID: *eventID, state: DeliveryState(*state),
-			attempts: *attempts, due: *due, wait: clampWait(*waitSeconds)})
+		got = append(got, row{project: *p, d: delivery{sequence: *sequence, eventID: *eventID, state: DeliveryState(*state),
+			attempts: *attempts}, due: *due, wait: clampWait(*waitSeconds)})
 	}
-	return out, tick, tickAt, rows.Err()
+	if err := rows.Err(); err != nil {
+		return nil, 0, time.Time{}, err
+	}
+	readAt := shiftedNow(clock)
+	out := map[string][]delivery{}
+	for _, r := range got {
+		r.d.dueAt = dueAfter(readAt, r.due, r.wait)
+		out[r.project] = append(out[r.project], r.d)
+	}
+	return out, tick, tickAt, nil
 }
 
-// scanStart reads what a scan starts from: the heads of held and their open deliveries, the
-// latter on the primary, the former on the scan's source, which it picks (see the top of
-// this file). The heads are applied to the stream states as readHeads does.
-func (l *scanLoop) scanStart(ctx context.Context, held []string) (heads map[string]Head, open map[string][]delivery, headsErr, openErr error) {
+// scanStart reads what a scan starts from: the heads of held, and the open deliveries of
+// reading (those the loop must read, see openToRead), the latter on the primary, the former on
+// the scan's source, which it picks (see the top of this file). The heads are applied to the
+// stream states as readHeads does; unticked asks the read of heads whether events committed
+// that no tick numbered (loopHeadsSQL).
+func (l *scanLoop) scanStart(ctx context.Context, held, reading []string, unticked bool) (heads map[string]Head, open map[string][]delivery, headsErr, openErr error) {
 	r := l.reads
 	r.scanStandby = false
 	if !r.configured() {
-		opened := make(chan struct{})
-		go func() {
-			defer close(opened)
-			open, openErr = l.store.open(ctx, l.pool, held)
-		}()
-		heads, headsErr = l.readHeads(ctx, held)
-		<-opened
+		var opened chan struct{}
+		if len(reading) > 0 {
+			opened = make(chan struct{})
+			go func() {
+				defer close(opened)
+				open, openErr = l.store.open(ctx, l.pool, reading)
+			}()
+		}
+		heads, headsErr = l.readHeads(ctx, held, unticked)
+		if opened != nil {
+			<-opened
+		}
 		return heads, open, headsErr, openErr
 	}
 	if r.fallen {
-		return l.scanStartFallen(ctx, held)
+		return l.scanStartFallen(ctx, held, reading, unticked)
 	}
-	var want int64
-	var wantAt time.Time
-	opened := make(chan struct{})
-	go func() {
-		defer close(opened)
-		open, want, wantAt, openErr = l.store.openWithTick(ctx, l.pool, held)
-	}()
-	hr, err := l.standbyHeads(ctx, held)
-	<-opened
+	// What the standby must have replayed: the newest tick announced or seen, checked on the
+	// primary unless it is no newer than a tick the primary showed.
+	announced := l.scans.announced.Load()
+	want, wantAt, checked := max(announced, l.seenTick), time.Time{}, true
+	if want > max(l.checkedTick, l.seenTick) {
+		checked = false
+	}
+	var primaryTick int64
+	var primaryTickAt time.Time
+	var opened chan struct{}
+	if len(reading) > 0 {
+		opened = make(chan struct{})
+		go func() {
+			defer close(opened)
+			open, primaryTick, primaryTickAt, openErr = l.store.openWithTick(ctx, l.pool, reading)
+		}()
+	}
+	hr, err := l.standbyHeads(ctx, held, unticked)
+	if opened != nil {
+		<-opened
+		if primaryTick != 0 {
+			l.checked(announced, primaryTick)
+			want, wantAt, checked = max(primaryTick, l.seenTick), primaryTickAt, true
+		}
+	}
 	switch {
 	case ctx.Err() != nil:
 		return nil, open, ctx.Err(), openErr
@@ -280,18 +339,19 @@ func (l *scanLoop) scanStart(ctx context.Context, held []string) (heads map[stri
 		// this scan reads from the primary, the next tries the standby again.
 	case err != nil:
 		r.fallBack(fallbackUnreachable, 0, 0, err)
-	case want == 0:
+	case opened != nil && primaryTick == 0:
 		// The primary's tick is unknown (its read failed): this scan reads from the primary.
 	default:
-		want = max(want, l.seenTick)
 		if hr.newest < want {
-			hr, err = l.awaitStandby(ctx, held, hr, want, wantAt)
+			hr, want, err = l.awaitStandby(ctx, held, hr, want, wantAt, checked, unticked)
 		} else {
 			r.setLag(0, 0)
 		}
 		switch {
 		case ctx.Err() != nil:
 			return nil, open, ctx.Err(), openErr
+		case errors.Is(err, errTickUnchecked):
+			// The announced tick could not be checked on the primary: this scan reads there.
 		case err != nil && !standbyDown(err):
 		case err != nil:
 			r.fallBack(fallbackUnreachable, 0, 0, err)
@@ -302,17 +362,49 @@ func (l *scanLoop) scanStart(ctx context.Context, held []string) (heads map[stri
 		}
 	}
 	if !r.scanStandby {
-		if hr, err = queryHeads(ctx, l.pool, held, l.seenTick); err != nil {
+		announced := l.scans.announced.Load()
+		if hr, err = queryHeads(ctx, l.pool, held, l.seenTick, unticked); err != nil {
 			return nil, open, err, openErr
 		}
+		l.checked(announced, hr.newest)
 	}
 	return l.applyHeads(hr), open, nil, openErr
+}
+
+// checked records that a read of the primary, sent when the newest announcement was
+// announced, showed tick as its newest: an announcement up to it needs no check, and the one
+// beyond it is dropped (forged, or from before a restore) unless another came since, which the
+// read may not have seen.
+func (l *scanLoop) checked(announced, tick int64) {
+	l.checkedTick = max(l.checkedTick, tick)
+	if announced > tick {
+		l.scans.announced.CompareAndSwap(announced, tick)
+	}
+}
+
+// errTickUnchecked: an announced tick the standby had not replayed could not be checked on the
+// primary.
+var errTickUnchecked = errors.New("the announced tick could not be checked on the primary")
+
+// standbyGrace is how long a scan waits for the standby to replay an announced tick before it
+// checks the announcement on the primary: long enough for a standby that keeps up to replay the
+// tick whose notification reached the consumer first, short enough that a forged announcement
+// costs little.
+func standbyGrace(cfg Config) time.Duration { return min(50*time.Millisecond, cfg.ReadMaxLag/2) }
+
+// primaryTick reads the primary's newest tick, to check an announcement (counted).
+func (l *scanLoop) primaryTick(ctx context.Context) (int64, time.Time, error) {
+	l.stats.tickChecks.Add(1)
+	var tick int64
+	var at time.Time
+	err := l.pool.QueryRow(ctx, newestTickSQL).Scan(&tick, &at)
+	return tick, at, err
 }
 
 // scanStartFallen starts a scan that reads from the primary while the standby is behind or
 // unreachable, and probes the standby meanwhile: once it has replayed the primary's newest
 // tick, the next scan reads from it again.
-func (l *scanLoop) scanStartFallen(ctx context.Context, held []string) (heads map[string]Head, open map[string][]delivery, headsErr, openErr error) {
+func (l *scanLoop) scanStartFallen(ctx context.Context, held, reading []string, unticked bool) (heads map[string]Head, open map[string][]delivery, headsErr, openErr error) {
 	r := l.reads
 	var probe int64
 	var probeAt time.Time
@@ -321,7 +413,9 @@ func (l *scanLoop) scanStartFallen(ctx context.Context, held []string) (heads ma
 	done := make(chan struct{}, 2)
 	go func() {
 		defer func() { done <- struct{}{} }()
-		open, openErr = l.store.open(ctx, l.pool, held)
+		if len(reading) > 0 {
+			open, openErr = l.store.open(ctx, l.pool, reading)
+		}
 	}()
 	go func() {
 		defer func() { done <- struct{}{} }()
@@ -332,12 +426,14 @@ func (l *scanLoop) scanStartFallen(ctx context.Context, held []string) (heads ma
 		defer cancel()
 		probeErr = r.standby.QueryRow(pctx, newestTickSQL).Scan(&probe, &probeAt)
 	}()
-	hr, err := queryHeads(ctx, l.pool, held, l.seenTick)
+	announced := l.scans.announced.Load()
+	hr, err := queryHeads(ctx, l.pool, held, l.seenTick, unticked)
 	<-done
 	<-done
 	if err != nil {
 		return nil, open, err, openErr
 	}
+	l.checked(announced, hr.newest)
 	switch {
 	case !probing:
 	case probeErr != nil:
@@ -355,9 +451,9 @@ func (l *scanLoop) scanStartFallen(ctx context.Context, held []string) (heads ma
 
 // standbyHeads reads the heads on the standby, trying again a statement cancelled by a
 // recovery conflict.
-func (l *scanLoop) standbyHeads(ctx context.Context, held []string) (headsRead, error) {
+func (l *scanLoop) standbyHeads(ctx context.Context, held []string, unticked bool) (headsRead, error) {
 	for attempt := 0; ; attempt++ {
-		hr, err := queryHeads(ctx, l.reads.standby, held, l.seenTick)
+		hr, err := queryHeads(ctx, l.reads.standby, held, l.seenTick, unticked)
 		if err == nil || ctx.Err() != nil || !recoveryConflict(err) || attempt >= readConflictRetries {
 			return hr, err
 		}
@@ -367,36 +463,65 @@ func (l *scanLoop) standbyHeads(ctx context.Context, held []string) (headsRead, 
 }
 
 // awaitStandby reads the heads on the standby again until it has replayed tick want, for at
-// most ReadMaxLag on the consumer's clock. It returns the last heads it read: their newest
-// tick is below want when the wait ran out.
-func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead, want int64, wantAt time.Time) (headsRead, error) {
+// most ReadMaxLag on the consumer's clock. It returns the last heads it read (their newest tick
+// is below want when the wait ran out) and the tick it waited for. When want is an announced
+// tick not checked on the primary (checked false), it checks it there once standbyGrace has
+// passed, or when the wait runs out first, and waits for the primary's newest tick instead:
+// only a tick the primary showed makes it wait on. errTickUnchecked: that read failed.
+func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead, want int64, wantAt time.Time, checked, unticked bool) (headsRead, int64, error) {
 	r := l.reads
 	r.stats.standbyWaits.Add(1)
 	r.stats.waiting.Store(true)
 	defer r.stats.waiting.Store(false)
 	deadline := r.cfg.Clock.NewTimer(r.cfg.ReadMaxLag)
 	defer deadline.Stop()
+	started := time.Now()
+	check := func() error {
+		announced := l.scans.announced.Load()
+		tick, at, err := l.primaryTick(ctx)
+		if err != nil {
+			return errTickUnchecked
+		}
+		l.checked(announced, tick)
+		want, wantAt, checked = max(tick, l.seenTick), at, true
+		return nil
+	}
 	pause := time.Millisecond
 	for {
 		r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
+		if !checked && time.Since(started) >= standbyGrace(r.cfg) {
+			if err := check(); err != nil {
+				return hr, want, err
+			}
+			if hr.newest >= want {
+				r.setLag(0, 0)
+				return hr, want, nil
+			}
+			r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
+		}
 		wait := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
 			wait.Stop()
-			return hr, ctx.Err()
+			return hr, want, ctx.Err()
 		case <-deadline.C():
 			wait.Stop()
-			return hr, nil
+			if !checked {
+				if err := check(); err != nil {
+					return hr, want, err
+				}
+			}
+			return hr, want, nil
 		case <-wait.C:
 		}
 		pause = min(pause*2, 20*time.Millisecond)
-		next, err := l.standbyHeads(ctx, held)
+		next, err := l.standbyHeads(ctx, held, unticked)
 		if err != nil {
-			return hr, err
+			return hr, want, err
 		}
 		if hr = next; hr.newest >= want {
 			r.setLag(0, 0)
-			return hr, nil
+			return hr, want, nil
 		}
 	}
 }

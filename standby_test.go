@@ -25,6 +25,8 @@ func TestStandbyReads(t *testing.T) {
 	t.Run("DeliversEveryEventOnceInOrder", func(t *testing.T) { testStandbyDeliversInOrder(t, pair) })
 	t.Run("PausedReplayIsWaitedForThenLeft", func(t *testing.T) { testStandbyPausedReplay(t, pair) })
 	t.Run("RecoveryConflictIsRetried", func(t *testing.T) { testStandbyRecoveryConflict(t, pair) })
+	t.Run("NotifiedScansSendThePrimaryNothing", func(t *testing.T) { testStandbyScansLeaveThePrimary(t, pair) })
+	t.Run("ForgedTickAnnouncementIsChecked", func(t *testing.T) { testStandbyForgedTick(t, pair) })
 	t.Run("KilledStandby", func(t *testing.T) { testStandbyKilled(t, pair) })
 	t.Run("Promotion", func(t *testing.T) { testStandbyPromoted(t, pair) }) // last: the pair is gone after it
 }
@@ -252,6 +254,72 @@ WHERE datname = $1 AND wait_event_type = 'Lock'`, db.Name) > 0
 	require.Positive(t, pgtest.QueryInt(t, standbyAdmin, `SELECT (confl_lock + confl_deadlock)::int FROM pg_stat_database_conflicts
 WHERE datname = $1`, db.Name), "the standby counts the conflict")
 	requireCursorsWithin(t, c.pool, "conflict-reader", c.rec)
+}
+
+// testStandbyScansLeaveThePrimary: the scans a consumer reading from the standby makes on the
+// ticker's notifications send the primary no statement: they wait for the tick the
+// notifications announce, not for one read there, and know their open deliveries. Only an
+// announced tick the standby had not replayed within its grace is checked there (counted).
+func testStandbyScansLeaveThePrimary(t *testing.T, pair *pgtest.Pair) {
+	ctx := ctxT(t)
+	db := pair.NewDB(t)
+	w := standbyWriter(t, db.URL, 20)
+	cfg := fastConfig()
+	cfg.ReadDSN = db.StandbyURL
+	// Notified scans only: no poll, no periodic read of open deliveries within the test.
+	cfg.PollInterval, cfg.TickFallbackInterval = time.Hour, time.Hour
+	ctr := newStmtCounter()
+	c, rec := startConsumer(t, countedPool(t, db.URL, ctr), "quiet-reader", standbyProjects, cfg, nil)
+	deleteRound(t, w, 1, 2)
+	rec.waitCount(t, ctx, 6)
+
+	before, scans, checks := ctr.counts(), c.Stats().Scans, c.Stats().TickChecks
+	deleteRound(t, w, 3, 20)
+	requireInOrder(t, rec.waitCount(t, ctx, 60), 20)
+	got := ctr.since(before)
+	st := c.Stats()
+	t.Logf("%d scans; statements on the primary: %v", st.Scans-scans, got)
+	require.Greater(t, st.Scans, scans)
+	for _, name := range []string{"loopHeadsSQL", "openDeliveriesSQL", "openWithTickSQL", "readEventsSQL", "readFirstEventsSQL"} {
+		require.Zero(t, got[name], "%s on the primary", name)
+	}
+	require.EqualValues(t, st.TickChecks-checks, got["newestTickSQL"], "the primary's tick is read only to check an announcement")
+	require.Zero(t, st.ReadFallbacks)
+	requireCursorsWithin(t, pgtest.Pool(t, db.URL), "quiet-reader", rec)
+}
+
+// testStandbyForgedTick: a tick announced on the tick channel that the primary does not have
+// (anyone who may connect can send one) makes the scan it starts check the primary's newest
+// tick once the standby has not replayed it within its grace, and read from the standby: no
+// wait for ReadMaxLag (an hour of a clock that does not move here), no fallback.
+func testStandbyForgedTick(t *testing.T, pair *pgtest.Pair) {
+	ctx := ctxT(t)
+	db := pair.NewDB(t)
+	w := standbyWriter(t, db.URL, 10)
+	clock := outboxtest.NewFakeClock()
+	cfg := metricsConfig()
+	cfg.Clock, cfg.ReadDSN, cfg.ReadMaxLag = clock, db.StandbyURL, 10*time.Minute
+	c := startProcess(t, db.URL, processOpts{id: "forged-reader", projects: standbyProjects, cfg: cfg})
+	deleteRound(t, w, 1, 5)
+	c.rec.waitCount(t, ctx, 15)
+
+	checks := c.consumer.Stats().TickChecks
+	primary := pgtest.Pool(t, db.URL)
+	channel := cfg.WithDefaults().TickChannel
+	_, err := primary.Exec(ctx, `SELECT pg_notify($1, 'tick/999999999'), pg_notify($1, 'alpha')`, channel)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		st := c.consumer.Stats()
+		return st.TickChecks > checks && !st.StandbyWaiting
+	}, waitLimit, 5*time.Millisecond, "the forged tick was checked on the primary, and the scan went on")
+	st := c.consumer.Stats()
+	require.Zero(t, st.ReadFallbacks, "a forged announcement is no reason to leave the standby")
+	require.True(t, st.ReadingFromStandby)
+
+	deleteRound(t, w, 6, 10)
+	requireInOrder(t, c.rec.waitCount(t, ctx, 30), 10)
+	require.Zero(t, c.consumer.Stats().ReadFallbacks)
+	requireCursorsWithin(t, c.pool, "forged-reader", c.rec)
 }
 
 func testStandbyKilled(t *testing.T, pair *pgtest.Pair) {

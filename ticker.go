@@ -182,6 +182,13 @@ const tickerLockKey int64 = 0x6c69666574696b72 // "lifetikr"
 // the elected one's session ends. Whoever is elected, every candidate also ticks once per
 // TickFallbackInterval if it saw no tick of its own: a session holding the lock without ticking
 // (another role can take an advisory lock) slows delivery to that interval and stops nothing.
+//
+// An event whose writer sent no hint (it died between its commit and its hint, or its
+// notification failed) is found by the elected ticker's own consumer: its poll's read of heads
+// also says whether events committed that no tick numbered, in any project, and it then asks
+// its ticker for a tick (scanLoop.hintTicker). So the elected ticker, idle, ticks only once per
+// TickFallbackInterval, and such an event waits about one PollInterval, plus a tick and a scan;
+// TickFallbackInterval at most, whatever the consumers do.
 type ticker struct {
 	pool    *pgxpool.Pool
 	cfg     Config
@@ -198,9 +205,24 @@ func newTicker(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metrics
 		elected: make(chan bool, 1), hints: make(chan struct{}, 1)}
 }
 
+// campaigns reports whether the candidate campaigns for election: not without notifications
+// (NotifyDisabled), nor without a session of its own behind a transaction pooler.
+func (t *ticker) campaigns() bool {
+	return !t.cfg.NotifyDisabled && !(t.cfg.TransactionPooler && t.cfg.ListenDSN == "")
+}
+
+// poke asks the ticker for a tick, as a writer's hint does: the consumer's poll found events
+// committed that no tick numbered (scanLoop.hintTicker). Only the elected one ticks on it.
+func (t *ticker) poke() {
+	select {
+	case t.hints <- struct{}{}:
+	default: // a tick is already asked for
+	}
+}
+
 // run campaigns and ticks until ctx ends.
 func (t *ticker) run(ctx context.Context) {
-	if t.cfg.NotifyDisabled || (t.cfg.TransactionPooler && t.cfg.ListenDSN == "") {
+	if !t.campaigns() {
 		// No session of its own to be elected on, or no hints to hear: tick on the poll interval.
 		t.loop(ctx, t.cfg.PollInterval)
 		return
@@ -228,10 +250,10 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 		case elected && followUp:
 			wait = t.cfg.TickFloor - time.Since(last)
 		case elected:
-			// The idle poll: one statement per PollInterval for the whole database, which
-			// bounds the wait of an event whose writer sent no hint (NotifyDisabled, a
-			// writer that died between its commit and its hint).
-			wait = t.cfg.PollInterval
+			// The idle tick, once per TickFallbackInterval without a tick: this consumer's polls
+			// ask for a tick when an event committed without a hint (scanLoop.hintTicker), so
+			// this only bounds what happens when they cannot.
+			wait = t.cfg.TickFallbackInterval - time.Since(last)
 		default:
 			wait = fallback - time.Since(last)
 		}
