@@ -864,6 +864,9 @@ CREATE FUNCTION lifecycle_outbox_tick(p_channel text) RETURNS TABLE(tick_id bigi
     LANGUAGE plpgsql SECURITY DEFINER
     SET lock_timeout TO '1s'
     SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -456,4 +457,17 @@ func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 	require.NoError(t, err)
 	otherRec.waitCount(t, ctx, 2)
 	require.Eventually(t, func() bool { return other.Stats().Numbered >= 1 }, waitLimit, 5*time.Millisecond, "the new ticker numbered it")
+}
+
+// TestTickFunctionSettings: the ticker's function keeps the settings 0020 and 0021 gave it
+// through every later CREATE OR REPLACE (which clears them): its pinned search path, its lock
+// timeout and plans made once per session that walk indexes.
+func TestTickFunctionSettings(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.NewPool(t)
+	var settings []string
+	require.NoError(t, pool.QueryRow(ctxT(t), `SELECT proconfig FROM pg_catalog.pg_proc
+		WHERE oid = 'lifecycle_outbox_tick(text)'::regprocedure`).Scan(&settings))
+	require.Subset(t, settings, []string{"lock_timeout=1s", "plan_cache_mode=force_generic_plan", "enable_seqscan=off", "enable_bitmapscan=off"})
+	require.Contains(t, strings.Join(settings, " "), "search_path=pg_catalog, ")
 }

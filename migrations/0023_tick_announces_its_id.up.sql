@@ -152,7 +152,12 @@ DO $$
 DECLARE
     r record;
 BEGIN
+    -- CREATE OR REPLACE clears a function's settings: the ticker's again, as 0020 and 0021
+    -- set them.
     EXECUTE pg_catalog.format('ALTER FUNCTION lifecycle_outbox_tick(text) SET search_path = pg_catalog, %I, pg_temp', pg_catalog.current_schema());
+    ALTER FUNCTION lifecycle_outbox_tick(text) SET plan_cache_mode = force_generic_plan;
+    ALTER FUNCTION lifecycle_outbox_tick(text) SET enable_seqscan = off;
+    ALTER FUNCTION lifecycle_outbox_tick(text) SET enable_bitmapscan = off;
     EXECUTE pg_catalog.format('ALTER FUNCTION lifecycle_outbox_unticked() SET search_path = pg_catalog, %I, pg_temp', pg_catalog.current_schema());
     -- As the readers (0021, 0022): one generic plan per statement and session, walking indexes.
     ALTER FUNCTION lifecycle_outbox_unticked() SET plan_cache_mode = force_generic_plan;
