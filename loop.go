@@ -542,6 +542,9 @@ func (l *scanLoop) skipFailed(step string, projects []string, err error) (kept [
 			continue
 		}
 		l.unblock(p)
+		if errors.Is(perr, context.Canceled) {
+			continue // the consumer is stopping: not the project's failure
+		}
 		l.metrics.projectError(p, string(l.id), step)
 		if n, ok := l.skipLog.due(step+"\x00"+p, time.Now()); ok {
 			l.log.Warn("consumer step failed for one project; it is skipped while the others go on",
