@@ -251,8 +251,12 @@ WHERE datname = $1 AND wait_event_type = 'Lock'`, db.Name) > 0
 	st := c.consumer.Stats()
 	require.Zero(t, st.Failures, "a cancelled read is no failure of an event")
 	require.Zero(t, st.ReadFallbacks, "nor a reason to leave the standby")
-	require.Positive(t, pgtest.QueryInt(t, standbyAdmin, `SELECT (confl_lock + confl_deadlock)::int FROM pg_stat_database_conflicts
-WHERE datname = $1`, db.Name), "the standby counts the conflict")
+	// The cancelled backend reports the conflict when it next flushes its statistics, which an
+	// idle backend may put off for up to 10s (PostgreSQL 15's PGSTAT_IDLE_INTERVAL).
+	require.Eventually(t, func() bool {
+		return pgtest.QueryInt(t, standbyAdmin, `SELECT (confl_lock + confl_deadlock)::int FROM pg_stat_database_conflicts
+WHERE datname = $1`, db.Name) > 0
+	}, waitLimit, 50*time.Millisecond, "the standby counts the conflict")
 	requireCursorsWithin(t, c.pool, "conflict-reader", c.rec)
 }
 
