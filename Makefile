@@ -1,8 +1,13 @@
 # The two commands a newcomer needs: `make demo` (the main job) and `make test`.
 SHELL := /bin/bash
 export PATH := /usr/local/go/bin:$(PATH)
+# The toolchain every target builds and tests with. It fixes the standard library's known
+# advisories that the machine's own go1.26.8 carries (docs/operations.md, "Dependencies and
+# known vulnerabilities"); the go command fetches it once from the module proxy.
+export GOTOOLCHAIN := go1.27.3
 GO ?= go
-GOBIN := $(shell $(GO) env GOPATH)/bin
+# staticcheck must be built by the toolchain whose standard library it reads.
+GOBIN := $(shell $(GO) env GOPATH)/bin/$(GOTOOLCHAIN)
 STATICCHECK := $(GOBIN)/staticcheck
 STATICCHECK_VERSION := v0.8.2
 
@@ -58,7 +63,7 @@ lint: staticcheck
 deps: postgres pgbouncer chromium staticcheck
 
 staticcheck:
-	@[ -x $(STATICCHECK) ] || $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+	@[ -x $(STATICCHECK) ] || GOBIN=$(GOBIN) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 
 # The tests, the demo and the benchmarks start their own throwaway PostgreSQL from the
 # installed server binaries; install them when they are missing.
