@@ -35,14 +35,22 @@
 //
 // One ticker numbers for every consumer. Each consumer is a candidate, and the one that holds a
 // session advisory lock on its dedicated connection is elected: it ticks on the writers' hints,
-// at most once per Config.TickFloor, and otherwise once per PollInterval, so a lost hint costs
-// at most that; the tick announces itself on Config.TickChannel, one notification per project
-// with new events. The other candidates wait for the lock without sending a statement and tick
-// only once per Config.TickFallbackInterval, so a stalled ticker slows delivery to that
-// interval and stops nothing. (With NOTIFY off, or behind
-// a transaction pooler without Config.ListenDSN, there is no election: every consumer ticks
-// once per PollInterval.) After commit the writer sends a coalesced NOTIFY naming the project;
-// it is only a hint to the ticker.
+// at most once per Config.TickFloor, and otherwise once per Config.TickFallbackInterval. The
+// poll of its own consumer (its one read of heads) also says whether events committed that no
+// tick numbered, in any project, and it then ticks, so a lost hint costs about one
+// PollInterval and a tick. The tick announces itself on Config.TickChannel: "tick/<tick_id>",
+// then one notification per project with new events. The other candidates wait for the lock
+// without sending a statement and tick only once per Config.TickFallbackInterval, so a stalled
+// ticker slows delivery to that interval and stops nothing. (With NOTIFY off, or behind a
+// transaction pooler without Config.ListenDSN, there is no election: every consumer ticks once
+// per PollInterval.) After commit the writer sends a coalesced NOTIFY naming the project; it is
+// only a hint to the ticker.
+//
+// A consumer reads its open deliveries (retries, replay requests) only when they may have
+// changed: when it gains a lease, after a write of its own whose outcome is unknown, when
+// Admin.RequestReplay tells it on Config.TickChannel that an operator asked for a replay, and
+// at least once per TickFallbackInterval; otherwise it keeps what it read and wrote
+// (open_deliveries.go).
 //
 // The transaction ID timeline is load-bearing: ticks compare transaction IDs, which a physical
 // replica, a failover or pg_upgrade keeps but a logical dump restored into another cluster does
@@ -124,10 +132,12 @@
 //
 // With Config.ReadDSN a consumer reads ticks, heads, events and reconciliation snapshots from a
 // physical streaming standby, and writes, locks, LISTENs and ticks on its pool (standby.go). A
-// scan reads there only once the standby has replayed the primary's newest tick, which the
-// primary returns with the scan's open deliveries; it waits for that up to Config.ReadMaxLag,
-// then reads from the primary until the standby catches up. Heads and events of a scan come
-// from one server, and a scan only ever moves from the standby to the primary.
+// scan reads there only once the standby has replayed the newest tick the ticker announced (or
+// the primary showed, or the consumer saw); it waits for that up to Config.ReadMaxLag, then
+// reads from the primary until the standby catches up. An announcement is a hint: one the
+// standby has not replayed within 50ms is checked on the primary first. A scan the standby
+// serves sends the primary no statement. Heads and events of a scan come from one server, and a
+// scan only ever moves from the standby to the primary.
 //
 // # Isolation
 //
