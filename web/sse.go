@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"fusion/outbox"
 	"fusion/outbox/startstop"
 )
 
@@ -81,7 +82,7 @@ func (h *SSEHandler) Name() string { return "sse" }
 // one beyond the next (the consumer moved on after a lease change or a reconciliation, or a
 // process whose dispatcher does not hand it its own events skipped them) starts the ring
 // afresh, and clients read the events in between from the outbox.
-func (h *SSEHandler) HandleObserved(_ context.Context, ev ObservedEvent) error {
+func (h *SSEHandler) HandleObserved(_ context.Context, ev outbox.ObservedEvent) error {
 	if ev.Replay {
 		return nil
 	}
@@ -113,7 +114,7 @@ func (h *SSEHandler) HandleObserved(_ context.Context, ev ObservedEvent) error {
 // soon as its consumer reads them, in sequence order with everyone else's, rather than when
 // the next observed event reveals the gap. No local path feeds the stream, so nothing is
 // streamed twice.
-func (h *SSEHandler) HandleOwn(ctx context.Context, ev ObservedEvent) {
+func (h *SSEHandler) HandleOwn(ctx context.Context, ev outbox.ObservedEvent) {
 	if err := h.HandleObserved(ctx, ev); err != nil {
 		h.log.Warn("event stream: own event not streamed", zap.String("project_id", ev.ProjectID),
 			zap.Int64("sequence", ev.Sequence), zap.Error(err))
@@ -256,7 +257,7 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	defer tick.Stop()
 	// Access is checked again while the stream is open: a user whose access was revoked
 	// must stop receiving events, not keep them until the connection happens to drop.
-	var recheck Timer
+	var recheck outbox.Timer
 	var recheckC <-chan time.Time
 	if h.cfg.Authorize != nil {
 		recheck = h.cfg.Clock.NewTimer(h.cfg.ReauthorizeInterval)
@@ -354,6 +355,10 @@ func (h *SSEHandler) closing(w http.ResponseWriter) {
 	_, _ = fmt.Fprintf(w, "retry: %d\n: shutting down; reconnect\n\n", h.cfg.Retry.Milliseconds())
 }
 
+// maxIDLen is the longest project ID outbox.ValidateProjectID accepts (queries_test.go holds the
+// two together): with MaxProjects it bounds a request's query before it is parsed.
+const maxIDLen = 128
+
 // streamProjects is the sorted project list of a request, or an HTTP status and message.
 func (h *SSEHandler) streamProjects(r *http.Request) (projects []string, status int, msg string) {
 	// Bound the query before parsing it: a client must not make the handler hold megabytes.
@@ -384,7 +389,7 @@ func (h *SSEHandler) streamProjects(r *http.Request) (projects []string, status 
 		return nil, http.StatusBadRequest, fmt.Sprintf("at most %d projects per stream", h.cfg.MaxProjects)
 	}
 	for _, p := range names {
-		if err := ValidateProjectID(p); err != nil {
+		if err := outbox.ValidateProjectID(p); err != nil {
 			return nil, http.StatusBadRequest, err.Error()
 		}
 	}
