@@ -126,7 +126,7 @@ type opsHandler struct {
 //
 // It serves the page at its root, a fragment the page refreshes, its script and stylesheet,
 // and (with AuthorizeAction) the POST endpoints of replay and retire, which go through the
-// audited Admin calls. Posts are refused unless they come from the page itself: same origin
+// audited outbox.Admin calls. Posts are refused unless they come from the page itself: same origin
 // (Sec-Fetch-Site or Origin) and a token bound to a cookie of the page.
 func OpsHandler(admin *outbox.Admin, opts OpsOptions) (http.Handler, error) {
 	if opts.Refresh == 0 {
@@ -265,7 +265,7 @@ func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string)
 
 // load reads the status and the dead letters of the projects r may see and groups them per
 // project and consumer. When some projects' status cannot be read it returns the others with a
-// *ProjectErrors naming the unreadable ones r may see.
+// *outbox.ProjectErrors naming the unreadable ones r may see.
 func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 	status, statusErr := h.admin.Status(r.Context(), h.opts.Filter)
 	var partial *outbox.ProjectErrors
@@ -532,7 +532,7 @@ func opsWhen(t *time.Time) string {
 	return t.UTC().Format(layout) + " (" + rel + ")"
 }
 
-// formField is the form's name for a field a ValidationError names by its Go path
+// formField is the form's name for a field an outbox.ValidationError names by its Go path
 // ("Operator.Actor" is the form's "actor").
 func formField(goPath string) string {
 	if i := strings.LastIndexByte(goPath, '.'); i >= 0 {

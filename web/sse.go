@@ -21,7 +21,7 @@ import (
 // reconnecting browser resume where it left off.
 //
 // It is fed by the process's durable consumer, as one of its observed listeners, which also
-// hands it the process's own deletions (OwnWritesListener); browser clients are ephemeral and
+// hands it the process's own deletions (outbox.OwnWritesListener); browser clients are ephemeral and
 // own no cursor. Per project it keeps a ring of the most recent events, contiguous in
 // sequence order. Every event a client is sent carries an ID holding
 // the client's position in every project of its stream (see sse_id.go), which a browser's
@@ -73,7 +73,7 @@ func NewSSEHandler(opts SSEOptions) (*SSEHandler, error) {
 	return h, nil
 }
 
-// Name implements Listener.
+// Name implements outbox.Listener.
 func (h *SSEHandler) Name() string { return "sse" }
 
 // HandleObserved records the event in its project's ring and wakes that project's clients.
@@ -110,7 +110,7 @@ func (h *SSEHandler) HandleObserved(_ context.Context, ev outbox.ObservedEvent) 
 	return nil
 }
 
-// HandleOwn implements OwnWritesListener: the process's own deletions reach its stream as
+// HandleOwn implements outbox.OwnWritesListener: the process's own deletions reach its stream as
 // soon as its consumer reads them, in sequence order with everyone else's, rather than when
 // the next observed event reveals the gap. No local path feeds the stream, so nothing is
 // streamed twice.

@@ -35,7 +35,7 @@ type SSEOptions struct {
 	// projects, so that a user whose access was revoked stops receiving events within it.
 	// Defaults to 1m; 10ms to 1h. Unused without Authorize.
 	ReauthorizeInterval time.Duration
-	// Clock measures ReauthorizeInterval. Defaults to RealClock; tests pass a fake one.
+	// Clock measures ReauthorizeInterval. Defaults to outbox.RealClock; tests pass a fake one.
 	Clock outbox.Clock
 	// MaxClients bounds the concurrent streams; a request beyond it gets 503 with
 	// Retry-After. Defaults to 1000; 1 to 1000000.

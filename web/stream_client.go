@@ -18,7 +18,7 @@ import (
 // the stream's order.
 type StreamHandler interface {
 	// HandleObserved gets each event once in order (at least once across crashes); ctx is
-	// marked observed (RefuseObserved fails in it), carrying the event's ID and writer.
+	// marked observed (outbox.RefuseObserved fails in it), carrying the event's ID and writer.
 	HandleObserved(ctx context.Context, ev outbox.ObservedEvent) error
 	// HandleReset says the stream cannot tell everything that happened to r.Projects:
 	// refetch their state; the stream continues from their newest events. ctx is marked

@@ -155,7 +155,7 @@ func (c *StreamClient) pass(f StreamFrame, reason string) {
 		zap.Int("type_bytes", len(f.Type)), zap.Int("data_bytes", len(f.Data)))
 }
 
-// decodeStreamEvent reads an event frame's payload (an Event marked observed, as newFrame
+// decodeStreamEvent reads an event frame's payload (an outbox.Event marked observed, as newFrame
 // writes it) and checks it in full.
 func decodeStreamEvent(data []byte) (outbox.Event, bool) {
 	var p ssePayload

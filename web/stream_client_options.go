@@ -27,7 +27,7 @@ type StreamClientOptions struct {
 	// Positions keeps the client's position across reconnects and restarts. Required.
 	Positions PositionStore
 	// ConsumerID, optional, is the durable receiver whose stream this client follows; it is
-	// put in each event's Observed marker and ObservedEvent. Validated as a consumer ID.
+	// put in each event's outbox.Observed marker and outbox.ObservedEvent. Validated as a consumer ID.
 	ConsumerID outbox.ConsumerID
 	// MinBackoff and MaxBackoff bound the wait before a reconnect: MinBackoff after a
 	// connection that made progress, doubled after each failure up to MaxBackoff, and
@@ -39,7 +39,7 @@ type StreamClientOptions struct {
 	// peer that vanished without closing the connection would otherwise hold it forever. Time
 	// the handler spends is not counted. Defaults to 1m; 10ms to 1h.
 	IdleTimeout time.Duration
-	// Clock times the backoff. Defaults to RealClock; tests pass a fake one.
+	// Clock times the backoff. Defaults to outbox.RealClock; tests pass a fake one.
 	Clock outbox.Clock
 	// Logger logs reconnects, refusals and passed frames (never a payload). Defaults to none.
 	Logger *zap.Logger
