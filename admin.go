@@ -140,6 +140,11 @@ LEFT JOIN LATERAL (
     WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
 ) d ON true`
 
+// Now is the local clock shifted as the Admin's Clock shifts the database's: the time against
+// which the times Status returns (heartbeats, lease expiries) are judged, for a surface that
+// shows their ages (the operations page, package web).
+func (a *Admin) Now() time.Time { return time.Now().Add(a.clock.Offset()) }
+
 // Status reports every matching cursor: position, head, lag, lease and open deliveries. When
 // the rows of some projects cannot be read (a time that is not finite, written before the
 // database checked it, say), it returns the other projects' rows with a *ProjectErrors naming

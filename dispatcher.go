@@ -198,7 +198,7 @@ func (s *session) dispatch(ctx context.Context, ev ObservedEvent) (Outcome, Fail
 // OwnWritesListener is a Listener that also takes the events this process wrote itself,
 // which the dispatcher otherwise keeps from its listeners because the process's local path
 // told them already. It is for a listener no local path feeds, such as the event stream
-// (SSEHandler), which must show the process's own deletions in sequence order with the others
+// (web.SSEHandler), which must show the process's own deletions in sequence order with the others
 // as soon as they are numbered. HandleOwn runs on the consumer's goroutine before the event is
 // acknowledged; it must return at once, and it cannot fail the event.
 type OwnWritesListener interface {

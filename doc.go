@@ -106,9 +106,9 @@
 // the project's pruned floor. Retirement of a consumer is explicit and audited, never inferred
 // from a missed heartbeat. Admin and cmd/outboxctl show status and lag, list dead letters,
 // request replays, retire consumers and preview pruning; Metrics exports them to Prometheus.
-// OpsHandler is the same as a web page a host mounts behind its own authentication, with a
-// live feed of the SSEHandler's event stream, which browsers resume after a dropped connection
-// from the Last-Event-ID they send, every project of the stream at once.
+// The web surface (the resumable event stream, the operations page, and the client with which
+// child workers and remote nodes follow a stream) is package fusion/outbox/web, built on this
+// package's public API alone.
 // Migrations are numbered, embedded and applied under an advisory lock (Migrate); VerifySchema
 // checks a database against SchemaVersion. schema.sql at the module root shows the whole schema
 // they build, in one place, for reading: `make schema` generates it from a freshly migrated

@@ -80,9 +80,11 @@ func (e Event) supported() error {
 	return nil
 }
 
-// validate checks an event in full: supported, plus every identifier and the ID's agreement
-// with the task and deletedAt it names.
-func (e Event) validate() error {
+// Validate checks an event in full: a type and payload version this build understands, every
+// identifier, a positive sequence, deletedAt at microsecond precision, and the ID's agreement
+// with the task and deletedAt it names. A reader of events that did not come from this
+// process's own consumer (a web.StreamClient decoding its stream's frames) checks each with it.
+func (e Event) Validate() error {
 	if err := e.supported(); err != nil {
 		return err
 	}

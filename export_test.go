@@ -18,9 +18,6 @@ const PruneBatchSQL = pruneBatchSQL
 // TickerLockKey is the advisory lock that elects the ticker, so a test can hold the election.
 const TickerLockKey = tickerLockKey
 
-// ValidateEvent exposes the check the consumer applies to every row it decodes.
-func ValidateEvent(e Event) error { return e.validate() }
-
 // Statements is every SQL statement the package runs, by the name of its constant.
 var Statements = map[string]string{
 	"ackSQL":                  ackSQL,

@@ -110,7 +110,7 @@ func FuzzDecodeEvent(f *testing.F) {
 	f.Fuzz(func(t *testing.T, project string, seq int64, eventID, eventType, task string, deletedMicros int64, writer string, version int) {
 		ev := outbox.Event{ProjectID: project, Sequence: seq, EventID: eventID, EventType: eventType, TaskID: task,
 			DeletedAt: time.UnixMicro(deletedMicros).UTC(), WriterProcessID: writer, PayloadVersion: version}
-		if err := outbox.ValidateEvent(ev); err != nil {
+		if err := ev.Validate(); err != nil {
 			return
 		}
 		if ev.EventType != outbox.EventTypeTaskDeleted || ev.PayloadVersion != outbox.PayloadVersion || ev.Sequence < 1 {

@@ -116,6 +116,18 @@ func (r *rowChecks) check(e *Event, deletedAt, occurredAt pgtype.Timestamptz) er
 	return nil
 }
 
+// CheckStoredEvent reports why an event read back from the outbox cannot be delivered as it
+// is, or nil: the check the consumer applies to every row it reads, for rows written before
+// the database checked them (a deleted_at or occurred_at that is not a finite time, or a year
+// out of range; a project, writer process or task ID the writer would refuse; a prior column
+// too long or holding control characters). ev holds what was read of the row, and deletedAt
+// and occurredAt its two times as scanned. A reader of the outbox beside the consumer (the
+// event stream's replay, package web) moves past a row it refuses, as the consumer does.
+func CheckStoredEvent(ev Event, deletedAt, occurredAt pgtype.Timestamptz) error {
+	var r rowChecks
+	return r.check(&ev, deletedAt, occurredAt)
+}
+
 // undecodableRow salvages the sequence of a row that failed to scan at all, so that it can be
 // parked; ok is false when even that is impossible.
 func undecodableRow(rows pgx.Rows, scanErr error) (storedEvent, bool) {

@@ -18,6 +18,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/web"
 )
 
 // The child processes are engine binaries in miniature: each builds its fx app from
@@ -71,7 +72,7 @@ func runChild(args []string) error {
 	defer func() { _ = log.Sync() }()
 	host := testhost.HostConfig{DSN: *dsn, Projects: strings.Split(*projects, ","), SettingsScope: *scope,
 		HTTPAddr: *httpAddr, ChildSocket: *childSocket, Actor: args[0] + ":" + *scope, Outbox: demoOutbox(),
-		SSE: outbox.SSEOptions{Retry: 500 * time.Millisecond}, OpsAuthorize: loopbackOnly}
+		SSE: web.SSEOptions{Retry: 500 * time.Millisecond}, OpsAuthorize: loopbackOnly}
 
 	switch args[0] {
 	case "writer":
@@ -119,7 +120,7 @@ func stopApp(app *fx.App) error {
 // loopbackOnly lets the operations page's buttons work for requests from this machine only,
 // audited as one local operator: the demo's stand-in for a host's own authentication, which a
 // real host must have (and which would name the signed-in user).
-func loopbackOnly(r *http.Request, _ outbox.OpsAction) (string, bool) {
+func loopbackOnly(r *http.Request, _ web.OpsAction) (string, bool) {
 	host, _, err := net.SplitHostPort(r.RemoteAddr)
 	if err != nil {
 		return "", false

@@ -153,7 +153,7 @@ func runDemo(ctx context.Context, linger time.Duration) (int, error) {
 	go func() {
 		sseDone <- followStream(sseCtx, "http://"+addr+"/events", filepath.Join(dir, "viewer.pos"), seen)
 	}()
-	say("a remote viewer follows http://%s/events with outbox.StreamClient (server-sent events; it resumes with Last-Event-ID)", addr)
+	say("a remote viewer follows http://%s/events with web.StreamClient (server-sent events; it resumes with Last-Event-ID)", addr)
 	say("operations page: http://%s/ops/ (served by the dashboard while the demo runs; its buttons work from this machine only)", addr)
 
 	writer, err := startChild("writer", dir, "writer", "-dsn", dsn, "-scope", "writer-node",

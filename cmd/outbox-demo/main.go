@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"fusion/outbox"
+	"fusion/outbox/web"
 )
 
 func main() {
@@ -166,7 +167,7 @@ func (s *streamSeen) snapshot() (events, duplicates int, gaps int64, resets, con
 // stream resumes where it left off. The viewer checks every project's sequence for duplicates
 // and gaps.
 func followStream(ctx context.Context, url, positions string, seen *streamSeen) error {
-	c, err := outbox.NewStreamClient(outbox.StreamClientOptions{URL: url, Positions: outbox.FilePositions(positions),
+	c, err := web.NewStreamClient(web.StreamClientOptions{URL: url, Positions: web.FilePositions(positions),
 		MinBackoff: 100 * time.Millisecond, MaxBackoff: time.Second}, seen)
 	if err != nil {
 		return err
@@ -180,7 +181,7 @@ func followStream(ctx context.Context, url, positions string, seen *streamSeen) 
 	return nil
 }
 
-// HandleObserved implements outbox.StreamHandler.
+// HandleObserved implements web.StreamHandler.
 func (s *streamSeen) HandleObserved(_ context.Context, ev outbox.ObservedEvent) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -199,8 +200,8 @@ func (s *streamSeen) HandleObserved(_ context.Context, ev outbox.ObservedEvent) 
 	return nil
 }
 
-// HandleReset implements outbox.StreamHandler.
-func (s *streamSeen) HandleReset(_ context.Context, r outbox.SSEReset) error {
+// HandleReset implements web.StreamHandler.
+func (s *streamSeen) HandleReset(_ context.Context, r web.SSEReset) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.resets++

@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"fusion/outbox"
+	"fusion/outbox/web"
 )
 
 // HostConfig is the reference host's per-deployment configuration.
@@ -31,19 +32,19 @@ type HostConfig struct {
 	HTTPAddr string
 	// ChildSocket, when set, serves the event stream at /events on a unix socket at this path
 	// that only this OS user can open, for the host's child workers: each follows it with
-	// outbox.StreamClient and resumes from the position it keeps itself (see the README's
+	// web.StreamClient and resumes from the position it keeps itself (see the README's
 	// "Following a stream"). The socket file is replaced when stale and removed at stop.
 	ChildSocket string
 	// SSE configures the event stream at /events: its limits, its Authorize hook. The host
 	// fills in the pool, the projects (Projects above, unless set) and the logger.
-	SSE outbox.SSEOptions
+	SSE web.SSEOptions
 	// OpsAuthorize, when set, enables the replay and retire buttons of the operations page:
 	// it returns who the signed-in operator is (the actor the action is audited under) and
 	// whether they may do it. This reference host has no authentication of its own (nor would
 	// a real host's HTTP surface be open like this one): a real host mounts /events and /ops/
 	// behind its own and decides here what an authenticated operator may do. The page shows
 	// only the projects SSE.Authorize allows the request, as the stream does.
-	OpsAuthorize func(r *http.Request, a outbox.OpsAction) (actor string, ok bool)
+	OpsAuthorize func(r *http.Request, a web.OpsAction) (actor string, ok bool)
 	// SweepInterval is the self-healing schedule. Defaults to 10m.
 	SweepInterval time.Duration
 	// Actor names this process in audit rows.
@@ -72,7 +73,7 @@ var Module = fx.Module("taskstore",
 		newRegistry,
 		func(r *prometheus.Registry) prometheus.Registerer { return r },
 		newSSE,
-		outbox.AsListener(func(h *outbox.SSEHandler) *outbox.SSEHandler { return h }),
+		outbox.AsListener(func(h *web.SSEHandler) *web.SSEHandler { return h }),
 		outbox.AsListener(NewBusBridge),
 		newSelfHealing,
 	),
@@ -149,7 +150,7 @@ func NewBusBridge(s *Store) outbox.Listener {
 }
 
 // newSSE builds the event stream on the host's pool, projects and logger.
-func newSSE(pool *pgxpool.Pool, c HostConfig, projects outbox.Projects, log *zap.Logger) (*outbox.SSEHandler, error) {
+func newSSE(pool *pgxpool.Pool, c HostConfig, projects outbox.Projects, log *zap.Logger) (*web.SSEHandler, error) {
 	o := c.SSE
 	o.Pool = pool
 	if o.Projects == nil {
@@ -158,16 +159,16 @@ func newSSE(pool *pgxpool.Pool, c HostConfig, projects outbox.Projects, log *zap
 	if o.Logger == nil {
 		o.Logger = log
 	}
-	return outbox.NewSSEHandler(o)
+	return web.NewSSEHandler(o)
 }
 
 // serveHTTP serves the event stream, the operations page, the metrics and a health check
 // when HTTPAddr is set.
-func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, admin *outbox.Admin, reg *prometheus.Registry, runner *outbox.Runner, log *zap.Logger) error {
+func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *web.SSEHandler, admin *outbox.Admin, reg *prometheus.Registry, runner *outbox.Runner, log *zap.Logger) error {
 	if c.HTTPAddr == "" {
 		return nil
 	}
-	ops, err := outbox.OpsHandler(admin, outbox.OpsOptions{EventsURL: "/events", Authorize: c.SSE.Authorize,
+	ops, err := web.OpsHandler(admin, web.OpsOptions{EventsURL: "/events", Authorize: c.SSE.Authorize,
 		AuthorizeAction: c.OpsAuthorize, Logger: log})
 	if err != nil {
 		return err
@@ -213,7 +214,7 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, admin *out
 // that restarts, or outlives a restart of this process, resumes with its last position. A
 // slow child costs this process what a slow browser does: a bounded write, then it
 // reconnects and replays.
-func serveChildren(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, log *zap.Logger) {
+func serveChildren(lc fx.Lifecycle, c HostConfig, sse *web.SSEHandler, log *zap.Logger) {
 	if c.ChildSocket == "" {
 		return
 	}
@@ -222,7 +223,7 @@ func serveChildren(lc fx.Lifecycle, c HostConfig, sse *outbox.SSEHandler, log *z
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 64 << 10}
 	lc.Append(fx.Hook{
 		OnStart: func(context.Context) error {
-			ln, err := outbox.ListenUnix(c.ChildSocket)
+			ln, err := web.ListenUnix(c.ChildSocket)
 			if err != nil {
 				return fmt.Errorf("child socket: %w", err)
 			}

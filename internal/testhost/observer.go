@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"fusion/outbox"
+	"fusion/outbox/web"
 )
 
 // The observer process shared by the demo and the fault suite: the module and the test host,
@@ -135,9 +136,9 @@ func (l *ApplyLog) HandleObserved(ctx context.Context, ev outbox.ObservedEvent) 
 	return nil
 }
 
-// HandleReset implements outbox.StreamHandler for a child worker: it records the reset of
+// HandleReset implements web.StreamHandler for a child worker: it records the reset of
 // each project, after which the worker would refetch the project's state.
-func (l *ApplyLog) HandleReset(_ context.Context, r outbox.SSEReset) error {
+func (l *ApplyLog) HandleReset(_ context.Context, r web.SSEReset) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, p := range r.Projects {

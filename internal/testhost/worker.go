@@ -7,7 +7,7 @@ import (
 
 	"go.uber.org/zap"
 
-	"fusion/outbox"
+	"fusion/outbox/web"
 )
 
 // The child worker shared by the demo and the fault suite: a process its parent (a host with
@@ -35,10 +35,10 @@ func RunWorker(ctx context.Context, o WorkerOptions) error {
 	// The child's own store: no pool, its own emitter and cache. Its writer-owned side
 	// effects refuse an observed context before they would touch a database.
 	o.Log.store = New(nil, Options{Logger: o.Logger, Actor: "worker"})
-	c, err := outbox.NewStreamClient(outbox.StreamClientOptions{
+	c, err := web.NewStreamClient(web.StreamClientOptions{
 		URL:        "http://parent/events",
-		HTTPClient: outbox.UnixSocketClient(o.Socket),
-		Positions:  outbox.FilePositions(o.Positions),
+		HTTPClient: web.UnixSocketClient(o.Socket),
+		Positions:  web.FilePositions(o.Positions),
 		MinBackoff: 50 * time.Millisecond,
 		MaxBackoff: time.Second,
 		Logger:     o.Logger,

@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"cmp"
@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"fusion/outbox"
 )
 
 // The operations page's judgement: how bad each consumer's state is, why it is so, and what
@@ -130,7 +132,7 @@ type opsProblem struct {
 
 // opsConsumer is a consumer's row: its status and what the page makes of it.
 type opsConsumer struct {
-	ConsumerStatus
+	outbox.ConsumerStatus
 	Severity    opsSeverity
 	LagSeverity opsSeverity // of the lag alone, which its cell shows
 	Problems    []opsProblem
@@ -140,7 +142,7 @@ type opsConsumer struct {
 }
 
 // opsAssess judges one consumer at now (the database's clock as the Admin sees it).
-func opsAssess(s ConsumerStatus, letters []DeadLetter, th OpsThresholds, runbook string, now time.Time) opsConsumer {
+func opsAssess(s outbox.ConsumerStatus, letters []outbox.DeadLetter, th OpsThresholds, runbook string, now time.Time) opsConsumer {
 	c := opsConsumer{ConsumerStatus: s, Heartbeat: "never", Lease: "none"}
 	var hbAge time.Duration
 	if s.HeartbeatAt != nil {
@@ -270,18 +272,18 @@ type opsFailure struct {
 
 // failureWords explains a dead letter's failure class (dispatcher.go, deliveries.go).
 func failureWords(class string) opsFailure {
-	switch FailureClass(class) {
-	case FailureListenerError:
+	switch outbox.FailureClass(class) {
+	case outbox.FailureListenerError:
 		return opsFailure{"a listener returned an error", "a listener of this consumer returned an error for the event on every attempt (the error is in the consumer's log, under the event ID)"}
-	case FailureListenerPanic:
+	case outbox.FailureListenerPanic:
 		return opsFailure{"a listener crashed", "a listener panicked on the event (the stack is in the consumer's log)"}
-	case FailureListenerTimeout:
+	case outbox.FailureListenerTimeout:
 		return opsFailure{"a listener timed out", "the listeners did not finish within ListenerTimeout (default 30 s): a hung or very slow call"}
-	case FailureCacheError:
+	case outbox.FailureCacheError:
 		return opsFailure{"the task cache refused it", "the host's task cache refused to apply the deletion"}
-	case FailureUnsupportedEvent:
+	case outbox.FailureUnsupportedEvent:
 		return opsFailure{"an event this build does not know", "this build cannot interpret the event (a newer type or payload version): deploy a build that can, then replay"}
-	case FailureUndecodableEvent:
+	case outbox.FailureUndecodableEvent:
 		return opsFailure{"an unreadable row", "the stored event cannot be read (a time that is not finite, an invalid task ID): no retry changes it"}
 	case "":
 		return opsFailure{"unknown", "no failure was recorded"}
@@ -290,13 +292,13 @@ func failureWords(class string) opsFailure {
 }
 
 // reconcileWords says what a reconciliation did, without the reason's code.
-func reconcileWords(r ReconcileReason) string {
+func reconcileWords(r outbox.ReconcileReason) string {
 	switch r {
-	case ReasonMissingCursor:
+	case outbox.ReasonMissingCursor:
 		return "started at the latest event (first run in this project)"
-	case ReasonCursorAheadOfHead:
+	case outbox.ReasonCursorAheadOfHead:
 		return "was ahead of the latest event (database restored?): moved back to it"
-	case ReasonCursorBelowPrunedFloor:
+	case outbox.ReasonCursorBelowPrunedFloor:
 		return "events it had not read were deleted by retention: skipped to the latest event"
 	case "":
 		return "resynchronized"

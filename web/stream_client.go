@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"context"
@@ -10,14 +10,16 @@ import (
 	"sync/atomic"
 
 	"go.uber.org/zap"
+
+	"fusion/outbox"
 )
 
 // StreamHandler receives what a StreamClient reads. Its methods are called one at a time, in
 // the stream's order.
 type StreamHandler interface {
 	// HandleObserved gets each event once in order (at least once across crashes); ctx is
-	// marked observed (RefuseObserved fails in it), carrying the event's ID and writer.
-	HandleObserved(ctx context.Context, ev ObservedEvent) error
+	// marked observed (outbox.RefuseObserved fails in it), carrying the event's ID and writer.
+	HandleObserved(ctx context.Context, ev outbox.ObservedEvent) error
 	// HandleReset says the stream cannot tell everything that happened to r.Projects:
 	// refetch their state; the stream continues from their newest events. ctx is marked
 	// observed too: a refetch repeats none of a writer's work.

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"net/http/httptest"
@@ -7,8 +7,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/web"
 )
 
 // TestSSEOpeningMovesOnlyWhatWasSent: the opening frame of a resumed stream carried the
@@ -24,7 +24,7 @@ func TestSSEOpeningMovesOnlyWhatWasSent(t *testing.T) {
 	for _, p := range projects {
 		seedEvents(t, pool, p, 5)
 	}
-	sse := newSSE(t, pool, projects, func(o *outbox.SSEOptions) { o.MaxReplayReads = 1 })
+	sse := newSSE(t, pool, projects, func(o *web.SSEOptions) { o.MaxReplayReads = 1 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 	url := srv.URL + "?project=p,q,r"
@@ -40,7 +40,7 @@ func TestSSEOpeningMovesOnlyWhatWasSent(t *testing.T) {
 	defer s.close()
 	f := s.next(t, ctx, "the first reset")
 	require.Equal(t, last, <-s.opened, "the opening frame moves nothing")
-	require.Equal(t, outbox.SSEResetEvent, f.Event)
+	require.Equal(t, web.SSEResetEvent, f.Event)
 	require.JSONEq(t, `{"projects":["q"],"reason":"unknown_position"}`, f.Data)
 	require.Equal(t, "1."+fp+".8.5.2", f.ID, "the first reset moves only q")
 	f = s.next(t, ctx, "the second reset")

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/web"
 )
 
 // Helpers of the stream client's tests: a handler that records, a client run in the
@@ -47,13 +48,13 @@ type streamRecorder struct {
 	events  []outbox.ObservedEvent
 	markers []outbox.Observed // each event's observed marker
 	fenced  []error           // RefuseObserved in each event's context
-	resets  []outbox.SSEReset
+	resets  []web.SSEReset
 	changed chan struct{} // closed and replaced on every record
 
 	// onEvent and onReset, when set, run first; an error is returned to the client and
 	// nothing is recorded.
 	onEvent func(outbox.ObservedEvent) error
-	onReset func(outbox.SSEReset) error
+	onReset func(web.SSEReset) error
 }
 
 func newStreamRecorder() *streamRecorder { return &streamRecorder{changed: make(chan struct{})} }
@@ -74,7 +75,7 @@ func (r *streamRecorder) HandleObserved(ctx context.Context, ev outbox.ObservedE
 	return nil
 }
 
-func (r *streamRecorder) HandleReset(ctx context.Context, rs outbox.SSEReset) error {
+func (r *streamRecorder) HandleReset(ctx context.Context, rs web.SSEReset) error {
 	if r.onReset != nil {
 		if err := r.onReset(rs); err != nil {
 			return err
@@ -147,9 +148,9 @@ func (r *streamRecorder) waitEvents(t *testing.T, ctx context.Context, want map[
 
 // runClient builds a client and runs it until the test ends; stop ends it and returns what
 // Run returned.
-func runClient(t *testing.T, ctx context.Context, opts outbox.StreamClientOptions, h outbox.StreamHandler) (c *outbox.StreamClient, stop func() error) {
+func runClient(t *testing.T, ctx context.Context, opts web.StreamClientOptions, h web.StreamHandler) (c *web.StreamClient, stop func() error) {
 	t.Helper()
-	c, err := outbox.NewStreamClient(opts, h)
+	c, err := web.NewStreamClient(opts, h)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
@@ -182,7 +183,7 @@ func liveEvent(project, prefix string, i int, seq int64) outbox.ObservedEvent {
 }
 
 // quick is backoff short enough that reconnects cost a test nothing.
-func quick(o outbox.StreamClientOptions) outbox.StreamClientOptions {
+func quick(o web.StreamClientOptions) web.StreamClientOptions {
 	o.MinBackoff, o.MaxBackoff = 5*time.Millisecond, 50*time.Millisecond
 	return o
 }

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"encoding/json"
@@ -19,6 +19,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/outboxtest"
+	"fusion/outbox/web"
 )
 
 // TestStreamClientStopsWhenRefusedForGood: a status that retrying cannot mend (403 from
@@ -28,7 +29,7 @@ func TestStreamClientStopsWhenRefusedForGood(t *testing.T) {
 	t.Parallel()
 	ctx := streamCtx(t)
 	pool := pgtest.NewPool(t)
-	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+	sse := newSSE(t, pool, []string{"p"}, func(o *web.SSEOptions) {
 		o.Authorize = func(r *http.Request, _ string) bool { return r.Header.Get("Authorization") == "Bearer node-1" }
 	})
 	mux := http.NewServeMux()
@@ -49,19 +50,19 @@ func TestStreamClientStopsWhenRefusedForGood(t *testing.T) {
 		{"/nowhere", "Bearer node-1", "status 404"},
 		{"/page", "", "not an event stream"},
 	} {
-		c, err := outbox.NewStreamClient(outbox.StreamClientOptions{URL: srv.URL + tc.path, Clock: clock,
+		c, err := web.NewStreamClient(web.StreamClientOptions{URL: srv.URL + tc.path, Clock: clock,
 			Header:    http.Header{"Authorization": {tc.token}},
-			Positions: outbox.FilePositions(filepath.Join(t.TempDir(), "position"))}, newStreamRecorder())
+			Positions: web.FilePositions(filepath.Join(t.TempDir(), "position"))}, newStreamRecorder())
 		require.NoError(t, err)
 		err = c.Run(ctx)
-		require.ErrorIs(t, err, outbox.ErrStreamRefused, tc.path)
+		require.ErrorIs(t, err, web.ErrStreamRefused, tc.path)
 		require.ErrorContains(t, err, tc.want)
-		require.Equal(t, outbox.StreamClientStats{Errors: 1}, c.Stats())
+		require.Equal(t, web.StreamClientStats{Errors: 1}, c.Stats())
 	}
 	// The same client with the right credentials follows the stream.
 	rec := newStreamRecorder()
-	c, _ := runClient(t, ctx, outbox.StreamClientOptions{URL: srv.URL + "/events?project=p", Clock: clock,
-		Header: http.Header{"Authorization": {"Bearer node-1"}}, Positions: outbox.FilePositions(filepath.Join(t.TempDir(), "position"))}, rec)
+	c, _ := runClient(t, ctx, web.StreamClientOptions{URL: srv.URL + "/events?project=p", Clock: clock,
+		Header: http.Header{"Authorization": {"Bearer node-1"}}, Positions: web.FilePositions(filepath.Join(t.TempDir(), "position"))}, rec)
 	for c.Stats().Connects == 0 { // it starts at the head, 0: the event below is the next
 		select {
 		case <-ctx.Done():
@@ -107,10 +108,10 @@ func TestStreamClientBacksOffOnItsClock(t *testing.T) {
 	// After the clients stop (cleanups run last first): Close waits for their requests.
 	t.Cleanup(srv.Close)
 	clock := outboxtest.NewFakeClock()
-	positions := outbox.FilePositions(filepath.Join(t.TempDir(), "position"))
+	positions := web.FilePositions(filepath.Join(t.TempDir(), "position"))
 	require.NoError(t, positions.Save(ctx, streamPos([]string{"p"}, 0)))
 	rec := newStreamRecorder()
-	c, _ := runClient(t, ctx, outbox.StreamClientOptions{URL: srv.URL + "?project=p", Positions: positions, Clock: clock,
+	c, _ := runClient(t, ctx, web.StreamClientOptions{URL: srv.URL + "?project=p", Positions: positions, Clock: clock,
 		MinBackoff: time.Second, MaxBackoff: 10 * time.Second}, rec)
 
 	// waitBackoff waits for the client's backoff timer after request n, checks its length and
@@ -130,7 +131,7 @@ func TestStreamClientBacksOffOnItsClock(t *testing.T) {
 	waitBackoff(4, 10*time.Second, 10*time.Second) // Retry-After cut to MaxBackoff, longer than the 4s to 8s step
 	rec.waitEvents(t, ctx, map[string]int{"p": 3})
 	waitSaved(t, ctx, positions, streamPos([]string{"p"}, 3)) // saved after the count
-	require.Equal(t, outbox.StreamClientStats{Connects: 1, Events: 3, Errors: 4}, c.Stats())
+	require.Equal(t, web.StreamClientStats{Connects: 1, Events: 3, Errors: 4}, c.Stats())
 
 	// The stream ends (its handler shuts down): the connection made progress, so the backoff
 	// starts over; the closing handler's empty streams make none, so it doubles again.
@@ -172,13 +173,13 @@ func TestStreamClientPassesWhatItCannotDecode(t *testing.T) {
 	// After the clients stop (cleanups run last first): Close waits for their requests.
 	t.Cleanup(srv.Close)
 	core, logs := observer.New(zap.DebugLevel)
-	positions := outbox.FilePositions(filepath.Join(t.TempDir(), "position"))
+	positions := web.FilePositions(filepath.Join(t.TempDir(), "position"))
 	rec := newStreamRecorder()
-	c, _ := runClient(t, ctx, outbox.StreamClientOptions{URL: srv.URL, Positions: positions, Logger: zap.New(core)}, rec)
+	c, _ := runClient(t, ctx, web.StreamClientOptions{URL: srv.URL, Positions: positions, Logger: zap.New(core)}, rec)
 	rec.waitEvents(t, ctx, map[string]int{"p": 2})
 	require.Equal(t, []int64{1, 6}, rec.seqs("p"))
 	waitSaved(t, ctx, positions, "1.a.6")
-	require.Equal(t, outbox.StreamClientStats{Connects: 1, Events: 2, Undecodable: 4}, c.Stats())
+	require.Equal(t, web.StreamClientStats{Connects: 1, Events: 2, Undecodable: 4}, c.Stats())
 	passed := logs.FilterMessageSnippet("cannot decode").All()
 	require.Len(t, passed, 4)
 	for _, e := range logs.All() {
@@ -201,8 +202,8 @@ func TestStreamClientDropsAnIdleConnection(t *testing.T) {
 	}))
 	// After the clients stop (cleanups run last first): Close waits for their requests.
 	t.Cleanup(srv.Close)
-	c, _ := runClient(t, ctx, quick(outbox.StreamClientOptions{URL: srv.URL, IdleTimeout: 20 * time.Millisecond,
-		Positions: outbox.FilePositions(filepath.Join(t.TempDir(), "position"))}), newStreamRecorder())
+	c, _ := runClient(t, ctx, quick(web.StreamClientOptions{URL: srv.URL, IdleTimeout: 20 * time.Millisecond,
+		Positions: web.FilePositions(filepath.Join(t.TempDir(), "position"))}), newStreamRecorder())
 	for calls.Load() < 3 {
 		select {
 		case <-ctx.Done():
@@ -215,7 +216,7 @@ func TestStreamClientDropsAnIdleConnection(t *testing.T) {
 
 func TestNewStreamClientRejectsBadOptions(t *testing.T) {
 	t.Parallel()
-	_, err := outbox.NewStreamClient(outbox.StreamClientOptions{
+	_, err := web.NewStreamClient(web.StreamClientOptions{
 		URL:         "http://user:hunter2@/events", // no host
 		HTTPClient:  &http.Client{Timeout: time.Minute},
 		Header:      http.Header{"Last-Event-ID": {"1.a.1"}},
@@ -232,12 +233,12 @@ func TestNewStreamClientRejectsBadOptions(t *testing.T) {
 	}
 	require.NotContains(t, err.Error(), "hunter2", "the error repeats the URL's credentials")
 	for _, u := range []string{"", "ftp://engine/events", "/events", "engine:8080/events"} {
-		_, err = outbox.NewStreamClient(outbox.StreamClientOptions{URL: u, Positions: outbox.FilePositions("x")}, newStreamRecorder())
+		_, err = web.NewStreamClient(web.StreamClientOptions{URL: u, Positions: web.FilePositions("x")}, newStreamRecorder())
 		require.ErrorContains(t, err, "StreamClientOptions.URL", "%q", u)
 	}
 
 	// Defaults: MaxBackoff is at least MinBackoff.
-	_, err = outbox.NewStreamClient(outbox.StreamClientOptions{URL: "http://parent/events", MinBackoff: time.Minute,
-		Positions: outbox.FilePositions("x")}, newStreamRecorder())
+	_, err = web.NewStreamClient(web.StreamClientOptions{URL: "http://parent/events", MinBackoff: time.Minute,
+		Positions: web.FilePositions("x")}, newStreamRecorder())
 	require.NoError(t, err)
 }

@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"fusion/outbox"
 )
 
 // One connection of a StreamClient: the request, the frames, the handler calls and the saves.
@@ -96,7 +98,7 @@ func (c *StreamClient) handle(ctx context.Context, f StreamFrame) error {
 	switch {
 	case f.Type == "" && f.Data == nil:
 		return nil // only the position moves
-	case f.Type == EventTypeTaskDeleted:
+	case f.Type == outbox.EventTypeTaskDeleted:
 		ev, ok := decodeStreamEvent(f.Data)
 		if !ok {
 			c.pass(f, "invalid_event")
@@ -104,8 +106,8 @@ func (c *StreamClient) handle(ctx context.Context, f StreamFrame) error {
 		}
 		key := "event\x00" + ev.ProjectID + "\x00" + ev.EventID
 		attempt := c.attempt(key)
-		octx := WithObserved(ctx, Observed{ConsumerID: c.opts.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID})
-		err := c.h.HandleObserved(octx, ObservedEvent{Event: ev, Observed: true, ConsumerID: c.opts.ConsumerID, Attempt: attempt})
+		octx := outbox.WithObserved(ctx, outbox.Observed{ConsumerID: c.opts.ConsumerID, EventID: ev.EventID, WriterProcessID: ev.WriterProcessID})
+		err := c.h.HandleObserved(octx, outbox.ObservedEvent{Event: ev, Observed: true, ConsumerID: c.opts.ConsumerID, Attempt: attempt})
 		if c.done(key, attempt, err) != nil {
 			return fmt.Errorf("handle event %s of %s: %w", ev.EventID, ev.ProjectID, err)
 		}
@@ -116,7 +118,7 @@ func (c *StreamClient) handle(ctx context.Context, f StreamFrame) error {
 			c.pass(f, "invalid_reset")
 			return nil
 		}
-		if err := c.h.HandleReset(WithObserved(ctx, Observed{ConsumerID: c.opts.ConsumerID}), r); err != nil {
+		if err := c.h.HandleReset(outbox.WithObserved(ctx, outbox.Observed{ConsumerID: c.opts.ConsumerID}), r); err != nil {
 			return fmt.Errorf("handle reset (%s) of %d projects: %w", r.Reason, len(r.Projects), err)
 		}
 		c.stats.resets.Add(1)
@@ -153,12 +155,12 @@ func (c *StreamClient) pass(f StreamFrame, reason string) {
 		zap.Int("type_bytes", len(f.Type)), zap.Int("data_bytes", len(f.Data)))
 }
 
-// decodeStreamEvent reads an event frame's payload (an Event marked observed, as newFrame
+// decodeStreamEvent reads an event frame's payload (an outbox.Event marked observed, as newFrame
 // writes it) and checks it in full.
-func decodeStreamEvent(data []byte) (Event, bool) {
+func decodeStreamEvent(data []byte) (outbox.Event, bool) {
 	var p ssePayload
-	if err := json.Unmarshal(data, &p); err != nil || !p.Observed || p.Event.validate() != nil {
-		return Event{}, false
+	if err := json.Unmarshal(data, &p); err != nil || !p.Observed || p.Event.Validate() != nil {
+		return outbox.Event{}, false
 	}
 	return p.Event, true
 }
@@ -170,7 +172,7 @@ func decodeStreamReset(data []byte) (SSEReset, bool) {
 		return SSEReset{}, false
 	}
 	for _, p := range r.Projects {
-		if ValidateProjectID(p) != nil {
+		if outbox.ValidateProjectID(p) != nil {
 			return SSEReset{}, false
 		}
 	}

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"bufio"
@@ -23,6 +23,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/outboxtest"
+	"fusion/outbox/web"
 )
 
 func TestSSEStreamsObservedEventsAndNeverStallsTheConsumer(t *testing.T) {
@@ -76,7 +77,7 @@ func TestSSEResumesFromTheRingAndTheOutbox(t *testing.T) {
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	projects := []string{"p", "q"}
-	sse := newSSE(t, pool, projects, func(o *outbox.SSEOptions) { o.RingSize = 16 })
+	sse := newSSE(t, pool, projects, func(o *web.SSEOptions) { o.RingSize = 16 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 	writer := startProcess(t, db.URL, processOpts{projects: projects})
@@ -222,7 +223,7 @@ func TestSSEResets(t *testing.T) {
 	require.Equal(t, int64(100), tag.RowsAffected())
 	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100, last_sequence = GREATEST(last_sequence, 100) WHERE project_id = 'p'`)
 	require.NoError(t, err)
-	sse := newSSE(t, pool, []string{"p", "q"}, func(o *outbox.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
+	sse := newSSE(t, pool, []string{"p", "q"}, func(o *web.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 	probe, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
@@ -232,7 +233,7 @@ func TestSSEResets(t *testing.T) {
 	// p below its floor: a reset for p (the client now stands at p's head), then q's rest.
 	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", id(90, 395))
 	f := s.next(t, ctx, "the reset")
-	require.Equal(t, outbox.SSEResetEvent, f.Event)
+	require.Equal(t, web.SSEResetEvent, f.Event)
 	require.JSONEq(t, `{"projects":["p"],"reason":"below_pruned_floor"}`, f.Data)
 	require.Equal(t, id(400, 395), f.ID)
 	s.expectDeletions(t, ctx, "q", 396, 400)
@@ -274,7 +275,7 @@ func TestSSELimitsAndAuthorize(t *testing.T) {
 	seedEvents(t, pool, "secret", 5)
 	var mu sync.Mutex
 	asked := map[string]int{}
-	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *outbox.SSEOptions) {
+	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *web.SSEOptions) {
 		o.MaxClients = 2
 		o.MaxProjects = 3
 		o.Authorize = func(r *http.Request, project string) bool {
@@ -340,7 +341,7 @@ func TestSSEClosesAStalledClientWithoutDeadlines(t *testing.T) {
 	ctx := ctxT(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
 	core, logs := observer.New(zap.WarnLevel)
-	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+	sse := newSSE(t, pool, []string{"p"}, func(o *web.SSEOptions) {
 		o.WriteTimeout = 50 * time.Millisecond
 		o.Logger = zap.New(core)
 	})
@@ -403,7 +404,7 @@ func TestSSERejectsBadRequestsAndOptions(t *testing.T) {
 	require.False(t, more, "the stream ends at once, with no event")
 	s.close()
 
-	_, err = outbox.NewSSEHandler(outbox.SSEOptions{RingSize: 8, MaxReplay: 4, Retry: time.Nanosecond})
+	_, err = web.NewSSEHandler(web.SSEOptions{RingSize: 8, MaxReplay: 4, Retry: time.Nanosecond})
 	require.Error(t, err)
 	for _, field := range []string{"SSEOptions.Pool", "SSEOptions.Projects", "SSEOptions.RingSize", "SSEOptions.MaxReplay", "SSEOptions.Retry"} {
 		require.ErrorContains(t, err, field)
@@ -482,7 +483,7 @@ func TestSSEAnswersUnservedAndForbiddenProjectsAlike(t *testing.T) {
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
 	seedEvents(t, pool, "open", 1)
 	seedEvents(t, pool, "secret", 1)
-	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *outbox.SSEOptions) {
+	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *web.SSEOptions) {
 		o.Authorize = func(_ *http.Request, p string) bool { return p == "open" }
 	})
 	srv := httptest.NewServer(sse)
@@ -514,7 +515,7 @@ func TestSSEEndsAStreamWhoseAccessIsRevoked(t *testing.T) {
 	clock := outboxtest.NewFakeClock()
 	var revoked atomic.Bool
 	var asked atomic.Int64
-	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+	sse := newSSE(t, pool, []string{"p"}, func(o *web.SSEOptions) {
 		o.Clock = clock
 		o.ReauthorizeInterval = time.Minute
 		o.Authorize = func(*http.Request, string) bool { asked.Add(1); return !revoked.Load() }
@@ -571,7 +572,7 @@ func TestSSEResetsAPositionBeyondTheHead(t *testing.T) {
 
 	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", id(1295, 0))
 	f := s.next(t, ctx, "the reset")
-	require.Equal(t, outbox.SSEResetEvent, f.Event, "a position beyond the head is not reset: %+v", f)
+	require.Equal(t, web.SSEResetEvent, f.Event, "a position beyond the head is not reset: %+v", f)
 	require.JSONEq(t, `{"projects":["p"],"reason":"unknown_position"}`, f.Data)
 	require.Equal(t, id(152, 0), f.ID)
 	s.expectDeletions(t, ctx, "q", 1, 5)
@@ -601,7 +602,7 @@ func TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing(t *testing.T) {
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
 	seedEvents(t, pool, "p", 5)
 	seedEvents(t, pool, "q", 5)
-	sse := newSSE(t, pool, []string{"p", "q"}, func(o *outbox.SSEOptions) { o.MaxReplayReads = 1 })
+	sse := newSSE(t, pool, []string{"p", "q"}, func(o *web.SSEOptions) { o.MaxReplayReads = 1 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 	probe, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
@@ -612,7 +613,7 @@ func TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing(t *testing.T) {
 	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", "1."+fp+".8.8")
 	defer s.close()
 	f := s.next(t, ctx, "the reset")
-	require.Equal(t, outbox.SSEResetEvent, f.Event, "q's position was taken unchecked: %+v", f)
+	require.Equal(t, web.SSEResetEvent, f.Event, "q's position was taken unchecked: %+v", f)
 	require.JSONEq(t, `{"projects":["q"],"reason":"unknown_position"}`, f.Data)
 	require.Equal(t, "1."+fp+".8.5", f.ID, "p's position, checked with the one read, is kept")
 	for seq := int64(6); seq <= 10; seq++ {
@@ -635,7 +636,7 @@ func TestSSEBoundsTheReplayReadsOfAConnection(t *testing.T) {
 	for _, p := range projects {
 		seedEvents(t, pool, p, 2000)
 	}
-	sse := newSSE(t, pool, projects, func(o *outbox.SSEOptions) { o.RingSize = 16; o.MaxReplay = 2000 })
+	sse := newSSE(t, pool, projects, func(o *web.SSEOptions) { o.RingSize = 16; o.MaxReplay = 2000 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 	url := srv.URL + "?project=p,q,r"
@@ -647,7 +648,7 @@ func TestSSEBoundsTheReplayReadsOfAConnection(t *testing.T) {
 	s, _ := openStream(t, ctx, url, "1."+fp+".0.0.0")
 	defer s.close()
 	f := s.next(t, ctx, "the reset")
-	require.Equal(t, outbox.SSEResetEvent, f.Event, "r replayed past the connection's budget: %.80s", f.Data)
+	require.Equal(t, web.SSEResetEvent, f.Event, "r replayed past the connection's budget: %.80s", f.Data)
 	require.JSONEq(t, `{"projects":["r"],"reason":"replay_budget"}`, f.Data)
 	require.Equal(t, "1."+fp+".0.0."+b36(2000), f.ID)
 	s.expectDeletions(t, ctx, "p", 1, 2000)
@@ -665,7 +666,7 @@ func TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
-	sse := newSSE(t, pool, []string{"p"}, func(o *outbox.SSEOptions) {
+	sse := newSSE(t, pool, []string{"p"}, func(o *web.SSEOptions) {
 		o.RingSize = 16
 		o.MaxReplayReads = 1
 		o.WriteTimeout = time.Hour // the gated writer below blocks for as long as the test needs
@@ -714,7 +715,7 @@ func TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind(t *testing.T) {
 			require.Equal(t, want, d.Sequence, "after sequence %d", want-1)
 			require.LessOrEqual(t, d.Sequence, int64(500), "an event beyond the one page the budget allows, and no reset")
 			want++
-		case strings.HasPrefix(line, "data: ") && event == outbox.SSEResetEvent:
+		case strings.HasPrefix(line, "data: ") && event == web.SSEResetEvent:
 			require.Equal(t, int64(501), want, "the reset comes after the one page the budget allows")
 			require.JSONEq(t, `{"projects":["p"],"reason":"replay_budget"}`, strings.TrimPrefix(line, "data: "))
 			return

@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"bufio"
@@ -17,7 +17,7 @@ type StreamFrame struct {
 	// ID is the stream's last event ID after this frame: the position a client resumes from
 	// (see sse_id.go). A frame without an id line keeps the ID of the frame before it.
 	ID string
-	// Type is EventTypeTaskDeleted for an event, SSEResetEvent for a reset, and "" for a
+	// Type is outbox.EventTypeTaskDeleted for an event, SSEResetEvent for a reset, and "" for a
 	// frame that only moves the position (an ID-only frame: no type and no data).
 	Type string
 	// Data is the frame's data lines joined with "\n": for an event, the JSON of the event

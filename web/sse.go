@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"fusion/outbox"
 	"fusion/outbox/startstop"
 )
 
@@ -20,7 +21,7 @@ import (
 // reconnecting browser resume where it left off.
 //
 // It is fed by the process's durable consumer, as one of its observed listeners, which also
-// hands it the process's own deletions (OwnWritesListener); browser clients are ephemeral and
+// hands it the process's own deletions (outbox.OwnWritesListener); browser clients are ephemeral and
 // own no cursor. Per project it keeps a ring of the most recent events, contiguous in
 // sequence order. Every event a client is sent carries an ID holding
 // the client's position in every project of its stream (see sse_id.go), which a browser's
@@ -72,7 +73,7 @@ func NewSSEHandler(opts SSEOptions) (*SSEHandler, error) {
 	return h, nil
 }
 
-// Name implements Listener.
+// Name implements outbox.Listener.
 func (h *SSEHandler) Name() string { return "sse" }
 
 // HandleObserved records the event in its project's ring and wakes that project's clients.
@@ -81,7 +82,7 @@ func (h *SSEHandler) Name() string { return "sse" }
 // one beyond the next (the consumer moved on after a lease change or a reconciliation, or a
 // process whose dispatcher does not hand it its own events skipped them) starts the ring
 // afresh, and clients read the events in between from the outbox.
-func (h *SSEHandler) HandleObserved(_ context.Context, ev ObservedEvent) error {
+func (h *SSEHandler) HandleObserved(_ context.Context, ev outbox.ObservedEvent) error {
 	if ev.Replay {
 		return nil
 	}
@@ -109,11 +110,11 @@ func (h *SSEHandler) HandleObserved(_ context.Context, ev ObservedEvent) error {
 	return nil
 }
 
-// HandleOwn implements OwnWritesListener: the process's own deletions reach its stream as
+// HandleOwn implements outbox.OwnWritesListener: the process's own deletions reach its stream as
 // soon as its consumer reads them, in sequence order with everyone else's, rather than when
 // the next observed event reveals the gap. No local path feeds the stream, so nothing is
 // streamed twice.
-func (h *SSEHandler) HandleOwn(ctx context.Context, ev ObservedEvent) {
+func (h *SSEHandler) HandleOwn(ctx context.Context, ev outbox.ObservedEvent) {
 	if err := h.HandleObserved(ctx, ev); err != nil {
 		h.log.Warn("event stream: own event not streamed", zap.String("project_id", ev.ProjectID),
 			zap.Int64("sequence", ev.Sequence), zap.Error(err))
@@ -256,7 +257,7 @@ func (h *SSEHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	defer tick.Stop()
 	// Access is checked again while the stream is open: a user whose access was revoked
 	// must stop receiving events, not keep them until the connection happens to drop.
-	var recheck Timer
+	var recheck outbox.Timer
 	var recheckC <-chan time.Time
 	if h.cfg.Authorize != nil {
 		recheck = h.cfg.Clock.NewTimer(h.cfg.ReauthorizeInterval)
@@ -354,6 +355,10 @@ func (h *SSEHandler) closing(w http.ResponseWriter) {
 	_, _ = fmt.Fprintf(w, "retry: %d\n: shutting down; reconnect\n\n", h.cfg.Retry.Milliseconds())
 }
 
+// maxIDLen is the longest project ID outbox.ValidateProjectID accepts (queries_test.go holds the
+// two together): with MaxProjects it bounds a request's query before it is parsed.
+const maxIDLen = 128
+
 // streamProjects is the sorted project list of a request, or an HTTP status and message.
 func (h *SSEHandler) streamProjects(r *http.Request) (projects []string, status int, msg string) {
 	// Bound the query before parsing it: a client must not make the handler hold megabytes.
@@ -384,7 +389,7 @@ func (h *SSEHandler) streamProjects(r *http.Request) (projects []string, status 
 		return nil, http.StatusBadRequest, fmt.Sprintf("at most %d projects per stream", h.cfg.MaxProjects)
 	}
 	for _, p := range names {
-		if err := ValidateProjectID(p); err != nil {
+		if err := outbox.ValidateProjectID(p); err != nil {
 			return nil, http.StatusBadRequest, err.Error()
 		}
 	}

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"context"
@@ -15,12 +15,13 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/web"
 )
 
 // server is an event stream that can be stopped abruptly and started again (a new handler on
 // the same database, as after a restart) where clients find it.
 type streamServer interface {
-	start(t *testing.T, h *outbox.SSEHandler)
+	start(t *testing.T, h *web.SSEHandler)
 	stop()
 }
 
@@ -30,7 +31,7 @@ type tcpServer struct {
 	srv  *http.Server
 }
 
-func (s *tcpServer) start(t *testing.T, h *outbox.SSEHandler) {
+func (s *tcpServer) start(t *testing.T, h *web.SSEHandler) {
 	t.Helper()
 	var ln net.Listener
 	var err error
@@ -57,9 +58,9 @@ type unixServer struct {
 	srv  *http.Server
 }
 
-func (s *unixServer) start(t *testing.T, h *outbox.SSEHandler) {
+func (s *unixServer) start(t *testing.T, h *web.SSEHandler) {
 	t.Helper()
-	ln, err := outbox.ListenUnix(s.path)
+	ln, err := web.ListenUnix(s.path)
 	require.NoError(t, err)
 	fi, err := os.Lstat(s.path)
 	require.NoError(t, err)
@@ -81,14 +82,14 @@ func followAcrossRestart(t *testing.T, srv streamServer, url string, client *htt
 	projects := []string{"p", "q"}
 	seedEvents(t, pool, "p", 60)
 	seedEvents(t, pool, "q", 30)
-	var current *outbox.SSEHandler
-	newHandler := func() *outbox.SSEHandler {
-		current = newSSE(t, pool, projects, func(o *outbox.SSEOptions) { o.RingSize = 16 })
+	var current *web.SSEHandler
+	newHandler := func() *web.SSEHandler {
+		current = newSSE(t, pool, projects, func(o *web.SSEOptions) { o.RingSize = 16 })
 		return current
 	}
 	srv.start(t, newHandler())
 
-	positions := outbox.FilePositions(filepath.Join(t.TempDir(), "position"))
+	positions := web.FilePositions(filepath.Join(t.TempDir(), "position"))
 	require.NoError(t, positions.Save(ctx, streamPos(projects, 0, 0)), "from the start of both projects")
 	rec := newStreamRecorder()
 	held, release := make(chan struct{}), make(chan struct{})
@@ -105,7 +106,7 @@ func followAcrossRestart(t *testing.T, srv streamServer, url string, client *htt
 		}
 		return nil
 	}
-	opts := quick(outbox.StreamClientOptions{URL: url, HTTPClient: client, Positions: positions, ConsumerID: "child-1"})
+	opts := quick(web.StreamClientOptions{URL: url, HTTPClient: client, Positions: positions, ConsumerID: "child-1"})
 	c, stop := runClient(t, ctx, opts, rec)
 
 	select {
@@ -168,7 +169,7 @@ func TestStreamClientFollowsAcrossARestartOverAUnixSocket(t *testing.T) {
 	t.Parallel()
 	dir := shortTempDir(t)
 	srv := &unixServer{path: filepath.Join(dir, "parent.sock")}
-	followAcrossRestart(t, srv, "http://parent/events?project=p,q", outbox.UnixSocketClient(srv.path))
+	followAcrossRestart(t, srv, "http://parent/events?project=p,q", web.UnixSocketClient(srv.path))
 	srv.stop()
 	_, err := os.Lstat(srv.path)
 	require.True(t, errors.Is(err, os.ErrNotExist), "the closed listener removed its socket: %v", err)
@@ -183,14 +184,14 @@ func TestStreamClientGetsResetsAndGoesOn(t *testing.T) {
 	pool := pgtest.NewPool(t)
 	pruneSetup(t, ctx, pool)
 	projects := []string{"p", "q"}
-	sse := newSSE(t, pool, projects, func(o *outbox.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
+	sse := newSSE(t, pool, projects, func(o *web.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
 	srv := &tcpServer{addr: "127.0.0.1:0"}
 	srv.start(t, sse)
 	url := "http://" + srv.addr + "/events?project=p,q"
-	follow := func(from string, rec *streamRecorder) (*outbox.StreamClient, outbox.PositionStore) {
-		positions := outbox.FilePositions(filepath.Join(t.TempDir(), "position"))
+	follow := func(from string, rec *streamRecorder) (*web.StreamClient, web.PositionStore) {
+		positions := web.FilePositions(filepath.Join(t.TempDir(), "position"))
 		require.NoError(t, positions.Save(ctx, from))
-		c, _ := runClient(t, ctx, quick(outbox.StreamClientOptions{URL: url, Positions: positions}), rec)
+		c, _ := runClient(t, ctx, quick(web.StreamClientOptions{URL: url, Positions: positions}), rec)
 		return c, positions
 	}
 
@@ -204,7 +205,7 @@ func TestStreamClientGetsResetsAndGoesOn(t *testing.T) {
 	}
 	below.waitEvents(t, ctx, map[string]int{"p": 2})
 	below.mu.Lock()
-	require.Equal(t, []outbox.SSEReset{{Projects: []string{"p"}, Reason: outbox.ResetBelowPrunedFloor}}, below.resets)
+	require.Equal(t, []web.SSEReset{{Projects: []string{"p"}, Reason: web.ResetBelowPrunedFloor}}, below.resets)
 	require.Equal(t, "p", below.events[len(below.events)-1].ProjectID)
 	below.mu.Unlock()
 	require.Equal(t, seq(396, 400), below.seqs("q"))
@@ -216,13 +217,13 @@ func TestStreamClientGetsResetsAndGoesOn(t *testing.T) {
 	follow(streamPos(projects, 395, 10), behind)
 	behind.waitUntil(t, ctx, "the reset of q", func() bool { return len(behind.resets) == 1 })
 	require.Equal(t, seq(396, 402), behind.seqs("p"))
-	require.Equal(t, outbox.SSEReset{Projects: []string{"q"}, Reason: outbox.ResetTooFarBehind}, behind.resets[0])
+	require.Equal(t, web.SSEReset{Projects: []string{"q"}, Reason: web.ResetTooFarBehind}, behind.resets[0])
 
 	// A position of another stream, whose reset the handler fails on once: the reset comes
 	// again on the next connection, and the position never moved past it meanwhile.
 	other := newStreamRecorder()
 	failed := false
-	other.onReset = func(outbox.SSEReset) error {
+	other.onReset = func(web.SSEReset) error {
 		if !failed {
 			failed = true
 			return errors.New("refetch failed")
@@ -231,10 +232,10 @@ func TestStreamClientGetsResetsAndGoesOn(t *testing.T) {
 	}
 	c, otherPos := follow("1.00000000.1.1", other)
 	other.waitUntil(t, ctx, "the reset, again", func() bool { return len(other.resets) == 1 })
-	require.Equal(t, outbox.SSEReset{Projects: projects, Reason: outbox.ResetUnknownPosition}, other.resets[0])
+	require.Equal(t, web.SSEReset{Projects: projects, Reason: web.ResetUnknownPosition}, other.resets[0])
 	waitSaved(t, ctx, otherPos, streamPos(projects, 402, 400))
 	st := c.Stats()
-	require.Equal(t, outbox.StreamClientStats{Connects: 2, Resets: 1, Errors: 1}, st)
+	require.Equal(t, web.StreamClientStats{Connects: 2, Resets: 1, Errors: 1}, st)
 }
 
 // pruneSetup is TestSSEResets's database: p numbered 1 to 400 with 1 to 100 pruned, q 1 to 400.
@@ -250,7 +251,7 @@ func pruneSetup(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
 }
 
 // waitSaved waits until positions holds want.
-func waitSaved(t *testing.T, ctx context.Context, positions outbox.PositionStore, want string) {
+func waitSaved(t *testing.T, ctx context.Context, positions web.PositionStore, want string) {
 	t.Helper()
 	var got string
 	for {

@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"errors"
@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"fusion/outbox"
 )
 
 // StreamClientOptions configure a StreamClient.
@@ -25,8 +27,8 @@ type StreamClientOptions struct {
 	// Positions keeps the client's position across reconnects and restarts. Required.
 	Positions PositionStore
 	// ConsumerID, optional, is the durable receiver whose stream this client follows; it is
-	// put in each event's Observed marker and ObservedEvent. Validated as a consumer ID.
-	ConsumerID ConsumerID
+	// put in each event's outbox.Observed marker and outbox.ObservedEvent. Validated as a consumer ID.
+	ConsumerID outbox.ConsumerID
 	// MinBackoff and MaxBackoff bound the wait before a reconnect: MinBackoff after a
 	// connection that made progress, doubled after each failure up to MaxBackoff, and
 	// jittered (between half the step and the step). Defaults 100ms and 30s (at least
@@ -37,8 +39,8 @@ type StreamClientOptions struct {
 	// peer that vanished without closing the connection would otherwise hold it forever. Time
 	// the handler spends is not counted. Defaults to 1m; 10ms to 1h.
 	IdleTimeout time.Duration
-	// Clock times the backoff. Defaults to RealClock; tests pass a fake one.
-	Clock Clock
+	// Clock times the backoff. Defaults to outbox.RealClock; tests pass a fake one.
+	Clock outbox.Clock
 	// Logger logs reconnects, refusals and passed frames (never a payload). Defaults to none.
 	Logger *zap.Logger
 }
@@ -55,7 +57,7 @@ func (o StreamClientOptions) withDefaults() StreamClientOptions {
 		o.IdleTimeout = time.Minute
 	}
 	if o.Clock == nil {
-		o.Clock = RealClock{}
+		o.Clock = outbox.RealClock{}
 	}
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
@@ -85,7 +87,7 @@ func (o StreamClientOptions) validate() error {
 		bad("Positions", "is nil: the client must keep its position to resume")
 	}
 	if o.ConsumerID != "" {
-		if _, err := ParseConsumerID(string(o.ConsumerID)); err != nil {
+		if _, err := outbox.ParseConsumerID(string(o.ConsumerID)); err != nil {
 			bad("ConsumerID", "%v", err)
 		}
 	}

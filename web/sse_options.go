@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"errors"
@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"fusion/outbox"
 )
 
 // The event stream's options and the reset event it sends.
@@ -15,11 +17,11 @@ import (
 type SSEOptions struct {
 	// Pool reads the retained outbox for clients the ring cannot serve, and the head of a
 	// project for the first client of a project the handler has not seen yet. Required.
-	Pool DBTX
+	Pool outbox.DBTX
 	// Projects is the set of projects the stream serves: a request without ?project= gets
 	// all of them (those Authorize allows), and a request naming another project is refused.
 	// Normally the consumer's own Projects. Required.
-	Projects Projects
+	Projects outbox.Projects
 	// Authorize, when set, is asked for every project of every connection whether r may see
 	// it, at connect and again every ReauthorizeInterval while the stream is open. A request
 	// naming in ?project= a project that is refused, or that the stream does not serve, fails
@@ -33,8 +35,8 @@ type SSEOptions struct {
 	// projects, so that a user whose access was revoked stops receiving events within it.
 	// Defaults to 1m; 10ms to 1h. Unused without Authorize.
 	ReauthorizeInterval time.Duration
-	// Clock measures ReauthorizeInterval. Defaults to RealClock; tests pass a fake one.
-	Clock Clock
+	// Clock measures ReauthorizeInterval. Defaults to outbox.RealClock; tests pass a fake one.
+	Clock outbox.Clock
 	// MaxClients bounds the concurrent streams; a request beyond it gets 503 with
 	// Retry-After. Defaults to 1000; 1 to 1000000.
 	MaxClients int
@@ -92,7 +94,7 @@ func (o SSEOptions) withDefaults() SSEOptions {
 	def(&o.ReauthorizeInterval, time.Minute)
 	defInt(&o.MaxReplayReads, 2*(o.MaxReplay/replayPageSize+1))
 	if o.Clock == nil {
-		o.Clock = RealClock{}
+		o.Clock = outbox.RealClock{}
 	}
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()

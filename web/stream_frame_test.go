@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"bytes"
@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
+
+	"fusion/outbox"
 )
 
 // readAll reads every frame of s, through a reader that returns one byte per Read when
@@ -43,7 +45,7 @@ func TestStreamReaderFollowsTheEventStreamRules(t *testing.T) {
 		}
 		want := []StreamFrame{
 			{ID: "1.abc.0"},
-			{ID: "1.abc.1", Type: EventTypeTaskDeleted, Data: []byte(`{"a":1}`)},
+			{ID: "1.abc.1", Type: outbox.EventTypeTaskDeleted, Data: []byte(`{"a":1}`)},
 			{ID: "1.abc.1", Type: SSEResetEvent, Data: []byte("one\n\ntwo")},
 			{ID: "1.abc.1", Data: []byte("z")},
 			{ID: ""},
@@ -92,7 +94,7 @@ func framesEqual(a, b []StreamFrame) bool {
 // whatever it is sent; and what appendStreamFrame writes reads back as the same frames,
 // whatever the line ends, the heartbeats between frames, and the reads' sizes.
 func FuzzStreamReader(f *testing.F) {
-	f.Add("1.82f7302c.3.7", EventTypeTaskDeleted, `{"projectId":"p","sequence":4}`, "1.82f7302c.4.7", "", "", uint8(0))
+	f.Add("1.82f7302c.3.7", outbox.EventTypeTaskDeleted, `{"projectId":"p","sequence":4}`, "1.82f7302c.4.7", "", "", uint8(0))
 	f.Add("1.82f7302c.0", SSEResetEvent, `{"projects":["p"],"reason":"too_far_behind"}`, "x", "message", "a\n\nb\n", uint8(7))
 	f.Add("", "", "", ":", ":", "\x00", uint8(255))
 	f.Add("id\r\n", "ev\rx", "data\rcr", "\xEF\xBB\xBF", "", "", uint8(3))

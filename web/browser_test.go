@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"context"
@@ -23,6 +23,7 @@ import (
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
 	"fusion/outbox/outboxtest"
+	"fusion/outbox/web"
 )
 
 // These tests drive a real browser (Debian's Chromium, headless) against the reference host:
@@ -204,7 +205,7 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 		require.NoError(t, err)
 	}
 	hostAddr := freeAddr(t)
-	var sse1 *outbox.SSEHandler
+	var sse1 *web.SSEHandler
 	host := startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, fastSSE, fx.Populate(&sse1))
 	proxy := newDropProxy(t, hostAddr)
 	browser := browsertest.New(t)
@@ -239,7 +240,7 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 	proxy.down()
 	deleteTasks(t, ctx, writer, "alpha", 51, 100)
 	deleteTasks(t, ctx, writer, "beta", 21, 40)
-	var sse2 *outbox.SSEHandler
+	var sse2 *web.SSEHandler
 	// A small ring, so that this resume needs the outbox as well as memory.
 	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, func(c *testhost.HostConfig) {
 		fastSSE(c)
@@ -316,7 +317,7 @@ func TestBrowserBelowTheFloorGetsReset(t *testing.T) {
 	waitPage(t, browser, "3 live deletions after the reset", "window.rec.events.length === 8")
 	rec := recording(t, browser)
 	require.Equal(t, []string{"alpha"}, rec.Resets[0].Projects)
-	require.Equal(t, outbox.ResetBelowPrunedFloor, rec.Resets[0].Reason)
+	require.Equal(t, web.ResetBelowPrunedFloor, rec.Resets[0].Reason)
 	require.Equal(t, 2, rec.Resets[0].Conn, "the reset came on the reconnected stream")
 	var after []int64
 	for _, e := range rec.Events[5:] {
@@ -356,13 +357,13 @@ func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 		}
 		return nil
 	})
-	var authorized []outbox.OpsAction
+	var authorized []web.OpsAction
 	hostAddr := freeAddr(t)
 	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha"}, func(c *testhost.HostConfig) {
 		c.Outbox.MaxAttempts = 1
 		fastSSE(c)
 		// The host's authentication says who is signed in: the audit names them.
-		c.OpsAuthorize = func(r *http.Request, a outbox.OpsAction) (string, bool) {
+		c.OpsAuthorize = func(r *http.Request, a web.OpsAction) (string, bool) {
 			mu.Lock()
 			defer mu.Unlock()
 			authorized = append(authorized, a)
@@ -407,7 +408,7 @@ func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 		`SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com' AND metadata->>'reason' = 'FN-18'`, outbox.AuditConsumerReplayed))
 	mu.Lock()
 	require.Len(t, authorized, 1)
-	require.Equal(t, outbox.OpsAction{Kind: outbox.OpsReplay, ProjectID: "alpha", ConsumerID: "dashboard", Sequence: 3,
+	require.Equal(t, web.OpsAction{Kind: web.OpsReplay, ProjectID: "alpha", ConsumerID: "dashboard", Sequence: 3,
 		Reason: "FN-18"}, authorized[0])
 	mu.Unlock()
 
@@ -460,9 +461,9 @@ func TestBrowserOpsPageAt1280ShowsSeverityWithoutScrolling(t *testing.T) {
 	admin := outbox.NewAdmin(pool, outbox.AdminOptions{})
 	mux := http.NewServeMux()
 	for path, project := range map[string]string{"all": "", "healthy": "fine", "stalled": "stall", "poisoned": "poison"} {
-		h, err := outbox.OpsHandler(admin, outbox.OpsOptions{
+		h, err := web.OpsHandler(admin, web.OpsOptions{
 			Authorize:       func(_ *http.Request, p string) bool { return project == "" || p == project },
-			AuthorizeAction: func(*http.Request, outbox.OpsAction) (string, bool) { return "oncall@example.com", true },
+			AuthorizeAction: func(*http.Request, web.OpsAction) (string, bool) { return "oncall@example.com", true },
 		})
 		require.NoError(t, err)
 		mux.Handle("/"+path+"/", http.StripPrefix("/"+path, h))
@@ -521,7 +522,7 @@ func TestBrowserOpsPageTablesFollowTheFeed(t *testing.T) {
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
 	seedOpsStates(t, pool)
-	ops, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{EventsURL: "/feed", Refresh: time.Hour})
+	ops, err := web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{EventsURL: "/feed", Refresh: time.Hour})
 	require.NoError(t, err)
 	send := make(chan string)
 	mux := http.NewServeMux()

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"context"
@@ -20,6 +20,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/web"
 )
 
 // hostileTaskID is a valid task ID (printable, no whitespace) that is also markup.
@@ -93,7 +94,7 @@ func TestOpsPageShowsConsumersAndDeadLettersEscaped(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	f := newOpsFixture(t, ctx, pgtest.NewDB(t).URL)
-	ops, err := outbox.OpsHandler(f.admin, outbox.OpsOptions{EventsURL: "/events"})
+	ops, err := web.OpsHandler(f.admin, web.OpsOptions{EventsURL: "/events"})
 	require.NoError(t, err)
 	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
 	defer srv.Close()
@@ -142,8 +143,8 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	ctx := ctxT(t)
 	f := newOpsFixture(t, ctx, pgtest.NewDB(t).URL)
 	var mu sync.Mutex
-	var asked []outbox.OpsAction
-	ops, err := outbox.OpsHandler(f.admin, outbox.OpsOptions{AuthorizeAction: func(r *http.Request, a outbox.OpsAction) (string, bool) {
+	var asked []web.OpsAction
+	ops, err := web.OpsHandler(f.admin, web.OpsOptions{AuthorizeAction: func(r *http.Request, a web.OpsAction) (string, bool) {
 		mu.Lock()
 		defer mu.Unlock()
 		asked = append(asked, a)
@@ -197,7 +198,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	require.Equal(t, "dead", deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State, "nothing was done")
 	mu.Lock()
 	require.Len(t, asked, 1, "the authorizer is asked only once the request is known to come from the page")
-	require.Equal(t, outbox.OpsAction{Kind: outbox.OpsReplay, ProjectID: "p", ConsumerID: "broken", Sequence: f.poisonQ,
+	require.Equal(t, web.OpsAction{Kind: web.OpsReplay, ProjectID: "p", ConsumerID: "broken", Sequence: f.poisonQ,
 		Reason: "FN-18"}, asked[0])
 	mu.Unlock()
 
@@ -240,7 +241,7 @@ func redirected(t *testing.T, base string, resp *http.Response) string {
 
 func TestOpsHandlerOptions(t *testing.T) {
 	t.Parallel()
-	_, err := outbox.OpsHandler(nil, outbox.OpsOptions{EventsURL: "https://elsewhere/events", CSRFKey: []byte("short")})
+	_, err := web.OpsHandler(nil, web.OpsOptions{EventsURL: "https://elsewhere/events", CSRFKey: []byte("short")})
 	require.Error(t, err)
 	for _, field := range []string{"admin", "OpsOptions.EventsURL", "OpsOptions.CSRFKey"} {
 		require.ErrorContains(t, err, field)
@@ -262,7 +263,7 @@ func TestOpsPageShowsOtherProjectsWhenOneIsUnreadable(t *testing.T) {
 	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at)
 		VALUES ('proj-a', 'ghost', 0, 'ghost@0000000000000000', 1, 'infinity'), ('proj-b', 'dash', 0, NULL, 0, NULL)`)
 	require.NoError(t, err)
-	h, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{})
+	h, err := web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{})
 	require.NoError(t, err)
 	srv := httptest.NewServer(h)
 	defer srv.Close()
@@ -275,7 +276,7 @@ func TestOpsPageShowsOtherProjectsWhenOneIsUnreadable(t *testing.T) {
 	require.Contains(t, string(body), "status unavailable for proj-a")
 
 	// A reader confined to proj-b is not told that proj-a exists, unreadable or not.
-	h, err = outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{
+	h, err = web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{
 		Authorize: func(_ *http.Request, p string) bool { return p == "proj-b" }})
 	require.NoError(t, err)
 	confined := httptest.NewServer(h)
@@ -299,14 +300,14 @@ func TestOpsPageShowsOnlyTheProjectsTheHostAllows(t *testing.T) {
 	require.NoError(t, err)
 	var mu sync.Mutex
 	asked := map[string]int{}
-	ops, err := outbox.OpsHandler(f.admin, outbox.OpsOptions{
+	ops, err := web.OpsHandler(f.admin, web.OpsOptions{
 		Authorize: func(r *http.Request, p string) bool {
 			mu.Lock()
 			defer mu.Unlock()
 			asked[r.Header.Get("X-User")+"/"+p]++
 			return p == "a" || r.Header.Get("X-User") == "root"
 		},
-		AuthorizeAction: func(r *http.Request, _ outbox.OpsAction) (string, bool) { return r.Header.Get("X-User"), true },
+		AuthorizeAction: func(r *http.Request, _ web.OpsAction) (string, bool) { return r.Header.Get("X-User"), true },
 	})
 	require.NoError(t, err)
 	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
@@ -359,9 +360,9 @@ func TestOpsPageShowsOnlyTheProjectsTheHostAllows(t *testing.T) {
 func TestOpsCSRFCookieIsSecureBehindATLSProxy(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.NewPool(t)
-	authorize := func(*http.Request, outbox.OpsAction) (string, bool) { return "oncall", true }
+	authorize := func(*http.Request, web.OpsAction) (string, bool) { return "oncall", true }
 	for _, behind := range []bool{true, false} {
-		h, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{AuthorizeAction: authorize, BehindTLS: behind})
+		h, err := web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{AuthorizeAction: authorize, BehindTLS: behind})
 		require.NoError(t, err)
 		rec := httptest.NewRecorder()
 		h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "http://ops.example/", nil))
@@ -429,7 +430,7 @@ func TestOpsPageSummaryPutsTheWorstFirst(t *testing.T) {
 	pool := pgtest.NewPool(t)
 	seedOpsStates(t, pool)
 	admin := outbox.NewAdmin(pool, outbox.AdminOptions{})
-	ops, err := outbox.OpsHandler(admin, outbox.OpsOptions{RunbookURL: "https://git.example/outbox/blob/main/docs/operations.md"})
+	ops, err := web.OpsHandler(admin, web.OpsOptions{RunbookURL: "https://git.example/outbox/blob/main/docs/operations.md"})
 	require.NoError(t, err)
 	srv := httptest.NewServer(ops)
 	defer srv.Close()
@@ -465,19 +466,19 @@ func TestOpsPageSummaryPutsTheWorstFirst(t *testing.T) {
 	}
 
 	// Thresholds are options: with a warning from one event, the consumer one behind is amber.
-	strict, err := outbox.OpsHandler(admin, outbox.OpsOptions{Thresholds: outbox.OpsThresholds{WarnEvents: 1, CritEvents: 1000, WarnLag: time.Hour, CritLag: 2 * time.Hour}})
+	strict, err := web.OpsHandler(admin, web.OpsOptions{Thresholds: web.OpsThresholds{WarnEvents: 1, CritEvents: 1000, WarnLag: time.Hour, CritLag: 2 * time.Hour}})
 	require.NoError(t, err)
 	rec := httptest.NewRecorder()
 	strict.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/consumers", nil))
 	require.Regexp(t, `<tr class="consumer sev-warn[^"]*" data-consumer="onebehind">`, rec.Body.String())
 	require.Regexp(t, `<tr class="consumer sev-warn[^"]*" data-consumer="slow">`, rec.Body.String(), "60 events is below the critical 1000")
 	require.Contains(t, rec.Body.String(), `href="/docs/operations.md#lag"`, "the default runbook")
-	_, err = outbox.OpsHandler(admin, outbox.OpsOptions{Thresholds: outbox.OpsThresholds{WarnEvents: 10, CritEvents: 5}, RunbookURL: "javascript:alert(1)"})
+	_, err = web.OpsHandler(admin, web.OpsOptions{Thresholds: web.OpsThresholds{WarnEvents: 10, CritEvents: 5}, RunbookURL: "javascript:alert(1)"})
 	require.ErrorContains(t, err, "OpsOptions.Thresholds")
 	require.ErrorContains(t, err, "OpsOptions.RunbookURL")
 
 	// A viewer confined to the healthy project sees all clear, and nothing of the others.
-	fine, err := outbox.OpsHandler(admin, outbox.OpsOptions{Authorize: func(_ *http.Request, p string) bool { return p == "fine" }})
+	fine, err := web.OpsHandler(admin, web.OpsOptions{Authorize: func(_ *http.Request, p string) bool { return p == "fine" }})
 	require.NoError(t, err)
 	rec = httptest.NewRecorder()
 	fine.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/", nil))
@@ -494,8 +495,8 @@ func TestOpsRetireNeedsItsConfirmation(t *testing.T) {
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
 	seedOpsStates(t, pool)
-	ops, err := outbox.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), outbox.OpsOptions{
-		AuthorizeAction: func(*http.Request, outbox.OpsAction) (string, bool) { return "oncall@example.com", true }})
+	ops, err := web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{
+		AuthorizeAction: func(*http.Request, web.OpsAction) (string, bool) { return "oncall@example.com", true }})
 	require.NoError(t, err)
 	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
 	defer srv.Close()

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"bufio"
@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/web"
 )
 
 // Helpers of the event-stream tests: seeded events, a handler, and response writers that stall
@@ -74,16 +75,16 @@ FROM generate_series(1, 2) g`, project)
 }
 
 // newSSE builds a stream handler over pool serving projects.
-func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*outbox.SSEOptions)) *outbox.SSEHandler {
+func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*web.SSEOptions)) *web.SSEHandler {
 	t.Helper()
 	// A client goroutine of a test on a busy machine may not read for seconds: only the tests
 	// of stalled clients (which set their own) may see a write time out.
-	opts := outbox.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond,
+	opts := web.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond,
 		WriteTimeout: waitLimit}
 	if tweak != nil {
 		tweak(&opts)
 	}
-	h, err := outbox.NewSSEHandler(opts)
+	h, err := web.NewSSEHandler(opts)
 	require.NoError(t, err)
 	t.Cleanup(h.Close)
 	return h

@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"fusion/outbox"
 )
 
 // Writing to one event-stream client: catching it up from the ring or the outbox, resets, the
@@ -97,7 +99,7 @@ func (h *SSEHandler) appendFrames(c *sseClient, i int, frames []sseFrame, fromOu
 		if f.seq <= c.replayTo[i] {
 			replayed++
 		}
-		b = appendStreamFrame(b, StreamFrame{ID: string(id), Type: EventTypeTaskDeleted, Data: f.data})
+		b = appendStreamFrame(b, StreamFrame{ID: string(id), Type: outbox.EventTypeTaskDeleted, Data: f.data})
 	}
 	if fromOutbox {
 		h.stats.replayedOutbox.Add(int64(replayed))

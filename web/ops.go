@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"crypto/hmac"
@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"fusion/outbox"
 )
 
 // The operations page: what an on-call engineer who would rather look than read wants to see,
@@ -73,7 +75,7 @@ type OpsOptions struct {
 	// serves TLS. Set it for every deployment a browser reaches over HTTPS.
 	BehindTLS bool
 	// Filter narrows the page to one project or consumer. Defaults to everything.
-	Filter StatusFilter
+	Filter outbox.StatusFilter
 	// Refresh is how often the page reloads its consumer tables when the live feed is quiet
 	// (or absent). Defaults to 5s; 1s to 1h. While the feed shows events the page also
 	// reloads them after each, at most once a second, so that the tables keep up with it.
@@ -110,7 +112,7 @@ const (
 const csrfCookie = "outbox_ops_csrf"
 
 type opsHandler struct {
-	admin  *Admin
+	admin  *outbox.Admin
 	opts   OpsOptions
 	log    *zap.Logger
 	static http.Handler
@@ -124,9 +126,9 @@ type opsHandler struct {
 //
 // It serves the page at its root, a fragment the page refreshes, its script and stylesheet,
 // and (with AuthorizeAction) the POST endpoints of replay and retire, which go through the
-// audited Admin calls. Posts are refused unless they come from the page itself: same origin
+// audited outbox.Admin calls. Posts are refused unless they come from the page itself: same origin
 // (Sec-Fetch-Site or Origin) and a token bound to a cookie of the page.
-func OpsHandler(admin *Admin, opts OpsOptions) (http.Handler, error) {
+func OpsHandler(admin *outbox.Admin, opts OpsOptions) (http.Handler, error) {
 	if opts.Refresh == 0 {
 		opts.Refresh = 5 * time.Second
 	}
@@ -217,7 +219,7 @@ type opsProject struct {
 
 type opsConsumerLetters struct {
 	ConsumerID string
-	Letters    []DeadLetter
+	Letters    []outbox.DeadLetter
 }
 
 type opsFlash struct {
@@ -234,13 +236,13 @@ func (h *opsHandler) fragment(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string) {
-	v := opsView{Now: time.Now().UTC(), SchemaVersion: SchemaVersion, Actions: h.opts.AuthorizeAction != nil,
+	v := opsView{Now: time.Now().UTC(), SchemaVersion: outbox.SchemaVersion, Actions: h.opts.AuthorizeAction != nil,
 		EventsURL: h.opts.EventsURL, RefreshMillis: h.opts.Refresh.Milliseconds(), Flash: flashFrom(r.URL.Query())}
 	if v.Actions {
 		v.CSRF = h.token(h.cookie(w, r))
 	}
 	projects, err := h.load(r)
-	var partial *ProjectErrors
+	var partial *outbox.ProjectErrors
 	switch {
 	case errors.As(err, &partial):
 		// One project's unreadable rows cost only that project: the others are shown.
@@ -263,10 +265,10 @@ func (h *opsHandler) render(w http.ResponseWriter, r *http.Request, name string)
 
 // load reads the status and the dead letters of the projects r may see and groups them per
 // project and consumer. When some projects' status cannot be read it returns the others with a
-// *ProjectErrors naming the unreadable ones r may see.
+// *outbox.ProjectErrors naming the unreadable ones r may see.
 func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 	status, statusErr := h.admin.Status(r.Context(), h.opts.Filter)
-	var partial *ProjectErrors
+	var partial *outbox.ProjectErrors
 	if statusErr != nil && !errors.As(statusErr, &partial) {
 		return nil, statusErr
 	}
@@ -288,7 +290,7 @@ func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 		return ok
 	}
 	if partial != nil {
-		visible := &ProjectErrors{Op: partial.Op, Failed: map[string]error{}}
+		visible := &outbox.ProjectErrors{Op: partial.Op, Failed: map[string]error{}}
 		for p, err := range partial.Failed {
 			if allow(p) {
 				visible.Failed[p] = err
@@ -311,7 +313,7 @@ func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 		return &out[i]
 	}
 	type key struct{ project, consumer string }
-	byConsumer := map[key][]DeadLetter{}
+	byConsumer := map[key][]outbox.DeadLetter{}
 	for _, d := range letters {
 		if !allow(d.ProjectID) {
 			continue
@@ -320,7 +322,7 @@ func (h *opsHandler) load(r *http.Request) ([]opsProject, error) {
 	}
 	// Ages are judged on the clock the status was read on: the database's, shifted as the
 	// Admin's clock shifts it.
-	now := time.Now().Add(h.admin.clock.Offset())
+	now := h.admin.Now()
 	for _, s := range status {
 		if !allow(s.ProjectID) {
 			continue
@@ -423,14 +425,14 @@ func (h *opsHandler) act(kind string) http.HandlerFunc {
 			return
 		}
 		// The audit names whom the host says is signed in, never what a form says.
-		op := Operator{Actor: actor, Reason: a.Reason}
+		op := outbox.Operator{Actor: actor, Reason: a.Reason}
 		q := url.Values{"action": {kind}, "project": {a.ProjectID}, "consumer": {a.ConsumerID}}
 		switch kind {
 		case OpsReplay:
 			q.Set("sequence", strconv.FormatInt(a.Sequence, 10))
-			_, err = h.admin.RequestReplay(r.Context(), ReplayRequest{ProjectID: a.ProjectID, ConsumerID: a.ConsumerID, Sequence: a.Sequence, Operator: op})
+			_, err = h.admin.RequestReplay(r.Context(), outbox.ReplayRequest{ProjectID: a.ProjectID, ConsumerID: a.ConsumerID, Sequence: a.Sequence, Operator: op})
 		case OpsRetire:
-			_, err = h.admin.RetireConsumer(r.Context(), RetireRequest{ConsumerID: a.ConsumerID, ProjectID: a.ProjectID, Operator: op})
+			_, err = h.admin.RetireConsumer(r.Context(), outbox.RetireRequest{ConsumerID: a.ConsumerID, ProjectID: a.ProjectID, Operator: op})
 		}
 		q.Set("outcome", outcomeOf(err))
 		if o := outcomeOf(err); o == "error" || o == "invalid-actor" {
@@ -452,15 +454,15 @@ func (h *opsHandler) act(kind string) http.HandlerFunc {
 // outcomeOf is an action's outcome as a code: the redirect carries codes, never error text,
 // so that a crafted link cannot put words on the page.
 func outcomeOf(err error) string {
-	var verr *ValidationError
+	var verr *outbox.ValidationError
 	switch {
 	case err == nil:
 		return "done"
 	case errors.As(err, &verr):
 		return "invalid-" + formField(verr.Field)
-	case errors.Is(err, ErrNotDeadLetter):
+	case errors.Is(err, outbox.ErrNotDeadLetter):
 		return "not-dead-letter"
-	case errors.Is(err, ErrUnknownConsumer):
+	case errors.Is(err, outbox.ErrUnknownConsumer):
 		return "unknown-consumer"
 	}
 	return "error"
@@ -470,8 +472,10 @@ func outcomeOf(err error) string {
 func flashFrom(q url.Values) *opsFlash {
 	action, outcome := q.Get("action"), q.Get("outcome")
 	project, consumer := q.Get("project"), q.Get("consumer")
-	if (action != OpsReplay && action != OpsRetire) || outcome == "" || checkID("project", project) != nil && project != "" ||
-		checkID("consumer", consumer) != nil {
+	// The identifier rules (the project's, whose length limit a consumer's only narrows): a
+	// flash names nothing else.
+	if (action != OpsReplay && action != OpsRetire) || outcome == "" || outbox.ValidateProjectID(project) != nil && project != "" ||
+		outbox.ValidateProjectID(consumer) != nil {
 		return nil
 	}
 	what := "retire " + consumer
@@ -528,7 +532,7 @@ func opsWhen(t *time.Time) string {
 	return t.UTC().Format(layout) + " (" + rel + ")"
 }
 
-// formField is the form's name for a field a ValidationError names by its Go path
+// formField is the form's name for a field an outbox.ValidationError names by its Go path
 // ("Operator.Actor" is the form's "actor").
 func formField(goPath string) string {
 	if i := strings.LastIndexByte(goPath, '.'); i >= 0 {

@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"context"
@@ -14,13 +14,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/web"
 )
 
 func TestListenUnix(t *testing.T) {
 	t.Parallel()
 	dir := shortTempDir(t)
 	path := filepath.Join(dir, "parent.sock")
-	ln, err := outbox.ListenUnix(path)
+	ln, err := web.ListenUnix(path)
 	require.NoError(t, err)
 	fi, err := os.Lstat(path)
 	require.NoError(t, err)
@@ -29,14 +30,14 @@ func TestListenUnix(t *testing.T) {
 	require.Equal(t, path, ln.Addr().String())
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "hello") })}
 	go func() { _ = srv.Serve(ln) }()
-	resp, err := outbox.UnixSocketClient(path).Get("http://any-host/whatever")
+	resp, err := web.UnixSocketClient(path).Get("http://any-host/whatever")
 	require.NoError(t, err)
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	require.Equal(t, "hello", string(body), "the client dials the socket whatever the URL's host")
 
 	// A socket that is served is not taken over.
-	_, err = outbox.ListenUnix(path)
+	_, err = web.ListenUnix(path)
 	require.ErrorContains(t, err, "another process is listening")
 	require.NoError(t, srv.Close())
 	_, err = os.Lstat(path)
@@ -50,7 +51,7 @@ func TestListenUnix(t *testing.T) {
 	fi, err = os.Lstat(path)
 	require.NoError(t, err, "the stale socket file is there")
 	require.NotZero(t, fi.Mode()&os.ModeSocket)
-	ln, err = outbox.ListenUnix(path)
+	ln, err = web.ListenUnix(path)
 	require.NoError(t, err, "a stale socket is replaced")
 	fi, err = os.Lstat(path)
 	require.NoError(t, err)
@@ -60,15 +61,15 @@ func TestListenUnix(t *testing.T) {
 	// Anything else at the path is refused and left alone.
 	file := filepath.Join(dir, "not-a-socket")
 	require.NoError(t, os.WriteFile(file, []byte("keep me"), 0o644))
-	_, err = outbox.ListenUnix(file)
+	_, err = web.ListenUnix(file)
 	require.ErrorContains(t, err, "not a socket")
 	b, err := os.ReadFile(file)
 	require.NoError(t, err)
 	require.Equal(t, "keep me", string(b), "the file is intact")
-	_, err = outbox.ListenUnix(dir)
+	_, err = web.ListenUnix(dir)
 	require.ErrorContains(t, err, "not a socket")
 
-	_, err = outbox.ListenUnix(filepath.Join(dir, strings.Repeat("x", 120)))
+	_, err = web.ListenUnix(filepath.Join(dir, strings.Repeat("x", 120)))
 	require.ErrorContains(t, err, "too long")
 
 	entries, err := os.ReadDir(dir)
@@ -81,19 +82,19 @@ func TestFilePositions(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "position")
-	positions := outbox.FilePositions(path)
+	positions := web.FilePositions(path)
 	got, err := positions.Load(ctx)
 	require.NoError(t, err)
 	require.Empty(t, got, "nothing handled yet")
 
-	for _, pos := range []string{"1.82f7302c.3.7", "1.82f7302c.4.7", strings.Repeat("9", outbox.MaxStreamPosition)} {
+	for _, pos := range []string{"1.82f7302c.3.7", "1.82f7302c.4.7", strings.Repeat("9", web.MaxStreamPosition)} {
 		require.NoError(t, positions.Save(ctx, pos))
 		got, err = positions.Load(ctx)
 		require.NoError(t, err)
 		require.Equal(t, pos, got)
 	}
 	require.NoError(t, positions.Save(ctx, "1.82f7302c.5.7"))
-	for _, bad := range []string{strings.Repeat("9", outbox.MaxStreamPosition+1), "1.a\n", "1.a\r", "1\x00", "1\x7f", "\xff", "1.\u0085"} {
+	for _, bad := range []string{strings.Repeat("9", web.MaxStreamPosition+1), "1.a\n", "1.a\r", "1\x00", "1\x7f", "\xff", "1.\u0085"} {
 		err := positions.Save(ctx, bad)
 		var verr *outbox.ValidationError
 		require.ErrorAs(t, err, &verr, "%.20q", bad)
@@ -113,12 +114,12 @@ func TestFilePositions(t *testing.T) {
 	require.NoError(t, os.WriteFile(path, []byte("1.82f7302c.5.7\n"), 0o600))
 	_, err = positions.Load(ctx)
 	require.ErrorContains(t, err, "control character")
-	require.NoError(t, os.WriteFile(path, []byte(strings.Repeat("9", outbox.MaxStreamPosition+1)), 0o600))
+	require.NoError(t, os.WriteFile(path, []byte(strings.Repeat("9", web.MaxStreamPosition+1)), 0o600))
 	_, err = positions.Load(ctx)
 	require.ErrorContains(t, err, "longer than")
 
 	// A directory that is not there: Save fails and leaves nothing.
-	require.Error(t, outbox.FilePositions(filepath.Join(dir, "missing", "position")).Save(ctx, "1.a.1"))
+	require.Error(t, web.FilePositions(filepath.Join(dir, "missing", "position")).Save(ctx, "1.a.1"))
 }
 
 // shortTempDir is a temporary directory with a short path: a socket's path is limited to 107

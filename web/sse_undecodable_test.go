@@ -1,4 +1,4 @@
-package outbox_test
+package web_test
 
 import (
 	"fmt"

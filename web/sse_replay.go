@@ -1,4 +1,4 @@
-package outbox
+package web
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgtype"
 	"golang.org/x/sync/singleflight"
+
+	"fusion/outbox"
 )
 
 // The event stream replays what a reconnecting client missed from its in-memory ring and,
@@ -79,7 +81,7 @@ type pageKey struct {
 
 // outboxReplay reads the retained outbox for the event stream.
 type outboxReplay struct {
-	db    DBTX
+	db    outbox.DBTX
 	group singleflight.Group
 
 	mu    sync.Mutex
@@ -90,7 +92,7 @@ type outboxReplay struct {
 	headReads atomic.Int64
 }
 
-func newOutboxReplay(db DBTX) *outboxReplay {
+func newOutboxReplay(db outbox.DBTX) *outboxReplay {
 	return &outboxReplay{db: db, pages: map[pageKey]*replayPage{}}
 }
 
@@ -183,7 +185,6 @@ func (o *outboxReplay) readPage(ctx context.Context, key pageKey) (*replayPage, 
 	defer rows.Close()
 	p := &replayPage{}
 	var head int64
-	var checks rowChecks
 	for rows.Next() {
 		var (
 			seq, version          *int64
@@ -198,15 +199,15 @@ func (o *outboxReplay) readPage(ctx context.Context, key pageKey) (*replayPage, 
 		if seq == nil {
 			continue // the project has a head but no event in this page
 		}
-		ev := Event{ProjectID: key.project, Sequence: *seq, EventType: *typ, TaskID: *task, DeletedAt: deletedAt.Time,
+		ev := outbox.Event{ProjectID: key.project, Sequence: *seq, EventType: *typ, TaskID: *task, DeletedAt: deletedAt.Time,
 			PriorColumn: *prior, Archived: *archived, WriterProcessID: *writer, OccurredAt: occurredAt.Time, PayloadVersion: int(*version)}
-		if checks.check(&ev, deletedAt, occurredAt) != nil {
+		if outbox.CheckStoredEvent(ev, deletedAt, occurredAt) != nil {
 			// A row the consumer parks as undecodable (written before the database checked
 			// rows): the stream moves past it without sending it, as the consumer does.
 			p.frames = append(p.frames, sseFrame{seq: ev.Sequence})
 			continue
 		}
-		ev.EventID = TaskDeletedEventID(ev.TaskID, ev.DeletedAt)
+		ev.EventID = outbox.TaskDeletedEventID(ev.TaskID, ev.DeletedAt)
 		f, err := newFrame(ev)
 		if err != nil {
 			return nil, err
@@ -259,11 +260,11 @@ type sseFrame struct {
 // same whether the event came live from the consumer or was replayed from the outbox, so a
 // page can compare frames byte for byte.
 type ssePayload struct {
-	Event
+	outbox.Event
 	Observed bool `json:"observed"`
 }
 
-func newFrame(ev Event) (sseFrame, error) {
+func newFrame(ev outbox.Event) (sseFrame, error) {
 	ev.DeletedAt, ev.OccurredAt = ev.DeletedAt.UTC(), ev.OccurredAt.UTC()
 	data, err := json.Marshal(ssePayload{Event: ev, Observed: true})
 	if err != nil {
