@@ -59,30 +59,21 @@ type scanLoop struct {
 	// consumer ticks once per PollInterval anyway.
 	elected func() bool
 	tickNow func()
-	// rest, when set (by tests), is called each time the loop waits with nothing armed but the
-	// poll interval: what one poll costs is the scans between two rests.
+	// rest, when set (by tests), is called each time the loop waits with nothing due but the
+	// poll (schedule.resting): what one poll costs is the scans between two rests.
 	rest func()
 }
 
 // run scans on a notification (the notified projects), on the poll interval (every project),
 // when a blocked retry falls due (on the injected clock), and soon after a step failed. It
 // hands events over through one dispatcher session it owns; abandon is closed when the
-// consumer's stop cannot wait for a listener in flight.
+// consumer's stop cannot wait for a listener in flight. Between scans it waits for what its
+// schedule says is due next, a notification, or the stop.
 func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	s := l.dispatch.session(ctx, l.cfg.ListenerTimeout, abandon)
 	defer s.close()
 	s.trace, s.metrics = l.trace, l.metrics
-	poll := time.NewTimer(0)
-	defer poll.Stop()
-	resetPoll := func(d time.Duration) {
-		if !poll.Stop() {
-			select {
-			case <-poll.C:
-			default:
-			}
-		}
-		poll.Reset(d)
-	}
+	sched := schedule{pollInterval: l.cfg.PollInterval, followUpInterval: l.cfg.FollowUpInterval}
 	full := true
 	wakes := newWakeLimiter(l.cfg.WakeInterval)
 	busy := followUps{interval: l.cfg.FollowUpInterval, window: l.cfg.FollowUpWindow, last: map[string]time.Time{}}
@@ -121,108 +112,49 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 		if ctx.Err() != nil {
 			return
 		}
-		switch {
-		case failed:
-			resetPoll(min(l.cfg.PollInterval, time.Second))
-		case full:
-			resetPoll(l.cfg.PollInterval)
-		}
+		now := time.Now()
+		sched.scanned(now, full, failed)
 		full = false
 
+		sched.retryAt, _ = l.streams.earliestRetry()
+		sched.deferredAt, _ = wakes.next()
+		sched.followUps = busy.pending(now)
+		sched.ackAt, _ = l.streams.ackDeadline(l.cfg.AckInterval)
+		at, why := sched.next(now)
+		wake := time.NewTimer(at.Sub(now))
 		var retry Timer
 		var retryC <-chan time.Time
-		if at, ok := l.streams.earliestRetry(); ok {
-			wait := at.Sub(shiftedNow(l.cfg.Clock))
+		if wait, ok := sched.retryIn(shiftedNow(l.cfg.Clock)); ok {
 			retry = l.cfg.Clock.NewTimer(wait) // fires at once when the retry is already due
 			retryC = retry.C()
 		}
-		var held *time.Timer
-		var heldC <-chan time.Time
-		if at, ok := wakes.next(); ok {
-			held = time.NewTimer(time.Until(at)) // notifications held back by the wake interval
-			heldC = held.C
-		}
-		var next *time.Timer
-		var nextC <-chan time.Time
-		if busy.pending(time.Now()) {
-			next = time.NewTimer(busy.interval) // a busy project's follow-up scan
-			nextC = next.C
-		}
-		var ackT *time.Timer
-		var ackC <-chan time.Time
-		if at, ok := l.streams.ackDeadline(l.cfg.AckInterval); ok {
-			ackT = time.NewTimer(time.Until(at)) // a cursor write falls due
-			ackC = ackT.C
-		}
-		if l.rest != nil && retry == nil && held == nil && next == nil && ackT == nil {
+		if l.rest != nil && sched.resting() {
 			l.rest()
 		}
 		select {
 		case <-ctx.Done():
-		case <-poll.C:
-			full = true
 		case <-l.scans.wake:
-		case <-heldC:
-		case <-nextC:
-			followUp = true
+		case <-wake.C:
+			switch why {
+			case wakePoll:
+				full = true
+			case wakeFollowUp:
+				followUp = true
+			case wakeAck:
+				l.acks.await()
+				l.acks.start(ctx, l.streams.dueAcks(time.Now(), l.cfg.BatchSize, l.cfg.AckInterval)...)
+			case wakeDeferred: // the next admit lets them through
+			}
 		case <-retryC:
 			full = true
-		case <-ackC:
-			l.acks.await()
-			l.acks.start(ctx, l.streams.dueAcks(time.Now(), l.cfg.BatchSize, l.cfg.AckInterval)...)
 		}
-		if ackT != nil {
-			ackT.Stop()
-		}
+		wake.Stop()
 		if retry != nil {
 			retry.Stop()
-		}
-		if held != nil {
-			held.Stop()
-		}
-		if next != nil {
-			next.Stop()
 		}
 		if ctx.Err() != nil {
 			return
 		}
-	}
-}
-
-// followUps are the projects being scanned again every interval because a scan of theirs
-// made progress within window: under load the writers stay quiet (NotifyGap), and their events
-// are found by these scans. Only the loop goroutine uses it.
-type followUps struct {
-	interval, window time.Duration
-	last             map[string]time.Time // when a scan of each busy project last made progress
-}
-
-// record notes which of the scanned projects (every project when scanned is nil) made progress.
-func (f *followUps) record(states streams, scanned map[string]struct{}, now time.Time) {
-	if f.window <= 0 {
-		return
-	}
-	for p, st := range states {
-		if _, ok := scanned[p]; (scanned == nil || ok) && st.progressed {
-			f.last[p] = now
-		}
-	}
-}
-
-// pending reports whether a follow-up scan is due, forgetting projects quiet for a window.
-func (f *followUps) pending(now time.Time) bool {
-	for p, at := range f.last {
-		if now.Sub(at) > f.window {
-			delete(f.last, p)
-		}
-	}
-	return len(f.last) > 0
-}
-
-// add puts every busy project into scan.
-func (f *followUps) add(scan map[string]struct{}) {
-	for p := range f.last {
-		scan[p] = struct{}{}
 	}
 }
 
