@@ -129,7 +129,7 @@ type Config struct {
 	// of a project found nothing to do, further notifications for it within WakeInterval are
 	// coalesced into one scan when the interval has passed, so a flood of NOTIFYs (any role can
 	// send them) costs at most one empty scan per project per WakeInterval; a notified scan
-	// that found events does not hold the next back. Defaults to 10ms; between 1ms and
+	// that found events does not defer the next one. Defaults to 10ms; between 1ms and
 	// PollInterval.
 	WakeInterval time.Duration `yaml:"wake_interval" json:"wake_interval"`
 

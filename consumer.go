@@ -110,7 +110,7 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 		table: leaseTable{held: map[string]lease{}}}
 	loop := &scanLoop{
 		id: opts.ID, pool: opts.Pool, cfg: cfg, log: log, metrics: opts.Metrics, trace: newTracing(cfg.TracerProvider),
-		dispatch: opts.Dispatcher, leases: leases, scans: scans, stats: st, state: map[string]*streamState{},
+		dispatch: opts.Dispatcher, leases: leases, scans: scans, stats: st, streams: streams{},
 		store: &deliveryStore{id: opts.ID, cfg: cfg, audit: opts.Audit},
 		recon: &reconciler{id: opts.ID, pool: opts.Pool, cfg: cfg, cache: opts.Cache, live: opts.LiveTasks},
 		reads: &readSource{cfg: cfg, id: opts.ID, log: log, metrics: opts.Metrics, stats: st},
@@ -242,7 +242,7 @@ func (c *Consumer) Done() <-chan struct{} { return c.lifecycle.Done() }
 func (c *Consumer) shutdown() {
 	ctx := c.lifecycle.StopContext()
 	c.loop.acks.await()
-	c.loop.acks.flush(ctx, c.loop.pendingAcks())
+	c.loop.acks.flush(ctx, c.loop.streams.pendingAcks())
 	c.leases.release(ctx)
 	c.loop.reads.close()
 	c.metrics.unwatch(c.status)

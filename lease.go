@@ -529,7 +529,7 @@ func (k *leaseKeeper) follow(ctx context.Context) error {
 
 // reclaim makes the leases of projects observed again before the loop released them free to
 // take: it releases them itself (their cursors keep what was acknowledged; what this instance
-// delivered beyond is suppressed when it comes again, see streamState.delivered), and waits for
+// delivered beyond is suppressed when it comes again, see stream.delivered), and waits for
 // a release the loop has in progress, which may hold some of them.
 func (k *leaseKeeper) reclaim(ctx context.Context, missing []string) error {
 	reclaimed, releasing := k.table.reclaim(missing)

@@ -8,20 +8,20 @@ import (
 	"go.uber.org/zap"
 )
 
-// What the scan loop knows of its open deliveries (streamState.open), and when it reads them
+// What the scan loop knows of its open deliveries (stream.open), and when it reads them
 // again. A consumer's open deliveries in a project (its head-of-line retry, the replays an
 // operator asked for) change only when:
 //   - this instance writes one (a failure recorded, a retry resolved, a dead letter parked, a
 //     replay resolved): it records what it wrote in the same step, or, when the write's outcome
-//     is unknown, reads them again on its next scan (streamState.forgetOpen);
+//     is unknown, reads them again on its next scan (stream.forgetOpen);
 //   - it gains the project's lease: another process of the identity may have written some
-//     while it held the lease (syncStates);
+//     while it held the lease (streams.sync);
 //   - an operator asks for a replay: Admin.RequestReplay sends a hint on Config.TickChannel
 //     once its request committed, and the consumer it names reads the project's open
 //     deliveries on its next scan of it (listen.go). A hint only causes that read; a forged
 //     one costs one. A lost hint (the consumer was not listening, the operator's Admin was
 //     given another channel, a pooler without ListenDSN) costs at most TickFallbackInterval:
-//     a full scan reads every held project's open deliveries again once that has passed since
+//     a full scan reads every leased project's open deliveries again once that has passed since
 //     the last such read, on the consumer's clock. A reconnected LISTEN connection has them
 //     read at once.
 //
@@ -30,61 +30,15 @@ import (
 // reading from a standby) rather than K more reads of deliveries. A retry's due time is in
 // what was read (delivery.dueAt); the loop arms its timer from it.
 
-// markStale has the streams of stale (every stream for "") read their open deliveries again
-// when next scanned.
-func (l *scanLoop) markStale(stale map[string]struct{}) {
-	if _, all := stale[""]; all {
-		for _, st := range l.state {
-			st.forgetOpen()
-		}
-		return
-	}
-	for p := range stale {
-		if st := l.state[p]; st != nil {
-			st.forgetOpen()
-		}
-	}
-}
-
-// openToRead lists the projects of held whose open deliveries the scan must read: every one on
-// a full scan once TickFallbackInterval has passed since they were last all read, else those
+// openToRead lists the projects of leased whose open deliveries the scan must read: every one
+// on a full scan once TickFallbackInterval has passed since they were last all read, else those
 // not known.
-func (l *scanLoop) openToRead(held []string, full bool) []string {
+func (l *scanLoop) openToRead(leased []string, full bool) []string {
 	if now := shiftedNow(l.cfg.Clock); full && !now.Before(l.openReadAt.Add(l.cfg.TickFallbackInterval)) {
 		l.openReadAt = now
-		return held
+		return leased
 	}
-	var out []string
-	for _, p := range held {
-		if !l.state[p].openKnown {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
-// takeOpen records what a read of the open deliveries of projects returned: each project it
-// read is known from now on. A project that failed (named by a *ProjectErrors, or all of them
-// on any other error) is unknown until a read of it succeeds, and the scan skips it
-// (skipFailedOf).
-func (l *scanLoop) takeOpen(projects []string, read map[string][]delivery, err error) {
-	if len(projects) == 0 {
-		return
-	}
-	l.stats.openReads.Add(1)
-	var pe *ProjectErrors
-	all := err != nil && !errors.As(err, &pe)
-	for _, p := range projects {
-		st := l.state[p]
-		if st == nil {
-			continue
-		}
-		if all || pe.names(p) {
-			st.forgetOpen()
-			continue
-		}
-		st.open, st.openKnown = read[p], true
-	}
+	return l.streams.openUnknown(leased)
 }
 
 // skipFailedOf is skipFailed for a step that ran over only some of the projects (of): an error

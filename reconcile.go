@@ -53,7 +53,7 @@ func (r *reconciler) rebuilds() bool { return r.cache != nil && r.live != nil }
 // the cursor at the head. The head and the live tasks come from one REPEATABLE READ snapshot:
 // a delete committed before it is absent from the live set and sequenced at or below the head
 // or later; a delete committed after it is sequenced above the head and delivered normally.
-func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason ReconcileReason) (err error) {
+func (l *scanLoop) reconcile(ctx context.Context, st *stream, reason ReconcileReason) (err error) {
 	ctx, span := l.trace.start(ctx, spanReconcile, semconv.MessagingDestinationName(st.project),
 		semconv.MessagingConsumerGroupName(string(l.id)), attrReason.String(string(reason)))
 	defer func() { endSpan(span, err) }()
@@ -85,14 +85,8 @@ func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason Reconc
 		st.forgetOpen()
 		return fmt.Errorf("reconcile: %w", err)
 	}
-	st.supersedeOpen(head)
 	previous := st.acked
-	// Every in-memory position restarts at the head: sequences above it are new events even
-	// if this instance delivered events under those numbers before (a database restored to an
-	// older head reuses them).
-	st.acked, st.position, st.delivered, st.deliveredID, st.checkDelivered = head, head, head, "", false
-	st.keyAt = -1
-	st.blocked = false
+	st.reconciled(head)
 	l.stats.reconciliations.Add(1)
 	l.metrics.reconciled(st.project, string(l.id), string(reason))
 	fields := []zap.Field{zap.String("project_id", st.project), zap.String("reason", string(reason)),
@@ -103,17 +97,6 @@ func (l *scanLoop) reconcile(ctx context.Context, st *streamState, reason Reconc
 		l.log.Info("reconciled", fields...)
 	}
 	return nil
-}
-
-// supersedeOpen forgets the retries at or below head, which restartCursorTx resolved.
-func (st *streamState) supersedeOpen(head int64) {
-	out := make([]delivery, 0, len(st.open))
-	for _, d := range st.open {
-		if d.state != DeliveryRetrying || d.sequence > head {
-			out = append(out, d)
-		}
-	}
-	st.open = out
 }
 
 // restartCursorTx moves the cursor to head, records why, and resolves the retries it

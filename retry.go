@@ -15,7 +15,7 @@ import (
 
 // recordFailure persists one failed attempt of ev, parking it when the attempts are spent; it
 // reports whether it parked (and so moved the cursor past ev).
-func (l *scanLoop) recordFailure(ctx context.Context, st *streamState, ev Event, class FailureClass) (parked bool, err error) {
+func (l *scanLoop) recordFailure(ctx context.Context, st *stream, ev Event, class FailureClass) (parked bool, err error) {
 	l.stats.failures.Add(1)
 	l.metrics.failure(st.project, string(l.id), class)
 	var attempts int
@@ -34,13 +34,12 @@ func (l *scanLoop) recordFailure(ctx context.Context, st *streamState, ev Event,
 		delay := l.cfg.retryDelay(attempts)
 		// The row falls due at next_attempt_at, the database's now() at the write plus delay:
 		// no later than this instance's clock now plus delay, which is when it retries.
-		st.blocked, st.retryAt = true, shiftedNow(l.cfg.Clock).Add(delay)
-		st.putOpen(delivery{sequence: ev.Sequence, eventID: ev.EventID, state: DeliveryRetrying, attempts: attempts, dueAt: st.retryAt})
+		st.retryLater(delivery{sequence: ev.Sequence, eventID: ev.EventID, state: DeliveryRetrying, attempts: attempts,
+			dueAt: shiftedNow(l.cfg.Clock).Add(delay)})
 		l.log.Warn("delivery failed; the stream waits for the retry", append(fields, zap.Duration("retry_in", delay))...)
 		return false, nil
 	}
-	st.acked, st.position = ev.Sequence, ev.Sequence
-	st.closeOpen(ev.Sequence)
+	st.parked(ev.Sequence)
 	if class != FailureUndecodableEvent {
 		l.dispatch.applyToCache(ctx, ev)
 	}
@@ -53,7 +52,7 @@ func (l *scanLoop) recordFailure(ctx context.Context, st *streamState, ev Event,
 // parkUndecodable parks a row that cannot be delivered as a dead letter of its own class, with
 // the consumer-poisoned audit row, and moves the cursor past it in the same fenced
 // transaction. Its task is left in the cache: what the row names cannot be trusted.
-func (l *scanLoop) parkUndecodable(ctx context.Context, st *streamState, row storedEvent) (bool, error) {
+func (l *scanLoop) parkUndecodable(ctx context.Context, st *stream, row storedEvent) (bool, error) {
 	l.log.Error("event cannot be decoded; parking it as a dead letter", zap.String("project_id", st.project),
 		zap.Int64("sequence", row.Sequence), zap.String("event_id", row.EventID), zap.Error(row.bad))
 	l.metrics.observeDispatch(st.project, string(l.id), Failed, 0)
@@ -61,7 +60,7 @@ func (l *scanLoop) parkUndecodable(ctx context.Context, st *streamState, row sto
 }
 
 // resolveRetried closes a retried event's delivery row and acknowledges it in one transaction.
-func (l *scanLoop) resolveRetried(ctx context.Context, st *streamState, ev Event) error {
+func (l *scanLoop) resolveRetried(ctx context.Context, st *stream, ev Event) error {
 	err := l.leases.fencedTx(ctx, st.project, st.epoch, func(tx pgx.Tx) error {
 		return l.store.resolveRetriedTx(ctx, tx, st.project, ev.Sequence)
 	})
@@ -69,8 +68,7 @@ func (l *scanLoop) resolveRetried(ctx context.Context, st *streamState, ev Event
 		st.forgetOpen()
 		return fmt.Errorf("resolve retried delivery: %w", err)
 	}
-	st.acked = ev.Sequence
-	st.closeOpen(ev.Sequence)
+	st.resolved(ev.Sequence)
 	l.log.Info("retried delivery succeeded", zap.String("project_id", st.project), zap.Int64("sequence", ev.Sequence), zap.String("event_id", ev.EventID))
 	return nil
 }
@@ -78,7 +76,7 @@ func (l *scanLoop) resolveRetried(ctx context.Context, st *streamState, ev Event
 // replay re-dispatches a dead letter an operator asked to replay. Only the consumer that owns
 // the delivery row sees it; success resolves it with a consumer-replayed audit row, failure
 // puts it back to dead with its count.
-func (l *scanLoop) replay(ctx context.Context, s *session, st *streamState, d delivery) error {
+func (l *scanLoop) replay(ctx context.Context, s *session, st *stream, d delivery) error {
 	row, ok, err := readEventAt(ctx, l.pool, st.project, d.sequence)
 	if err != nil {
 		return fmt.Errorf("read replayed event: %w", err)
@@ -137,7 +135,7 @@ func (l *scanLoop) replay(ctx context.Context, s *session, st *streamState, d de
 // closedReplay records the outcome of the write that closed the replay request d (resolved it,
 // or put it back to dead): it is no longer open, or, when the write failed, the stream's open
 // deliveries are read again. It returns err.
-func (l *scanLoop) closedReplay(st *streamState, d delivery, err error) error {
+func (l *scanLoop) closedReplay(st *stream, d delivery, err error) error {
 	if err != nil {
 		st.forgetOpen()
 		return err
