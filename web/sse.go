@@ -63,7 +63,7 @@ func NewSSEHandler(opts SSEOptions) (*SSEHandler, error) {
 	if err := opts.validate(); err != nil {
 		return nil, err
 	}
-	h := &SSEHandler{cfg: opts, log: opts.Logger.Named("outbox.sse"), replay: newOutboxReplay(opts.Pool),
+	h := &SSEHandler{cfg: opts, log: opts.Logger.Named("outbox.sse"), replay: newOutboxReplay(opts.Pool, opts.ReplayReadTimeout),
 		logs: map[string]*projectLog{}}
 	run, err := h.lifecycle.Begin()
 	if err != nil {

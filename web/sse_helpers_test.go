@@ -77,10 +77,11 @@ FROM generate_series(1, 2) g`, project)
 // newSSE builds a stream handler over pool serving projects.
 func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*web.SSEOptions)) *web.SSEHandler {
 	t.Helper()
-	// A client goroutine of a test on a busy machine may not read for seconds: only the tests
-	// of stalled clients (which set their own) may see a write time out.
+	// A client goroutine of a test on a busy machine may not read for seconds, and a shared
+	// replay read of a herd may take more than the default 10s: only the tests of stalled
+	// clients (which set their own) may see a write or a read time out.
 	opts := web.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond,
-		WriteTimeout: waitLimit}
+		WriteTimeout: waitLimit, ReplayReadTimeout: waitLimit}
 	if tweak != nil {
 		tweak(&opts)
 	}

@@ -66,6 +66,10 @@ type SSEOptions struct {
 	// WriteTimeout bounds one write to a client; a client that does not take it in time is
 	// disconnected (and resumes when it reconnects). Defaults to 10s; at least 10ms.
 	WriteTimeout time.Duration
+	// ReplayReadTimeout bounds one read of the outbox that resuming clients share (a page of
+	// events or a project's head); a client whose read fails this way is disconnected and
+	// resumes when it reconnects. Defaults to 10s; at least 10ms.
+	ReplayReadTimeout time.Duration
 	// Retry is the reconnection delay the stream suggests to browsers (the SSE retry field).
 	// Defaults to 2s; 10ms to 1h.
 	Retry  time.Duration
@@ -90,6 +94,7 @@ func (o SSEOptions) withDefaults() SSEOptions {
 	defInt(&o.MaxReplay, max(10000, o.RingSize))
 	def(&o.Heartbeat, 15*time.Second)
 	def(&o.WriteTimeout, 10*time.Second)
+	def(&o.ReplayReadTimeout, 10*time.Second)
 	def(&o.Retry, 2*time.Second)
 	def(&o.ReauthorizeInterval, time.Minute)
 	defInt(&o.MaxReplayReads, 2*(o.MaxReplay/replayPageSize+1))
@@ -137,6 +142,9 @@ func (o SSEOptions) validate() error {
 	}
 	if o.WriteTimeout < 10*time.Millisecond {
 		bad("WriteTimeout", "must be at least 10ms (got %s)", o.WriteTimeout)
+	}
+	if o.ReplayReadTimeout < 10*time.Millisecond {
+		bad("ReplayReadTimeout", "must be at least 10ms (got %s)", o.ReplayReadTimeout)
 	}
 	if o.Retry < 10*time.Millisecond || o.Retry > time.Hour {
 		bad("Retry", "must be between 10ms and 1h (got %s)", o.Retry)

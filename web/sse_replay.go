@@ -29,9 +29,6 @@ const (
 	replayPageSize = 500
 	// replayCachePages is how many pages the cache keeps, about 200 KB each.
 	replayCachePages = 64
-	// replayReadTimeout bounds one shared read: it runs on a context of its own, since the
-	// client that started it may leave while others wait for it.
-	replayReadTimeout = 10 * time.Second
 )
 
 // errBelowFloor means the events a client needs were pruned.
@@ -81,8 +78,11 @@ type pageKey struct {
 
 // outboxReplay reads the retained outbox for the event stream.
 type outboxReplay struct {
-	db    outbox.DBTX
-	group singleflight.Group
+	db outbox.DBTX
+	// timeout bounds one shared read (SSEOptions.ReplayReadTimeout): it runs on a context of
+	// its own, since the client that started it may leave while others wait for it.
+	timeout time.Duration
+	group   singleflight.Group
 
 	mu    sync.Mutex
 	pages map[pageKey]*replayPage
@@ -92,8 +92,8 @@ type outboxReplay struct {
 	headReads atomic.Int64
 }
 
-func newOutboxReplay(db outbox.DBTX) *outboxReplay {
-	return &outboxReplay{db: db, pages: map[pageKey]*replayPage{}}
+func newOutboxReplay(db outbox.DBTX, timeout time.Duration) *outboxReplay {
+	return &outboxReplay{db: db, timeout: timeout, pages: map[pageKey]*replayPage{}}
 }
 
 // head reads a project's last assigned sequence; concurrent callers share one read.
@@ -237,7 +237,7 @@ func (o *outboxReplay) readPage(ctx context.Context, key pageKey) (*replayPage, 
 // outlives any one of them.
 func (o *outboxReplay) shared(ctx context.Context, key string, fn func(context.Context) (any, error)) (any, error) {
 	ch := o.group.DoChan(key, func() (any, error) {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), replayReadTimeout)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), o.timeout)
 		defer cancel()
 		return fn(rctx)
 	})
