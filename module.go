@@ -23,8 +23,9 @@ const (
 // (the pool, optionally per-component pools, the logger, the Config, the settings, cache,
 // live-task, audit and project seams, a Prometheus registerer, a tracer provider, and
 // listeners in the "outbox_listeners" group), and runs it on the fx lifecycle. It provides the
-// *Outbox, the writer, the dispatcher, the consumer runner, the retention sweep (also
-// contributed to the "maintenance" group) and the admin calls.
+// *Outbox (which starts and stops with the fx lifecycle, and says what it decided with State),
+// the writer, the dispatcher, the retention sweep (also contributed to the "maintenance" group)
+// and the admin calls.
 var Module = fx.Module("outbox",
 	fx.Provide(provideWriter, provide),
 	// The composition root must exist for the consumer to start even when nothing else asks
@@ -116,7 +117,6 @@ type Result struct {
 
 	Outbox     *Outbox
 	Dispatcher *Dispatcher
-	Runner     *Runner
 	Retention  *Retention
 	Admin      *Admin
 	// Tasks holds the retention sweep, or nothing when the module is disabled.
@@ -134,6 +134,6 @@ func provide(p Params) (Result, error) {
 	}
 	// Both bounded by fx's stop context: the consumer first, then the writer's wake-ups.
 	p.Lifecycle.Append(fx.Hook{OnStart: o.Start, OnStop: func(ctx context.Context) error { return o.Stop(ctx) }})
-	return Result{Outbox: o, Dispatcher: o.Dispatcher(), Runner: o.Runner(), Retention: o.Retention(), Admin: o.Admin(),
+	return Result{Outbox: o, Dispatcher: o.Dispatcher(), Retention: o.Retention(), Admin: o.Admin(),
 		Tasks: o.MaintenanceTasks()}, nil
 }
