@@ -100,10 +100,25 @@ func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	if pool == nil {
 		return nil, invalid("New.pool", "is nil: New needs the host's pool")
 	}
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(cfg)
+	if err != nil {
 		return nil, err
 	}
+	return build(pool, cfg, deps)
+}
+
+// validConfig is cfg with its defaults applied, validated: what New and the fx module do
+// once, before they build the parts.
+func validConfig(cfg Config) (Config, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return Config{}, err
+	}
+	return cfg, nil
+}
+
+// build is New on a Config validConfig returned.
+func build(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	log := deps.Logger
 	if log == nil {
 		log = zap.NewNop()
