@@ -57,7 +57,7 @@ type Consumer struct {
 	id      ConsumerID // set by identify
 	owner   string     // this instance's lease owner token: per boot, never an identity
 	suffix  string     // the owner token's per-boot part
-	cfg     Config
+	cfg     consumerConfig
 	baseLog *zap.Logger // the consumer's logger before identify names the identity
 	log     *zap.Logger
 	metrics *Metrics
@@ -82,7 +82,7 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	if _, err := ParseConsumerID(string(opts.ID)); err != nil {
 		return nil, &ValidationError{Field: "ConsumerOptions.ID", Reason: err.Error()}
 	}
-	c, err := newConsumer(opts, cfg)
+	c, err := newConsumer(opts, cfg.consumerConfig())
 	if err != nil {
 		return nil, err
 	}
@@ -90,10 +90,10 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	return c, nil
 }
 
-// newConsumer builds a consumer's parts from opts (but for its Config and ID) and cfg, which
-// the caller validated, without an identity: identify gives it, before Start. New builds the
+// newConsumer builds a consumer's parts from opts (but for its Config and ID) and cfg, from a
+// Config the caller validated, without an identity: identify gives it, before Start. New builds the
 // consumer this way before the identity is read from the settings (at Start).
-func newConsumer(opts ConsumerOptions, cfg Config) (*Consumer, error) {
+func newConsumer(opts ConsumerOptions, cfg consumerConfig) (*Consumer, error) {
 	switch {
 	case opts.Pool == nil:
 		return nil, invalid("ConsumerOptions.Pool", "is nil")

@@ -24,7 +24,7 @@ func TestIdentifyReachesEveryPart(t *testing.T) {
 	t.Cleanup(pool.Close)
 	core, logs := observer.New(zap.InfoLevel)
 	c, err := newConsumer(ConsumerOptions{Pool: pool, Projects: StaticProjects{"p"},
-		Dispatcher: NewDispatcher(DispatcherOptions{}), Logger: zap.New(core)}, Config{}.WithDefaults())
+		Dispatcher: NewDispatcher(DispatcherOptions{}), Logger: zap.New(core)}, Config{}.WithDefaults().consumerConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -169,7 +169,7 @@ func build(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 			return nil, err
 		}
 		c, err := newConsumer(ConsumerOptions{Pool: consumerPool, Projects: deps.Projects, Dispatcher: dispatcher,
-			LiveTasks: deps.LiveTasks, Cache: deps.Cache, Audit: audit, Metrics: metrics, Logger: log}, cfg)
+			LiveTasks: deps.LiveTasks, Cache: deps.Cache, Audit: audit, Metrics: metrics, Logger: log}, cfg.consumerConfig())
 		if err != nil {
 			return nil, err
 		}

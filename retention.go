@@ -59,7 +59,7 @@ func (c Config) retentionConfig() retentionConfig {
 		StatementTimeout: c.StatementTimeout, Clock: c.Clock, TracerProvider: c.TracerProvider}
 }
 
-// txOptions are the options of a pruning transaction (see Config.txOptions).
+// txOptions are the options of a pruning transaction (see boundedTx).
 func (c retentionConfig) txOptions(iso pgx.TxIsoLevel, mode pgx.TxAccessMode) pgx.TxOptions {
 	return boundedTx(iso, mode, c.LockTimeout, c.StatementTimeout)
 }
