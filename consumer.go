@@ -72,8 +72,8 @@ type Consumer struct {
 
 // NewConsumer validates opts and builds a consumer. It does not touch the database.
 func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
-	cfg := opts.Config.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(opts.Config)
+	if err != nil {
 		return nil, err
 	}
 	if err := checkPooledDB(cfg, opts.Pool); err != nil {

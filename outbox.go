@@ -107,8 +107,10 @@ func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	return build(pool, cfg, deps)
 }
 
-// validConfig is cfg with its defaults applied, validated: what New and the fx module do
-// once, before they build the parts.
+// validConfig is cfg with its defaults applied, validated: the one place a Config is made
+// ready. New and the fx module call it once, before they build the parts; the constructors
+// that take a Config (NewWriter, NewRetention, NewConsumer) call it for a host that builds
+// the parts one by one.
 func validConfig(cfg Config) (Config, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {

@@ -68,8 +68,8 @@ func (c retentionConfig) txOptions(iso pgx.TxIsoLevel, mode pgx.TxAccessMode) pg
 // host that builds the parts one by one; New builds its sweep from the Config it validated
 // already.
 func NewRetention(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metrics) (*Retention, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(cfg)
+	if err != nil {
 		return nil, err
 	}
 	if err := checkPooledDB(cfg, pool); err != nil {

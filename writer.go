@@ -50,8 +50,8 @@ type Writer struct {
 // builds the parts one by one; New builds its writer from the Config it validated already. db
 // is used only for post-commit notifications and may be nil when cfg.NotifyDisabled is set.
 func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(cfg)
+	if err != nil {
 		return nil, err
 	}
 	if err := checkPooledDB(cfg, db); err != nil {
