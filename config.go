@@ -418,24 +418,9 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// retryDelay is the wait after the given number of failed attempts (1 = the first failure).
-func (c Config) retryDelay(attempts int) time.Duration {
-	if attempts < 1 {
-		attempts = 1
-	}
-	if attempts > len(c.RetrySchedule) {
-		return c.RetrySchedule[len(c.RetrySchedule)-1]
-	}
-	return c.RetrySchedule[attempts-1]
-}
-
-// txOptions are the options of the module's own transactions: the lock and statement timeouts
+// boundedTx are the options of the module's own transactions: the lock and statement timeouts
 // are set in the BEGIN itself with SET LOCAL, so they cost no round trip and end with the
 // transaction (no session state for a pooler to carry to another client).
-func (c Config) txOptions(iso pgx.TxIsoLevel, mode pgx.TxAccessMode) pgx.TxOptions {
-	return boundedTx(iso, mode, c.LockTimeout, c.StatementTimeout)
-}
-
 func boundedTx(iso pgx.TxIsoLevel, mode pgx.TxAccessMode, lock, stmt time.Duration) pgx.TxOptions {
 	begin := "BEGIN"
 	if iso != "" {

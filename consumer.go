@@ -54,9 +54,11 @@ type ConsumerOptions struct {
 type Consumer struct {
 	lifecycle startstop.Base
 
-	id      ConsumerID
-	owner   string // this instance's lease owner token: per boot, never an identity
-	cfg     Config
+	id      ConsumerID // set by identify
+	owner   string     // this instance's lease owner token: per boot, never an identity
+	suffix  string     // the owner token's per-boot part
+	cfg     consumerConfig
+	baseLog *zap.Logger // the consumer's logger before identify names the identity
 	log     *zap.Logger
 	metrics *Metrics
 	status  *statusSource // what the metrics read status through
@@ -70,8 +72,8 @@ type Consumer struct {
 
 // NewConsumer validates opts and builds a consumer. It does not touch the database.
 func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
-	cfg := opts.Config.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(opts.Config)
+	if err != nil {
 		return nil, err
 	}
 	if err := checkPooledDB(cfg, opts.Pool); err != nil {
@@ -80,6 +82,18 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	if _, err := ParseConsumerID(string(opts.ID)); err != nil {
 		return nil, &ValidationError{Field: "ConsumerOptions.ID", Reason: err.Error()}
 	}
+	c, err := newConsumer(opts, cfg.consumerConfig())
+	if err != nil {
+		return nil, err
+	}
+	c.identify(opts.ID)
+	return c, nil
+}
+
+// newConsumer builds a consumer's parts from opts (but for its Config and ID) and cfg, from a
+// Config the caller validated, without an identity: identify gives it, before Start. New builds the
+// consumer this way before the identity is read from the settings (at Start).
+func newConsumer(opts ConsumerOptions, cfg consumerConfig) (*Consumer, error) {
 	switch {
 	case opts.Pool == nil:
 		return nil, invalid("ConsumerOptions.Pool", "is nil")
@@ -101,32 +115,47 @@ func NewConsumer(opts ConsumerOptions) (*Consumer, error) {
 	if _, err := rand.Read(b[:]); err != nil {
 		return nil, fmt.Errorf("lease owner token: %w", err)
 	}
-	owner := string(opts.ID) + "@" + hex.EncodeToString(b[:])
-	log := opts.Logger.Named("outbox.consumer").With(zap.String("consumer_id", string(opts.ID)))
+	log := opts.Logger.Named("outbox.consumer")
 	st := &stats{}
 	scans := newScanRequests()
-	leases := &leaseKeeper{id: opts.ID, owner: owner, pool: opts.Pool, cfg: cfg, projects: opts.Projects,
-		metrics: opts.Metrics, log: log, stats: st, gained: scans.request, wake: scans.poke, refreshes: make(chan refreshRequest),
+	leases := &leaseKeeper{pool: opts.Pool, cfg: cfg, projects: opts.Projects,
+		metrics: opts.Metrics, stats: st, gained: scans.request, wake: scans.poke, refreshes: make(chan refreshRequest),
 		table: leaseTable{held: map[string]lease{}}}
 	loop := &scanLoop{
-		id: opts.ID, pool: opts.Pool, cfg: cfg, log: log, metrics: opts.Metrics, trace: newTracing(cfg.TracerProvider),
+		pool: opts.Pool, cfg: cfg, metrics: opts.Metrics, trace: newTracing(cfg.TracerProvider),
 		dispatch: opts.Dispatcher, leases: leases, scans: scans, stats: st, streams: streams{},
-		store: &deliveryStore{id: opts.ID, cfg: cfg, audit: opts.Audit},
-		recon: &reconciler{id: opts.ID, pool: opts.Pool, cfg: cfg, cache: opts.Cache, live: opts.LiveTasks},
-		reads: &readSource{cfg: cfg, id: opts.ID, log: log, metrics: opts.Metrics, stats: st},
+		store: &deliveryStore{cfg: cfg, audit: opts.Audit},
+		recon: &reconciler{pool: opts.Pool, cfg: cfg, cache: opts.Cache, live: opts.LiveTasks},
+		reads: &readSource{cfg: cfg, metrics: opts.Metrics, stats: st},
 	}
 	st.onStandby.Store(cfg.ReadDSN != "")
-	loop.acks = &acknowledger{id: opts.ID, owner: owner, pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
+	loop.acks = &acknowledger{pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
 	tk := newTicker(opts.Pool, cfg, log, opts.Metrics, st)
 	if tk.campaigns() {
 		loop.elected, loop.tickNow = tk.leading.Load, tk.poke
 	}
 	return &Consumer{
-		id: opts.ID, owner: owner, cfg: cfg, log: log, metrics: opts.Metrics, stats: st,
+		suffix: hex.EncodeToString(b[:]), cfg: cfg, baseLog: log, log: log, metrics: opts.Metrics, stats: st,
 		status: &statusSource{db: opts.Pool, projects: leases.observedProjects, clock: cfg.Clock, log: log},
 		leases: leases, loop: loop, ticker: tk,
-		waker: &waker{id: opts.ID, pool: opts.Pool, cfg: cfg, metrics: opts.Metrics, log: log, scans: scans},
+		waker: &waker{pool: opts.Pool, cfg: cfg, metrics: opts.Metrics, scans: scans},
 	}, nil
+}
+
+// identify gives the consumer and each of its parts the durable identity id, its lease owner
+// token and a logger that names it. The consumer must not be running: New's consumer is
+// identified by each Start, before its start-up.
+func (c *Consumer) identify(id ConsumerID) {
+	owner := string(id) + "@" + c.suffix
+	log := c.baseLog.With(zap.String("consumer_id", string(id)))
+	c.id, c.owner, c.log, c.status.log = id, owner, log, log
+	c.leases.id, c.leases.owner, c.leases.log = id, owner, log
+	c.loop.id, c.loop.log = id, log
+	c.loop.store.id, c.loop.recon.id = id, id
+	c.loop.reads.id, c.loop.reads.log = id, log
+	c.loop.acks.id, c.loop.acks.owner = id, owner
+	c.waker.id, c.waker.log = id, log
+	c.ticker.log = log.Named("ticker")
 }
 
 // ID is the consumer's durable identity.

@@ -59,7 +59,7 @@ const FailureUndecodableEvent FailureClass = "undecodable_event"
 // deliveryStore reads and writes one consumer's delivery rows.
 type deliveryStore struct {
 	id    ConsumerID
-	cfg   Config
+	cfg   consumerConfig
 	audit AuditSink
 }
 

@@ -98,7 +98,7 @@ func NewDispatcher(opts DispatcherOptions) *Dispatcher {
 // one whose own timeout contradicts Config.ListenerTimeout (one of the two would be silently
 // ignored), or one with listeners and no SelfWriterID (the process's own writes would be
 // delivered to its listeners a second time) that does not declare the process writes nothing.
-func (d *Dispatcher) checkConsumer(cfg Config) error {
+func (d *Dispatcher) checkConsumer(cfg consumerConfig) error {
 	if d.timeout != 0 && d.timeout != cfg.ListenerTimeout {
 		return invalid("DispatcherOptions.Timeout", "is %s but Config.ListenerTimeout is %s: leave it zero and set Config.ListenerTimeout", d.timeout, cfg.ListenerTimeout)
 	}

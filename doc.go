@@ -158,9 +158,10 @@
 //
 // New is the composition root: from the host's pool, one Config and the host's seams (Deps:
 // Settings, TaskCache, LiveTasks, AuditSink, Projects, listeners, optional per-component
-// pools), it builds the writer hook, the dispatcher (knowing the writer's process ID), the
-// consumer runner, the retention sweep and the admin calls, and applies every Config field to
-// each. Outbox.Start resolves the identity from the named setting and starts the consumer
+// pools), it applies the Config's defaults and validates it, once, and builds the writer hook,
+// the dispatcher (knowing the writer's process ID), the consumer, the retention sweep and the
+// admin calls, each given the Config fields it uses. Outbox.Start resolves the identity from
+// the named setting and starts the consumer
 // (without an identity it succeeds and State says observation is off); Outbox.Stop stops it and
 // the writer's wake-ups, bounded by its context. Module is thin fx glue over New that provides
 // the writer on its own, so a host's store can take it in its constructor. Each piece also has

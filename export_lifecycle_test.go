@@ -7,9 +7,9 @@ import "context"
 // The lifecycle work's statements join Statements here, in a file of their own.
 func init() { Statements["cursorSQL"] = cursorSQL }
 
-// HoldRunnerStart has r's Start call hold, with Start's context, just before it starts the
+// HoldConsumerStart has o's Start call hold, with Start's context, just before it starts the
 // consumer.
-func HoldRunnerStart(r *Runner, hold func(ctx context.Context)) { r.beforeConsumerStart = hold }
+func HoldConsumerStart(o *Outbox, hold func(ctx context.Context)) { o.beforeConsumerStart = hold }
 
 // OnLoopRest has c's scan loop call fn each time it waits with nothing armed but the poll
 // interval. Set it before Start.

@@ -243,7 +243,7 @@ type leaseKeeper struct {
 	id       ConsumerID
 	owner    string
 	pool     *pgxpool.Pool
-	cfg      Config
+	cfg      consumerConfig
 	projects Projects
 	metrics  *Metrics
 	log      *zap.Logger

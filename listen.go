@@ -92,7 +92,7 @@ func parseReplayPayload(payload string) (consumer ConsumerID, project string, ok
 type waker struct {
 	id      ConsumerID
 	pool    *pgxpool.Pool
-	cfg     Config
+	cfg     consumerConfig
 	metrics *Metrics
 	log     *zap.Logger
 	scans   *scanRequests
@@ -201,7 +201,7 @@ func (wk *waker) listenConn(ctx context.Context) (*pgx.Conn, error) {
 // dedicatedConn opens a connection of the consumer's own, for LISTEN and the ticker's election:
 // from Config.ListenDSN when set (a pool behind a transaction-pooling proxy cannot LISTEN), else
 // hijacked from the pool so it never returns.
-func dedicatedConn(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*pgx.Conn, error) {
+func dedicatedConn(ctx context.Context, pool *pgxpool.Pool, cfg consumerConfig) (*pgx.Conn, error) {
 	if cfg.ListenDSN != "" {
 		// Config.Validate parsed it already; a parse error is still never wrapped, since pgx's
 		// message can hold part of a password and this one would be logged on every reconnect.

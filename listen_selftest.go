@@ -18,7 +18,7 @@ import (
 // consumer therefore sends one notification to itself through its pool, on the same channel,
 // the way writers send theirs, and expects it on the LISTEN connection within
 // Config.ListenCheckTimeout. When it arrives the wake-ups are proven; when it does not, the
-// consumer says once what to do, and Wakeups, Runner.Wakeups and the
+// consumer says once what to do, and Wakeups, Outbox.Wakeups and the
 // outbox_listen_wakeups_working gauge say that it runs on polling alone. It keeps the LISTEN
 // connection (an idle client costs a proxy no server connection): should a notification
 // arrive after all (a database too slow for the bound, not a proxy), the wake-ups count as
@@ -68,8 +68,8 @@ func (w *wakeupCheck) load() WakeupState {
 }
 
 // Wakeups is the running consumer's wake-up state, or "" when no consumer runs.
-func (r *Runner) Wakeups() WakeupState {
-	c := r.Consumer()
+func (o *Outbox) Wakeups() WakeupState {
+	c := o.Consumer()
 	if c == nil {
 		return ""
 	}

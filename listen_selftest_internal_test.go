@@ -20,7 +20,7 @@ func TestWakeupStateMachine(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	w := &waker{id: "c", cfg: Config{ListenCheckTimeout: time.Second}.WithDefaults(), log: zap.New(core), metrics: m}
+	w := &waker{id: "c", cfg: Config{ListenCheckTimeout: time.Second}.WithDefaults().consumerConfig(), log: zap.New(core), metrics: m}
 	c := &Consumer{cfg: w.cfg, waker: w}
 	st := &selfTest{token: selfTestPrefix + "abc", timer: time.NewTimer(time.Hour)}
 	defer st.stop()

@@ -21,7 +21,7 @@ import (
 type scanLoop struct {
 	id       ConsumerID
 	pool     *pgxpool.Pool
-	cfg      Config
+	cfg      consumerConfig
 	log      *zap.Logger
 	metrics  *Metrics
 	trace    tracing

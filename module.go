@@ -23,8 +23,9 @@ const (
 // (the pool, optionally per-component pools, the logger, the Config, the settings, cache,
 // live-task, audit and project seams, a Prometheus registerer, a tracer provider, and
 // listeners in the "outbox_listeners" group), and runs it on the fx lifecycle. It provides the
-// *Outbox, the writer, the dispatcher, the consumer runner, the retention sweep (also
-// contributed to the "maintenance" group) and the admin calls.
+// *Outbox (which starts and stops with the fx lifecycle, and says what it decided with State),
+// the writer, the dispatcher, the retention sweep (also contributed to the "maintenance" group)
+// and the admin calls.
 var Module = fx.Module("outbox",
 	fx.Provide(provideWriter, provide),
 	// The composition root must exist for the consumer to start even when nothing else asks
@@ -71,9 +72,26 @@ type WriterParams struct {
 	TracerProvider trace.TracerProvider `optional:"true"`
 }
 
-func provideWriter(p WriterParams) (*Writer, error) {
-	return NewWriter(p.Pool, graphConfig(p.Config, p.TracerProvider), p.Logger)
+// provideWriter builds the writer and hands the rest of the module the Config it validated:
+// the module applies the Config's defaults and validates it once, here.
+func provideWriter(p WriterParams) (*Writer, moduleConfig, error) {
+	cfg, err := validConfig(graphConfig(p.Config, p.TracerProvider))
+	if err != nil {
+		return nil, moduleConfig{}, err
+	}
+	if err := checkPooledDB(cfg, p.Pool); err != nil {
+		return nil, moduleConfig{}, err
+	}
+	w, err := newWriter(p.Pool, cfg.writerOptions(), p.Logger)
+	if err != nil {
+		return nil, moduleConfig{}, err
+	}
+	return w, moduleConfig{cfg}, nil
 }
+
+// moduleConfig is the module's Config, defaults applied and validated, which the writer's
+// provider gives New's.
+type moduleConfig struct{ cfg Config }
 
 // graphConfig is the Config the module's parts get: the host's, with the graph's tracer
 // provider when the Config names none.
@@ -84,8 +102,8 @@ func graphConfig(cfg Config, tp trace.TracerProvider) Config {
 	return cfg
 }
 
-// Params is what the module takes from the host's graph besides the writer. Only the pool is
-// required.
+// Params is what the module takes from the host's graph besides the writer and the Config
+// (WriterParams). Only the pool is required.
 type Params struct {
 	fx.In
 
@@ -97,17 +115,15 @@ type Params struct {
 	// ConsumerPool, when the host provides one named "outbox_consumer", is Deps.ConsumerPool.
 	ConsumerPool *pgxpool.Pool `name:"outbox_consumer" optional:"true"`
 	// OperatorPool, when the host provides one named "outbox_operator", is Deps.OperatorPool.
-	OperatorPool   *pgxpool.Pool         `name:"outbox_operator" optional:"true"`
-	Config         Config                `optional:"true"`
-	Logger         *zap.Logger           `optional:"true"`
-	Settings       Settings              `optional:"true"`
-	Cache          TaskCache             `optional:"true"`
-	LiveTasks      LiveTasks             `optional:"true"`
-	Audit          AuditSink             `optional:"true"`
-	Projects       Projects              `optional:"true"`
-	Registerer     prometheus.Registerer `optional:"true"`
-	TracerProvider trace.TracerProvider  `optional:"true"`
-	Listeners      []Listener            `group:"outbox_listeners"`
+	OperatorPool *pgxpool.Pool         `name:"outbox_operator" optional:"true"`
+	Logger       *zap.Logger           `optional:"true"`
+	Settings     Settings              `optional:"true"`
+	Cache        TaskCache             `optional:"true"`
+	LiveTasks    LiveTasks             `optional:"true"`
+	Audit        AuditSink             `optional:"true"`
+	Projects     Projects              `optional:"true"`
+	Registerer   prometheus.Registerer `optional:"true"`
+	Listeners    []Listener            `group:"outbox_listeners"`
 }
 
 // Result is what the module gives the host's graph.
@@ -116,15 +132,14 @@ type Result struct {
 
 	Outbox     *Outbox
 	Dispatcher *Dispatcher
-	Runner     *Runner
 	Retention  *Retention
 	Admin      *Admin
 	// Tasks holds the retention sweep, or nothing when the module is disabled.
 	Tasks []MaintenanceTask `group:"maintenance,flatten"`
 }
 
-func provide(p Params) (Result, error) {
-	o, err := New(p.Pool, graphConfig(p.Config, p.TracerProvider), Deps{
+func provide(p Params, cfg moduleConfig) (Result, error) {
+	o, err := build(p.Pool, cfg.cfg, Deps{
 		ConsumerPool: p.ConsumerPool, OperatorPool: p.OperatorPool, Logger: p.Logger, Settings: p.Settings,
 		Cache: p.Cache, LiveTasks: p.LiveTasks, Audit: p.Audit, Projects: p.Projects, Registerer: p.Registerer,
 		Listeners: p.Listeners, Writer: p.Writer,
@@ -134,6 +149,6 @@ func provide(p Params) (Result, error) {
 	}
 	// Both bounded by fx's stop context: the consumer first, then the writer's wake-ups.
 	p.Lifecycle.Append(fx.Hook{OnStart: o.Start, OnStop: func(ctx context.Context) error { return o.Stop(ctx) }})
-	return Result{Outbox: o, Dispatcher: o.Dispatcher(), Runner: o.Runner(), Retention: o.Retention(), Admin: o.Admin(),
+	return Result{Outbox: o, Dispatcher: o.Dispatcher(), Retention: o.Retention(), Admin: o.Admin(),
 		Tasks: o.MaintenanceTasks()}, nil
 }

@@ -21,7 +21,7 @@ import (
 
 // engineApp builds an app the way an engine binary does: the outbox module plus the host's
 // own options.
-func engineApp(t *testing.T, host testhost.HostConfig, extra ...fx.Option) (*fxtest.App, *observer.ObservedLogs, *outbox.Runner, *testhost.Store) {
+func engineApp(t *testing.T, host testhost.HostConfig, extra ...fx.Option) (*fxtest.App, *observer.ObservedLogs, *outbox.Outbox, *testhost.Store) {
 	t.Helper()
 	core, logs := observer.New(zapcore.DebugLevel)
 	t.Cleanup(func() {
@@ -31,17 +31,17 @@ func engineApp(t *testing.T, host testhost.HostConfig, extra ...fx.Option) (*fxt
 			}
 		}
 	})
-	var runner *outbox.Runner
+	var ob *outbox.Outbox
 	var store *testhost.Store
 	app := fxtest.New(t,
 		outbox.Module,
 		testhost.Module,
 		fx.Supply(host, zap.New(core)),
-		fx.Populate(&runner, &store),
+		fx.Populate(&ob, &store),
 		fx.Options(extra...),
 		fx.NopLogger,
 	)
-	return app, logs, runner, store
+	return app, logs, ob, store
 }
 
 func TestModuleInEngineApp(t *testing.T) {
@@ -55,12 +55,12 @@ func TestModuleInEngineApp(t *testing.T) {
 	fast := outbox.Config{PollInterval: 50 * time.Millisecond}
 
 	t.Run("with an identity it observes through the bus bridge", func(t *testing.T) {
-		app, _, runner, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer", Outbox: fast})
+		app, _, ob, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer", Outbox: fast})
 		var mu sync.Mutex
 		var heard []testhost.TaskDeleted
 		store.Emitter().On(func(_ context.Context, ev testhost.TaskDeleted) { mu.Lock(); heard = append(heard, ev); mu.Unlock() })
 		app.RequireStart()
-		require.Equal(t, outbox.StateRunning, runner.State())
+		require.Equal(t, outbox.StateRunning, ob.State())
 		require.Len(t, store.Cache().Live("p"), 10, "the store loaded its cache at open")
 		// A new identity reconciles first; deletions after that are delivered as events.
 		waitCursor(t, ctx, seed.pool, "p", "dashboard", 0)
@@ -76,13 +76,13 @@ func TestModuleInEngineApp(t *testing.T) {
 		require.Equal(t, seed.writer.ProcessID(), got.OriginProcessID)
 		require.False(t, store.Cache().Has("p", "t-1"))
 		app.RequireStop()
-		require.Equal(t, outbox.StateStopped, runner.State())
+		require.Equal(t, outbox.StateStopped, ob.State())
 	})
 
 	t.Run("without an identity the writer works and observation is off", func(t *testing.T) {
-		app, logs, runner, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "writer-node", Outbox: fast})
+		app, logs, ob, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "writer-node", Outbox: fast})
 		app.RequireStart()
-		require.Equal(t, outbox.StateNoIdentity, runner.State())
+		require.Equal(t, outbox.StateNoIdentity, ob.State())
 		res, err := store.Delete(ctx, "p", "t-2")
 		require.NoError(t, err)
 		require.True(t, res.EventRecorded, "the writer hook is wired")
@@ -93,10 +93,10 @@ func TestModuleInEngineApp(t *testing.T) {
 	})
 
 	t.Run("disabled, nothing starts and the hook records nothing", func(t *testing.T) {
-		app, logs, runner, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer",
+		app, logs, ob, store := engineApp(t, testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}, SettingsScope: "observer",
 			Outbox: outbox.Config{Disabled: true}})
 		app.RequireStart()
-		require.Equal(t, outbox.StateDisabled, runner.State())
+		require.Equal(t, outbox.StateDisabled, ob.State())
 		res, err := store.Delete(ctx, "p", "t-3")
 		require.NoError(t, err)
 		require.True(t, res.Deleted)

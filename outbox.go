@@ -50,24 +50,49 @@ type Deps struct {
 	Writer *Writer
 }
 
-// Outbox is the composition root: the writer hook, the dispatcher, the consumer runner, the
-// retention sweep and the admin calls, built from one Config and the host's seams by New. Start
-// and Stop run it; the fx Module is glue over it.
+// Outbox is the composition root: the writer hook, the dispatcher, the consumer, the retention
+// sweep and the admin calls, built from one Config and the host's seams by New. Start decides
+// whether this process observes and starts the consumer; Stop stops it. The fx Module is glue
+// over it.
 type Outbox struct {
 	writer     *Writer
 	dispatcher *Dispatcher
-	runner     *Runner
 	retention  *Retention
 	admin      *Admin
 	metrics    *Metrics
-	disabled   bool
+	// consumer is built by New, without its identity, which Start reads from the settings; nil
+	// when the module or its consumer is disabled, or without a Projects seam.
+	consumer *Consumer
+
+	// What Start needs besides the parts.
+	pool             *pgxpool.Pool // migrations and the schema check
+	settings         Settings
+	identityField    string
+	disabled         bool
+	consumerDisabled bool
+	autoMigrate      bool
+	log              *zap.Logger
+
+	// lifecycle is the Outbox's start-up: a Stop cancels a Start in flight and waits for it
+	// (bounded by the Stop's context), so that nothing Start began outlives the Stop; after a
+	// Stop, Start refuses. The consumer runs on a lifecycle of its own, which Stop stops first.
+	lifecycle startstop.Base
+	// beforeConsumerStart, when set (by tests), runs just before Start starts the consumer,
+	// with Start's context: it holds a Start in the middle.
+	beforeConsumerStart func(ctx context.Context)
+
+	mu       sync.Mutex // guards state, launched and running: health handlers read them
+	state    State
+	launched bool      // Start went on to start the consumer, which did not fail: Stop makes the state StateStopped
+	running  *Consumer // the consumer once it ran
 }
 
-// New builds every part of the module from cfg (defaults applied, then validated) and deps,
-// as the fx Module does: the writer on pool (or deps.Writer), a dispatcher that knows the
-// writer's process ID (SelfWriterID) and applies Config.ListenerTimeout, the consumer runner,
-// the retention sweep and the admin calls on the operator pool, and metrics when deps has a
-// Registerer. It does not touch the database: Start does.
+// New builds every part of the module from cfg and deps, as the fx Module does: it applies
+// cfg's defaults and validates it, once, and gives each part the options it uses: the writer
+// on pool (or deps.Writer), a dispatcher that knows the writer's process ID (SelfWriterID) and
+// applies Config.ListenerTimeout, the consumer (on deps.ConsumerPool; its identity is read at
+// Start), the retention sweep and the admin calls on the operator pool, and metrics when deps
+// has a Registerer. It does not touch the database: Start does.
 //
 // The schema must be migrated before Start (outboxctl migrate, or Migrate), unless
 // Config.AutoMigrate is set.
@@ -75,10 +100,27 @@ func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	if pool == nil {
 		return nil, invalid("New.pool", "is nil: New needs the host's pool")
 	}
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(cfg)
+	if err != nil {
 		return nil, err
 	}
+	return build(pool, cfg, deps)
+}
+
+// validConfig is cfg with its defaults applied, validated: the one place a Config is made
+// ready. New and the fx module call it once, before they build the parts; the constructors
+// that take a Config (NewWriter, NewRetention, NewConsumer) call it for a host that builds
+// the parts one by one.
+func validConfig(cfg Config) (Config, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return Config{}, err
+	}
+	return cfg, nil
+}
+
+// build is New on a Config validConfig returned.
+func build(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	log := deps.Logger
 	if log == nil {
 		log = zap.NewNop()
@@ -97,7 +139,10 @@ func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	}
 	writer := deps.Writer
 	if writer == nil {
-		w, err := NewWriter(pool, cfg, log)
+		if err := checkPooledDB(cfg, pool); err != nil {
+			return nil, err
+		}
+		w, err := newWriter(pool, cfg.writerOptions(), log)
 		if err != nil {
 			return nil, err
 		}
@@ -112,19 +157,26 @@ func New(pool *pgxpool.Pool, cfg Config, deps Deps) (*Outbox, error) {
 	if deps.OperatorPool != nil {
 		operatorPool = deps.OperatorPool
 	}
-	retention, err := NewRetention(operatorPool, cfg, log, metrics)
-	if err != nil {
+	if err := checkPooledDB(cfg, operatorPool); err != nil {
 		return nil, err
 	}
-	runner := &Runner{
-		pool: pool, cfg: cfg, log: log.Named("outbox"), settings: deps.Settings, projects: deps.Projects,
-		opts: ConsumerOptions{Pool: consumerPool, Config: cfg, Projects: deps.Projects, Dispatcher: dispatcher,
-			LiveTasks: deps.LiveTasks, Cache: deps.Cache, Audit: audit, Metrics: metrics, Logger: log},
-	}
-	o := &Outbox{writer: writer, dispatcher: dispatcher, runner: runner, retention: retention, metrics: metrics,
+	o := &Outbox{writer: writer, dispatcher: dispatcher, metrics: metrics,
+		retention: newRetention(operatorPool, cfg.retentionConfig(), log, metrics),
 		admin: NewAdmin(operatorPool, AdminOptions{Audit: audit, Clock: cfg.Clock, Logger: log,
 			LockTimeout: cfg.LockTimeout, StatementTimeout: cfg.StatementTimeout, TickChannel: cfg.TickChannel}),
-		disabled: cfg.Disabled}
+		pool: pool, settings: deps.Settings, identityField: cfg.IdentityField, disabled: cfg.Disabled,
+		consumerDisabled: cfg.ConsumerDisabled, autoMigrate: cfg.AutoMigrate, log: log.Named("outbox")}
+	if !cfg.Disabled && !cfg.ConsumerDisabled && deps.Projects != nil {
+		if err := checkPooledDB(cfg, consumerPool); err != nil {
+			return nil, err
+		}
+		c, err := newConsumer(ConsumerOptions{Pool: consumerPool, Projects: deps.Projects, Dispatcher: dispatcher,
+			LiveTasks: deps.LiveTasks, Cache: deps.Cache, Audit: audit, Metrics: metrics, Logger: log}, cfg.consumerConfig())
+		if err != nil {
+			return nil, err
+		}
+		o.consumer = c
+	}
 	if r, ok := deps.Projects.(ProjectsRefresher); ok {
 		r.SetRefresher(o.RefreshProjects)
 	}
@@ -136,9 +188,6 @@ func (o *Outbox) Writer() *Writer { return o.writer }
 
 // Dispatcher is the dispatcher the consumer hands events to.
 func (o *Outbox) Dispatcher() *Dispatcher { return o.dispatcher }
-
-// Runner decides at Start whether this process observes, and runs the consumer.
-func (o *Outbox) Runner() *Runner { return o.runner }
 
 // Retention is the pruning sweep; MaintenanceTasks has it as a task for the host's sweep.
 func (o *Outbox) Retention() *Retention { return o.retention }
@@ -158,132 +207,103 @@ func (o *Outbox) MaintenanceTasks() []MaintenanceTask {
 	return []MaintenanceTask{o.retention.Task()}
 }
 
-// Start verifies (or, with AutoMigrate, applies) the schema, resolves the consumer identity
-// from the persisted setting Config.IdentityField names and starts the consumer. Without an
-// identity (or projects, or with the consumer disabled) it succeeds and State says why
-// observation is off. It returns quickly: delivery runs on the consumer's own goroutines.
-func (o *Outbox) Start(ctx context.Context) error { return o.runner.Start(ctx) }
+// State says what Start decided.
+type State string
 
-// Stop stops the consumer and then the writer's wake-ups, both bounded by ctx. It is
-// idempotent and safe before Start; after it, Start refuses with ErrConsumerStopped.
-func (o *Outbox) Stop(ctx context.Context) error {
-	return errors.Join(o.runner.Stop(ctx), o.writer.Close(ctx))
-}
-
-// State is what Start decided (see RunnerState).
-func (o *Outbox) State() RunnerState { return o.runner.State() }
-
-// RunnerState says what the runner decided at start.
-type RunnerState string
-
-// Runner states.
+// States of an Outbox.
 const (
-	StateNotStarted       RunnerState = "not-started"
-	StateDisabled         RunnerState = "disabled"          // Config.Disabled
-	StateConsumerDisabled RunnerState = "consumer-disabled" // Config.ConsumerDisabled
-	StateNoIdentity       RunnerState = "no-identity"       // the identity setting is absent or empty
-	StateNoProjects       RunnerState = "no-projects"       // the host provides no project set
-	StateRunning          RunnerState = "running"
-	StateStopped          RunnerState = "stopped"
+	StateNotStarted       State = "not-started"
+	StateDisabled         State = "disabled"          // Config.Disabled
+	StateConsumerDisabled State = "consumer-disabled" // Config.ConsumerDisabled
+	StateNoIdentity       State = "no-identity"       // the identity setting is absent or empty
+	StateNoProjects       State = "no-projects"       // the host provides no project set
+	StateRunning          State = "running"
+	StateStopped          State = "stopped"
 )
 
-// Runner decides at start whether this process observes (enabled, a durable identity in the
-// named setting, projects to observe) and then runs the consumer. New builds it; without
-// the composition root, build a Consumer directly instead.
-type Runner struct {
-	pool     *pgxpool.Pool
-	cfg      Config
-	log      *zap.Logger
-	settings Settings
-	projects Projects
-	opts     ConsumerOptions
-
-	// lifecycle is the runner's start-up: a Stop cancels a Start in flight and waits for it
-	// (bounded by the Stop's context), so that nothing Start began outlives the Stop.
-	lifecycle startstop.Base
-	// beforeConsumerStart, when set (by tests), runs just before Start starts the consumer,
-	// with Start's context: it holds a Start in the middle.
-	beforeConsumerStart func(ctx context.Context)
-
-	mu       sync.Mutex // guards state, stopped, consumer and starting: health handlers read them
-	state    RunnerState
-	stopped  bool
-	consumer *Consumer // the consumer once started
-	starting *Consumer // the consumer from just before its start: what Stop stops
-}
-
-// State is the runner's decision.
-func (r *Runner) State() RunnerState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.state == "" {
+// State is what Start decided: whether this process observes, and if not, why.
+func (o *Outbox) State() State {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.state == "" {
 		return StateNotStarted
 	}
-	return r.state
+	return o.state
 }
 
-// Consumer is the running consumer, or nil when observation is off.
-func (r *Runner) Consumer() *Consumer {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.consumer
+// Consumer is the consumer once Start has started it, or nil when observation is off.
+func (o *Outbox) Consumer() *Consumer {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.running
+}
+
+// stopping reports whether Stop has been called: its first step stops the consumer, or, without
+// one, the Outbox's lifecycle. o.mu is held.
+func (o *Outbox) stopping() bool {
+	if o.consumer != nil && o.consumer.lifecycle.Stopped() {
+		return true
+	}
+	return o.lifecycle.Stopped()
 }
 
 // set records a decision, unless Stop came first (ok is false then).
-func (r *Runner) set(state RunnerState) (ok bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.stopped {
+func (o *Outbox) set(state State) (ok bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.stopping() {
 		return false
 	}
-	r.state = state
+	o.state = state
 	if state == StateRunning {
-		r.consumer = r.starting
+		o.running = o.consumer
 	}
 	return true
 }
 
-// record notes the consumer Start is about to start, unless Stop came first (ok is false
-// then, and the consumer must not start). From then on a Stop stops it, whether or not its
-// start-up has finished.
-func (r *Runner) record(c *Consumer) (ok bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.stopped {
+// launch notes that Start is about to start the consumer, unless Stop came first (ok is false
+// then, and the consumer must not start); ok false undoes it, after a start that failed, so
+// that a Stop then leaves the decision as it was.
+func (o *Outbox) launch(ok bool) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.stopping() {
 		return false
 	}
-	r.starting = c
+	o.launched = ok
 	return true
 }
 
-// forget drops a consumer whose start failed, so that a later Start builds a new one.
-func (r *Runner) forget(c *Consumer) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.starting == c && !r.stopped {
-		r.starting = nil
+// markStopped makes the state StateStopped once the consumer was started.
+func (o *Outbox) markStopped() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.launched || o.state == StateRunning {
+		o.state = StateStopped
 	}
 }
 
-// Start verifies (or, with AutoMigrate, applies) the schema, resolves the identity and starts
-// the consumer. It returns quickly: delivery runs on the consumer's own goroutines. A Stop while
-// it runs makes it give up (ErrConsumerStopped) and leaves nothing running; after Stop it
-// refuses with ErrConsumerStopped. A Start that failed may be tried again.
-func (r *Runner) Start(ctx context.Context) error {
-	run, err := r.lifecycle.Begin()
+// Start verifies (or, with AutoMigrate, applies) the schema, resolves the consumer identity
+// from the persisted setting Config.IdentityField names and starts the consumer. Without an
+// identity (or projects, or with the consumer disabled) it succeeds and State says why
+// observation is off. It returns quickly: delivery runs on the consumer's own goroutines. A
+// Stop while it runs makes it give up (ErrConsumerStopped) and leaves nothing running; after
+// Stop it refuses with ErrConsumerStopped. A Start that failed may be tried again.
+func (o *Outbox) Start(ctx context.Context) error {
+	run, err := o.lifecycle.Begin()
 	switch {
 	case errors.Is(err, startstop.ErrStopped):
 		return ErrConsumerStopped
 	case err != nil:
-		return errors.New("runner already started")
+		return errors.New("outbox already started")
 	}
 	// Every step talks to the database; a Stop meanwhile cancels it and waits for this Start.
 	startCtx, release := run.StartContext(ctx)
-	err = r.start(startCtx)
+	err = o.start(startCtx)
 	release()
 	switch {
 	case run.Stopping():
-		// The Stop stops the consumer if one was recorded; none starts after it.
+		// The Stop stops the consumer if it started; it starts no more.
 		run.Finished()
 		return ErrConsumerStopped
 	case err != nil:
@@ -294,84 +314,77 @@ func (r *Runner) Start(ctx context.Context) error {
 	return nil
 }
 
-func (r *Runner) start(ctx context.Context) error {
-	if r.cfg.Disabled {
-		r.set(StateDisabled)
-		r.log.Info("outbox disabled by configuration: the writer hook records nothing and no consumer runs")
+func (o *Outbox) start(ctx context.Context) error {
+	if o.disabled {
+		o.set(StateDisabled)
+		o.log.Info("outbox disabled by configuration: the writer hook records nothing and no consumer runs")
 		return nil
 	}
-	if r.cfg.AutoMigrate {
-		if _, err := Migrate(ctx, r.pool); err != nil {
+	if o.autoMigrate {
+		if _, err := Migrate(ctx, o.pool); err != nil {
 			return err
 		}
 	}
-	if err := VerifySchema(ctx, r.pool); err != nil {
+	if err := VerifySchema(ctx, o.pool); err != nil {
 		if errors.Is(err, ErrSchemaBehind) {
 			return fmt.Errorf("%w (apply the migrations with outboxctl migrate, or set AutoMigrate)", err)
 		}
 		return err
 	}
 	switch {
-	case r.cfg.ConsumerDisabled:
-		r.set(StateConsumerDisabled)
-		r.log.Info("outbox consumer disabled by configuration; the writer hook records events")
+	case o.consumerDisabled:
+		o.set(StateConsumerDisabled)
+		o.log.Info("outbox consumer disabled by configuration; the writer hook records events")
 		return nil
-	case r.projects == nil:
-		r.set(StateNoProjects)
-		r.log.Info("observation disabled: the host provides no project set to observe")
+	case o.consumer == nil:
+		o.set(StateNoProjects)
+		o.log.Info("observation disabled: the host provides no project set to observe")
 		return nil
 	}
-	id, ok, err := ResolveConsumerID(ctx, r.settings, r.cfg.IdentityField)
+	id, ok, err := ResolveConsumerID(ctx, o.settings, o.identityField)
 	if err != nil {
 		return err
 	}
 	if !ok {
-		r.set(StateNoIdentity)
-		r.log.Info("observation disabled: no durable consumer identity; set the persisted setting to enable it",
-			zap.String("setting", r.cfg.IdentityField))
+		o.set(StateNoIdentity)
+		o.log.Info("observation disabled: no durable consumer identity; set the persisted setting to enable it",
+			zap.String("setting", o.identityField))
 		return nil
 	}
-	opts := r.opts
-	opts.ID = id
-	c, err := NewConsumer(opts)
-	if err != nil {
-		return err
-	}
-	if !r.record(c) {
+	if !o.launch(true) {
 		return ErrConsumerStopped
 	}
-	if r.beforeConsumerStart != nil {
-		r.beforeConsumerStart(ctx)
+	if o.beforeConsumerStart != nil {
+		o.beforeConsumerStart(ctx)
 	}
+	c := o.consumer
+	c.identify(id) // not running: a Start before this one failed, or none came
 	if err := c.Start(ctx); err != nil {
-		r.forget(c)
+		o.launch(false)
 		return err
 	}
-	if !r.set(StateRunning) {
+	if !o.set(StateRunning) {
 		return ErrConsumerStopped // the Stop that came meanwhile stops it
 	}
 	return nil
 }
 
-// Stop stops the consumer and waits for a Start in flight, both bounded by ctx: once it has
-// returned nil, no consumer of this runner runs and no event reaches a listener. It is
-// idempotent and safe before Start; after it, Start refuses.
-func (r *Runner) Stop(ctx context.Context) error {
-	r.mu.Lock()
-	r.stopped = true
-	c := r.starting
-	if c != nil {
-		r.state = StateStopped
-	}
-	r.mu.Unlock()
+// Stop stops the consumer, waits for a Start in flight and then for the writer's wake-ups,
+// all bounded by ctx: once it has returned nil, no consumer of this Outbox runs and no event
+// reaches a listener. It is idempotent and safe before Start; after it, Start refuses with
+// ErrConsumerStopped.
+func (o *Outbox) Stop(ctx context.Context) error {
+	o.markStopped() // health handlers see it at once; again below, after a start that raced
 	var errs []error
-	if c != nil {
+	if o.consumer != nil {
 		// First, so that no event is handed over once Stop is called; a consumer still
 		// starting gives up its start-up, and Stop waits for it.
-		errs = append(errs, c.Stop(ctx))
+		errs = append(errs, o.consumer.Stop(ctx))
 	}
-	if err := r.lifecycle.Stop(ctx); err != nil {
-		errs = append(errs, fmt.Errorf("stop runner: wait for its start: %w", err))
+	if err := o.lifecycle.Stop(ctx); err != nil {
+		errs = append(errs, fmt.Errorf("stop outbox: wait for its start: %w", err))
 	}
+	o.markStopped()
+	errs = append(errs, o.writer.Close(ctx))
 	return errors.Join(errs...)
 }

@@ -45,7 +45,7 @@ func TestNewStartsWithoutAnIdentity(t *testing.T) {
 	require.Equal(t, outbox.StateNotStarted, o.State())
 	require.NoError(t, o.Start(ctx))
 	require.Equal(t, outbox.StateNoIdentity, o.State())
-	require.Nil(t, o.Runner().Consumer())
+	require.Nil(t, o.Consumer())
 	require.NotNil(t, o.Writer())
 	require.NotNil(t, o.Admin())
 	require.NotNil(t, o.Retention())
@@ -132,7 +132,7 @@ func TestNewAppliesTheConfigToEveryPart(t *testing.T) {
 	require.Len(t, timedOut, 1)
 	require.Equal(t, 200*time.Millisecond, time.Duration(timedOut[0].ContextMap()["timeout"].(time.Duration)),
 		"the attempt is bounded by Config.ListenerTimeout, not the 30s default")
-	c := o.Runner().Consumer()
+	c := o.Consumer()
 	require.Equal(t, int64(1), c.Stats().Own)
 
 	var failureClass string

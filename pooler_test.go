@@ -272,7 +272,7 @@ func waitWakeups(t *testing.T, ctx context.Context, c *outbox.Consumer, want out
 
 // TestEngineAppBehindPgBouncer builds an engine binary's app (outbox.Module and the reference
 // host) on a DSN through PgBouncer: with TransactionPooler it refuses pgx's default mode and
-// says what to add; in exec mode it runs, Runner.Wakeups says the pooled LISTEN polls alone,
+// says what to add; in exec mode it runs, Outbox.Wakeups says the pooled LISTEN polls alone,
 // and a TracerProvider in the graph turns tracing on.
 func TestEngineAppBehindPgBouncer(t *testing.T) {
 	t.Parallel()
@@ -289,14 +289,14 @@ func TestEngineAppBehindPgBouncer(t *testing.T) {
 	require.ErrorContains(t, unsafe.Err(), "default_query_exec_mode=exec")
 
 	tp := newTracedProcess(t)
-	app, logs, runner, _ := engineApp(t, testhost.HostConfig{DSN: pgtest.PooledURL(t, db), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg},
+	app, logs, ob, _ := engineApp(t, testhost.HostConfig{DSN: pgtest.PooledURL(t, db), Projects: []string{"p"}, SettingsScope: "observer", Outbox: cfg},
 		fx.Supply(fx.Annotate(tp.tp, fx.As(new(trace.TracerProvider)))))
 	app.RequireStart()
-	require.Equal(t, outbox.StateRunning, runner.State())
-	for runner.Wakeups() != outbox.WakeupsPollingOnly {
+	require.Equal(t, outbox.StateRunning, ob.State())
+	for ob.Wakeups() != outbox.WakeupsPollingOnly {
 		select {
 		case <-ctx.Done():
-			t.Fatalf("wake-ups are %q", runner.Wakeups())
+			t.Fatalf("wake-ups are %q", ob.Wakeups())
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
@@ -309,7 +309,7 @@ func TestEngineAppBehindPgBouncer(t *testing.T) {
 	waitCursor(t, ctx, seed.pool, "p", "engine", 1)
 	app.RequireStop()
 	require.Len(t, tp.spans("process p"), 1, "the graph's tracer provider traces the consumer")
-	require.Equal(t, outbox.WakeupState(""), (&outbox.Runner{}).Wakeups(), "no consumer, no state")
+	require.Equal(t, outbox.WakeupState(""), (&outbox.Outbox{}).Wakeups(), "no consumer, no state")
 }
 
 func TestWakeupsDisabled(t *testing.T) {

@@ -41,7 +41,7 @@ WHERE project_id = $1 AND consumer_id = $2 AND state = 'retrying' AND sequence <
 type reconciler struct {
 	id    ConsumerID
 	pool  *pgxpool.Pool
-	cfg   Config
+	cfg   consumerConfig
 	cache TaskCache
 	live  LiveTasks
 }

@@ -24,22 +24,16 @@ func (c *Consumer) RefreshProjects(ctx context.Context) error {
 	return c.leases.refresh(ctx, done)
 }
 
-// RefreshProjects is the consumer's RefreshProjects (see Consumer.RefreshProjects), or nil
-// when no consumer runs.
-func (r *Runner) RefreshProjects(ctx context.Context) error {
-	r.mu.Lock()
-	c := r.starting // a consumer starting or running: a Start before it will read the seam
-	r.mu.Unlock()
-	if c == nil {
+// RefreshProjects has the consumer, if one runs, apply a change of the Projects seam's set
+// now (see Consumer.RefreshProjects); without one, or before it starts, it returns nil: a
+// start reads the seam anyway. New gives it to a Projects seam that takes a refresher
+// (ProjectRuntimes does).
+func (o *Outbox) RefreshProjects(ctx context.Context) error {
+	if o.consumer == nil {
 		return nil
 	}
-	return c.RefreshProjects(ctx)
+	return o.consumer.RefreshProjects(ctx)
 }
-
-// RefreshProjects has the consumer, if one runs, apply a change of the Projects seam's set
-// now (see Consumer.RefreshProjects). New gives it to a Projects seam that takes a refresher
-// (ProjectRuntimes does).
-func (o *Outbox) RefreshProjects(ctx context.Context) error { return o.runner.RefreshProjects(ctx) }
 
 // ProjectsRefresher is a Projects seam whose set changes while the consumer runs and that
 // applies each change at once through the refresher it is given: New (and so the fx Module)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 )
 
@@ -31,7 +32,7 @@ import (
 // table, so the ticker waits at most for one batch's commit.
 type Retention struct {
 	pool    *pgxpool.Pool
-	cfg     Config
+	cfg     retentionConfig
 	log     *zap.Logger
 	metrics *Metrics
 
@@ -39,19 +40,49 @@ type Retention struct {
 	trace       tracing
 }
 
-// NewRetention builds the retention sweep.
+// retentionConfig is what the sweep takes from a validated Config: its fields, by their
+// Config names.
+type retentionConfig struct {
+	RetentionWindow     time.Duration
+	DeadLetterRetention time.Duration
+	RetentionBatchSize  int
+	RetentionBudget     int
+	LockTimeout         time.Duration
+	StatementTimeout    time.Duration
+	Clock               Clock
+	TracerProvider      trace.TracerProvider
+}
+
+func (c Config) retentionConfig() retentionConfig {
+	return retentionConfig{RetentionWindow: c.RetentionWindow, DeadLetterRetention: c.DeadLetterRetention,
+		RetentionBatchSize: c.RetentionBatchSize, RetentionBudget: c.RetentionBudget, LockTimeout: c.LockTimeout,
+		StatementTimeout: c.StatementTimeout, Clock: c.Clock, TracerProvider: c.TracerProvider}
+}
+
+// txOptions are the options of a pruning transaction (see boundedTx).
+func (c retentionConfig) txOptions(iso pgx.TxIsoLevel, mode pgx.TxAccessMode) pgx.TxOptions {
+	return boundedTx(iso, mode, c.LockTimeout, c.StatementTimeout)
+}
+
+// NewRetention builds the retention sweep from cfg (defaults applied, then validated), for a
+// host that builds the parts one by one; New builds its sweep from the Config it validated
+// already.
 func NewRetention(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metrics) (*Retention, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(cfg)
+	if err != nil {
 		return nil, err
 	}
 	if err := checkPooledDB(cfg, pool); err != nil {
 		return nil, err
 	}
+	return newRetention(pool, cfg.retentionConfig(), log, metrics), nil
+}
+
+func newRetention(pool *pgxpool.Pool, cfg retentionConfig, log *zap.Logger, metrics *Metrics) *Retention {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	return &Retention{pool: pool, cfg: cfg, log: log.Named("outbox.retention"), metrics: metrics, trace: newTracing(cfg.TracerProvider)}, nil
+	return &Retention{pool: pool, cfg: cfg, log: log.Named("outbox.retention"), metrics: metrics, trace: newTracing(cfg.TracerProvider)}
 }
 
 // RetentionResult is what one sweep did.

@@ -300,7 +300,7 @@ func TestEventOfARemovedRuntimeSpendsNoAttempt(t *testing.T) {
 	require.NoError(t, <-removed)
 	h.waitReleased(t, ctx, "b")
 	require.Equal(t, int64(1), cursorOf(t, h.pool, "b", runtimesConsumer))
-	c := h.ob.Runner().Consumer()
+	c := h.ob.Consumer()
 	require.Zero(t, c.Stats().Failures, "no failed attempt counted")
 	require.Zero(t, pgtest.QueryInt(t, h.pool, `SELECT count(*) FROM lifecycle_consumer_deliveries`), "no attempt recorded")
 

@@ -92,7 +92,7 @@ func nullableInt(v int64) *int64 {
 }
 
 // Projects says which projects this process observes. It is asked again at every heartbeat,
-// and when the host calls RefreshProjects (Outbox, Runner or Consumer), so projects may come
+// and when the host calls RefreshProjects (Outbox or Consumer), so projects may come
 // and go while the consumer runs. ProjectRuntimes is a Projects whose set follows the
 // per-project runtimes a host adds and removes.
 type Projects interface {

@@ -80,7 +80,7 @@ ORDER BY d.project_id, d.sequence`
 // readSource is where a consumer's scans read: the standby when Config.ReadDSN is set and it
 // serves, else the primary. Its fields other than the pool are the loop goroutine's.
 type readSource struct {
-	cfg     Config
+	cfg     consumerConfig
 	id      ConsumerID
 	log     *zap.Logger
 	metrics *Metrics
@@ -390,7 +390,9 @@ var errTickUnchecked = errors.New("the announced tick could not be checked on th
 // checks the announcement on the primary: long enough for a standby that keeps up to replay the
 // tick whose notification reached the consumer first, short enough that a forged announcement
 // costs little.
-func standbyGrace(cfg Config) time.Duration { return min(50*time.Millisecond, cfg.ReadMaxLag/2) }
+func standbyGrace(cfg consumerConfig) time.Duration {
+	return min(50*time.Millisecond, cfg.ReadMaxLag/2)
+}
 
 // primaryTick reads the primary's newest tick, to check an announcement (counted).
 func (l *scanLoop) primaryTick(ctx context.Context) (int64, time.Time, error) {

@@ -49,7 +49,7 @@ func TestStandbyReadRetriesConflictsThenUsesThePrimary(t *testing.T) {
 		core, logs := observer.New(zap.InfoLevel)
 		st := &stats{}
 		cfg := Config{ReadDSN: "host=standby", ReadMaxLag: time.Second}
-		return &scanLoop{pool: primary, reads: &readSource{cfg: cfg, log: zap.New(core), stats: st, standby: standby, scanStandby: true}}, logs
+		return &scanLoop{pool: primary, reads: &readSource{cfg: cfg.consumerConfig(), log: zap.New(core), stats: st, standby: standby, scanStandby: true}}, logs
 	}
 	// failing returns an fn that fails with err on the standby n times, and records the pools.
 	failing := func(err error, n int) (func(*pgxpool.Pool) error, *[]*pgxpool.Pool) {

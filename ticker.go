@@ -191,7 +191,7 @@ const tickerLockKey int64 = 0x6c69666574696b72 // "lifetikr"
 // TickFallbackInterval at most, whatever the consumers do.
 type ticker struct {
 	pool    *pgxpool.Pool
-	cfg     Config
+	cfg     consumerConfig
 	log     *zap.Logger
 	metrics *Metrics
 	stats   *stats
@@ -200,7 +200,7 @@ type ticker struct {
 	leading atomic.Bool // the tick loop's view: elected
 }
 
-func newTicker(pool *pgxpool.Pool, cfg Config, log *zap.Logger, metrics *Metrics, st *stats) *ticker {
+func newTicker(pool *pgxpool.Pool, cfg consumerConfig, log *zap.Logger, metrics *Metrics, st *stats) *ticker {
 	return &ticker{pool: pool, cfg: cfg, log: log.Named("ticker"), metrics: metrics, stats: st,
 		elected: make(chan bool, 1), hints: make(chan struct{}, 1)}
 }

@@ -10,6 +10,7 @@ import (
 	"unicode"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"fusion/outbox/startstop"
@@ -45,37 +46,55 @@ type Writer struct {
 	trace     tracing
 }
 
-// NewWriter builds a writer. db is used only for post-commit notifications and may be nil
-// when cfg.NotifyDisabled is set.
+// NewWriter builds a writer from cfg (defaults applied, then validated), for a host that
+// builds the parts one by one; New builds its writer from the Config it validated already. db
+// is used only for post-commit notifications and may be nil when cfg.NotifyDisabled is set.
 func NewWriter(db DBTX, cfg Config, log *zap.Logger) (*Writer, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.Validate(); err != nil {
+	cfg, err := validConfig(cfg)
+	if err != nil {
 		return nil, err
 	}
 	if err := checkPooledDB(cfg, db); err != nil {
 		return nil, err
 	}
+	return newWriter(db, cfg.writerOptions(), log)
+}
+
+// writerOptions are what the writer takes from a validated Config.
+type writerOptions struct {
+	label    string        // Config.WriterLabel
+	disabled bool          // Config.Disabled: record nothing
+	notify   bool          // neither Config.Disabled nor Config.NotifyDisabled
+	channel  string        // Config.NotifyChannel
+	gap      time.Duration // Config.NotifyGap
+	clock    Clock
+	tracer   trace.TracerProvider
+}
+
+func (c Config) writerOptions() writerOptions {
+	return writerOptions{label: c.WriterLabel, disabled: c.Disabled, notify: !c.Disabled && !c.NotifyDisabled,
+		channel: c.NotifyChannel, gap: c.NotifyGap, clock: c.Clock, tracer: c.TracerProvider}
+}
+
+// newWriter builds a writer from options a validated Config gave (see NewWriter).
+func newWriter(db DBTX, opts writerOptions, log *zap.Logger) (*Writer, error) {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	id, err := newWriterProcessID(cfg.WriterLabel)
+	id, err := newWriterProcessID(opts.label)
 	if err != nil {
 		return nil, err
 	}
-	w := &Writer{processID: id, disabled: cfg.Disabled, clock: cfg.Clock, log: log.Named("outbox.writer"), trace: newTracing(cfg.TracerProvider)}
-	if !cfg.Disabled && !cfg.NotifyDisabled {
+	w := &Writer{processID: id, disabled: opts.disabled, clock: opts.clock, log: log.Named("outbox.writer"), trace: newTracing(opts.tracer)}
+	if opts.notify {
 		if db == nil {
 			return nil, errors.New("outbox writer: a database is needed for notifications (or set NotifyDisabled)")
 		}
-		base, cancel := context.WithCancel(context.Background())
-		w.notify = &notifier{db: db, channel: cfg.NotifyChannel, gap: cfg.NotifyGap, log: w.log, pending: map[string]struct{}{},
-			base: base, cancel: cancel}
-		run, err := w.notify.lifecycle.Begin()
+		n, err := newNotifier(db, opts.channel, opts.gap, w.log)
 		if err != nil {
-			cancel()
-			return nil, err // not reached: a new base always begins
+			return nil, err
 		}
-		w.notify.run = run
+		w.notify = n
 	}
 	return w, nil
 }
@@ -220,14 +239,16 @@ func (w *Writer) Close(ctx context.Context) error {
 // once; commits that arrive within gap of the last notification, or while one is being sent,
 // are gathered and announced together by the same goroutine, one notification per project.
 // No goroutine runs while nothing is pending.
+//
+// Its lifecycle is one startstop run, from NewWriter to Close: Close stops it (enqueue takes
+// nothing from then on), and the run finishes once the flush in flight has sent what was
+// pending.
 type notifier struct {
 	db      DBTX
 	channel string
 	gap     time.Duration
 	log     *zap.Logger
 
-	// lifecycle runs from NewWriter to Close: Close stops it, and it finishes once the
-	// wake-ups in flight are sent.
 	lifecycle startstop.Base
 	run       *startstop.Run
 
@@ -238,10 +259,33 @@ type notifier struct {
 
 	mu       sync.Mutex
 	pending  map[string]struct{}
-	running  bool
-	closed   bool
+	flushing bool // a flush goroutine runs: it takes what is pending
 	lastSent time.Time
-	wg       sync.WaitGroup
+	wg       sync.WaitGroup // the flush goroutine
+}
+
+// newNotifier begins the notifier's run; Close (close) stops it.
+func newNotifier(db DBTX, channel string, gap time.Duration, log *zap.Logger) (*notifier, error) {
+	n := &notifier{db: db, channel: channel, gap: gap, log: log, pending: map[string]struct{}{}}
+	run, err := n.lifecycle.Begin()
+	if err != nil {
+		return nil, err // not reached: a new base always begins
+	}
+	n.run = run
+	n.base, n.cancel = context.WithCancel(context.Background())
+	// Once Stop cancels the run, no enqueue starts a flush (each checks under mu): the run
+	// finishes when the flush goroutine, if one runs, has sent what is pending. AfterFunc
+	// starts no goroutine before then.
+	context.AfterFunc(run.Ctx, func() {
+		n.mu.Lock()
+		flushing := n.flushing
+		n.mu.Unlock()
+		if flushing {
+			n.wg.Wait()
+		}
+		run.Finished()
+	})
+	return n, nil
 }
 
 // notifySQL sends the wake-ups in a transaction of their own that does not wait for its commit
@@ -252,16 +296,16 @@ const notifySQL = `SELECT pg_catalog.set_config('synchronous_commit', 'off', tru
 func (n *notifier) enqueue(projects []string) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if n.closed {
+	if n.run.Stopping() {
 		return
 	}
 	for _, p := range projects {
 		n.pending[p] = struct{}{}
 	}
-	if n.running || len(n.pending) == 0 {
+	if n.flushing || len(n.pending) == 0 {
 		return
 	}
-	n.running = true
+	n.flushing = true
 	n.wg.Add(1)
 	go n.flush()
 }
@@ -272,7 +316,7 @@ func (n *notifier) flush() {
 		n.mu.Lock()
 		if len(n.pending) == 0 || n.base.Err() != nil {
 			clear(n.pending) // abandoned by Close: consumers poll for these
-			n.running = false
+			n.flushing = false
 			n.mu.Unlock()
 			return
 		}
@@ -306,13 +350,6 @@ func (n *notifier) flush() {
 // close refuses further wake-ups and waits for those in flight, bounded by ctx; when ctx
 // ends first, the ones in flight are abandoned.
 func (n *notifier) close(ctx context.Context) error {
-	n.mu.Lock()
-	first := !n.closed
-	n.closed = true // enqueue starts no flush from now on, so wg only falls
-	n.mu.Unlock()
-	if first {
-		go func() { n.wg.Wait(); n.run.Finished() }()
-	}
 	defer n.cancel()
 	if err := n.lifecycle.Stop(ctx); err != nil {
 		return fmt.Errorf("close writer: %w", err)

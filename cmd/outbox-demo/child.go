@@ -130,24 +130,24 @@ func loopbackOnly(r *http.Request, _ web.OpsAction) (string, bool) {
 }
 
 func runObserver(ctx context.Context, host testhost.HostConfig, log *zap.Logger, al *testhost.ApplyLog) error {
-	var runner *outbox.Runner
-	app := testhost.ObserverApp(host, log, al, fx.Populate(&runner))
+	var ob *outbox.Outbox
+	app := testhost.ObserverApp(host, log, al, fx.Populate(&ob))
 	if stopped, err := startApp(ctx, app); stopped || err != nil {
 		return err
 	}
-	fmt.Printf("ready: observing as %s (state %s)\n", host.SettingsScope, runner.State())
+	fmt.Printf("ready: observing as %s (state %s)\n", host.SettingsScope, ob.State())
 	<-ctx.Done()
 	return stopApp(app)
 }
 
 func runWriter(ctx context.Context, host testhost.HostConfig, log *zap.Logger, count int, rate float64) error {
 	var store *testhost.Store
-	var runner *outbox.Runner
-	app := fx.New(outbox.Module, testhost.Module, fx.Supply(host, log), fx.Populate(&store, &runner), fx.NopLogger)
+	var ob *outbox.Outbox
+	app := fx.New(outbox.Module, testhost.Module, fx.Supply(host, log), fx.Populate(&store, &ob), fx.NopLogger)
 	if stopped, err := startApp(ctx, app); stopped || err != nil {
 		return err
 	}
-	fmt.Printf("ready: writing (consumer state %s)\n", runner.State())
+	fmt.Printf("ready: writing (consumer state %s)\n", ob.State())
 	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
 	defer tick.Stop()
 	total := count * len(host.Projects)

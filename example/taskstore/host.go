@@ -58,7 +58,8 @@ type HostConfig struct {
 //	fx.New(outbox.Module, taskstore.Module, fx.Supply(cfg))
 //
 // The host owns the pool, the registry, the settings and its seams; the outbox module
-// provides the writer hook, the dispatcher, the consumer runner and the retention task.
+// provides the writer hook, the dispatcher, the Outbox that runs the consumer and the retention
+// task.
 var Module = fx.Module("taskstore",
 	fx.Provide(
 		newPool,
@@ -105,7 +106,7 @@ func newPool(lc fx.Lifecycle, c HostConfig) (*pgxpool.Pool, error) {
 // its own, from the pool and the config, so the store takes it here while the rest of the
 // module takes the store as its cache, live-task source and audit sink) and loads its cache at
 // open, before the outbox consumer starts (this hook is registered first because the
-// consumer's runner depends on the store).
+// Outbox depends on the store).
 func newStore(lc fx.Lifecycle, pool *pgxpool.Pool, cache *Cache, writer *outbox.Writer, c HostConfig, log *zap.Logger) *Store {
 	s := New(pool, Options{Writer: writer, Cache: cache, Logger: log, Actor: c.Actor})
 	lc.Append(fx.Hook{OnStart: func(ctx context.Context) error { return s.LoadCache(ctx, c.Projects...) }})
@@ -164,7 +165,7 @@ func newSSE(pool *pgxpool.Pool, c HostConfig, projects outbox.Projects, log *zap
 
 // serveHTTP serves the event stream, the operations page, the metrics and a health check
 // when HTTPAddr is set.
-func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *web.SSEHandler, admin *outbox.Admin, reg *prometheus.Registry, runner *outbox.Runner, log *zap.Logger) error {
+func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *web.SSEHandler, admin *outbox.Admin, reg *prometheus.Registry, ob *outbox.Outbox, log *zap.Logger) error {
 	if c.HTTPAddr == "" {
 		return nil
 	}
@@ -178,7 +179,7 @@ func serveHTTP(lc fx.Lifecycle, c HostConfig, sse *web.SSEHandler, admin *outbox
 	mux.Handle("/ops/", http.StripPrefix("/ops", ops))
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
-		fmt.Fprintf(w, "ok %s\n", runner.State())
+		fmt.Fprintf(w, "ok %s\n", ob.State())
 	})
 	// Header and idle timeouts bound what a client that opens connections and sends nothing
 	// costs. No write timeout: event streams are long-lived, and the SSE handler bounds each

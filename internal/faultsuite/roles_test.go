@@ -257,16 +257,16 @@ func runObserver(ctx context.Context, a roleArgs, log *zap.Logger) error {
 		return err
 	}
 	defer func() { _ = al.Close() }()
-	var runner *outbox.Runner
+	var ob *outbox.Outbox
 	app, err := startApp(ctx, func() *fx.App {
-		return testhost.ObserverApp(hostConfig(a), log, al, fx.Populate(&runner))
+		return testhost.ObserverApp(hostConfig(a), log, al, fx.Populate(&ob))
 	})
 	if err != nil {
 		return err
 	}
-	c := runner.Consumer()
+	c := ob.Consumer()
 	if c == nil {
-		return fmt.Errorf("observer has no consumer (state %s)", runner.State())
+		return fmt.Errorf("observer has no consumer (state %s)", ob.State())
 	}
 	fmt.Printf("ready %s\n", c.LeaseOwner())
 	done := make(chan struct{})

@@ -22,55 +22,55 @@ func (m fixedSettings) Setting(_ context.Context, name string) (string, bool, er
 	return v, ok, nil
 }
 
-// TestRunnerStartAfterStopRefuses: the runner the module provides follows the lifecycle rule
+// TestOutboxStartAfterStopRefuses: the Outbox the module provides follows the lifecycle rule
 // every part follows: once stopped, a Start (a late OnStart, a retry loop) refuses instead of
-// building and starting a fresh consumer that nothing would stop.
-func TestRunnerStartAfterStopRefuses(t *testing.T) {
+// starting a consumer that nothing would stop.
+func TestOutboxStartAfterStopRefuses(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	pool := pgtest.NewPool(t)
-	var runner *outbox.Runner
+	var ob *outbox.Outbox
 	app := fxtest.New(t, outbox.Module,
 		fx.Supply(pool, outbox.Config{IdentityField: "outbox.consumer_id"}),
 		fx.Provide(
 			func() outbox.Settings { return fixedSettings{"outbox.consumer_id": "c1"} },
 			func() outbox.Projects { return outbox.StaticProjects{"p"} },
 		),
-		fx.Populate(&runner), fx.NopLogger)
+		fx.Populate(&ob), fx.NopLogger)
 	app.RequireStart()
-	require.Equal(t, outbox.StateRunning, runner.State())
+	require.Equal(t, outbox.StateRunning, ob.State())
 	app.RequireStop()
-	require.Equal(t, outbox.StateStopped, runner.State())
+	require.Equal(t, outbox.StateStopped, ob.State())
 
-	err := runner.Start(ctx)
-	if c := runner.Consumer(); c != nil && runner.State() == outbox.StateRunning {
+	err := ob.Start(ctx)
+	if c := ob.Consumer(); c != nil && ob.State() == outbox.StateRunning {
 		t.Cleanup(func() { _ = c.Stop(context.Background()) })
 	}
 	require.ErrorIs(t, err, outbox.ErrConsumerStopped, "Start after Stop must refuse")
-	require.Equal(t, outbox.StateStopped, runner.State(), "and leave nothing running")
+	require.Equal(t, outbox.StateStopped, ob.State(), "and leave nothing running")
 }
 
-// runnerWithHeldStart builds an Outbox whose runner's Start holds in hold just before it starts
+// outboxWithHeldStart builds an Outbox whose Start holds in hold just before it starts
 // the consumer; the recorder is its listener.
-func runnerWithHeldStart(t *testing.T, hold func(ctx context.Context)) (*outbox.Outbox, *recorder, *pgxpool.Pool) {
+func outboxWithHeldStart(t *testing.T, hold func(ctx context.Context)) (*outbox.Outbox, *recorder, *pgxpool.Pool) {
 	t.Helper()
 	pool := pgtest.NewPool(t)
 	rec := newRecorder()
 	ob, err := outbox.New(pool, fastConfig(), outbox.Deps{Logger: zaptest.NewLogger(t),
 		Settings: fixedSettings{"outbox.consumer_id": "c1"}, Projects: outbox.StaticProjects{"p"}, Listeners: []outbox.Listener{rec}})
 	require.NoError(t, err)
-	outbox.HoldRunnerStart(ob.Runner(), hold)
+	outbox.HoldConsumerStart(ob, hold)
 	return ob, rec, pool
 }
 
-// TestRunnerStopWaitsForAStartInFlight: a Stop that arrives while Start is in the middle of
+// TestOutboxStopWaitsForAStartInFlight: a Stop that arrives while Start is in the middle of
 // its start-up cancels it and returns only once Start has returned, with no consumer running
 // and no lease held: nothing Start began can reach a listener or the pool after Stop.
-func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
+func TestOutboxStopWaitsForAStartInFlight(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	held, let := make(chan struct{}), make(chan struct{})
-	ob, rec, pool := runnerWithHeldStart(t, func(ctx context.Context) {
+	ob, rec, pool := outboxWithHeldStart(t, func(ctx context.Context) {
 		close(held)
 		<-ctx.Done() // a start-up step waiting on the database, until Stop cancels it
 		close(let)
@@ -97,7 +97,7 @@ func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
 	case <-time.After(waitLimit):
 		t.Fatal("Start never returned after Stop")
 	}
-	require.Nil(t, ob.Runner().Consumer(), "no consumer runs")
+	require.Nil(t, ob.Consumer(), "no consumer runs")
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE lease_owner IS NOT NULL`), "nothing holds a lease")
 
 	// An event written now reaches no listener: the full scan ScanNow would ask for has no
@@ -108,13 +108,13 @@ func TestRunnerStopWaitsForAStartInFlight(t *testing.T) {
 	require.ErrorIs(t, ob.Start(ctx), outbox.ErrConsumerStopped, "and Start after Stop refuses")
 }
 
-// TestRunnerStopBoundedWhileStartIgnoresIt: when the start-up step in flight does not give up,
+// TestOutboxStopBoundedWhileStartIgnoresIt: when the start-up step in flight does not give up,
 // Stop returns its context's error in time; the Start, once let go, starts no consumer.
-func TestRunnerStopBoundedWhileStartIgnoresIt(t *testing.T) {
+func TestOutboxStopBoundedWhileStartIgnoresIt(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t)
 	held, release := make(chan struct{}), make(chan struct{})
-	ob, _, pool := runnerWithHeldStart(t, func(context.Context) {
+	ob, _, pool := outboxWithHeldStart(t, func(context.Context) {
 		close(held)
 		<-release // ignores its context
 	})
@@ -127,7 +127,7 @@ func TestRunnerStopBoundedWhileStartIgnoresIt(t *testing.T) {
 	require.ErrorIs(t, ob.Stop(stopCtx), context.DeadlineExceeded, "Stop is bounded by its context")
 	close(release)
 	require.ErrorIs(t, <-started, outbox.ErrConsumerStopped, "the Start let go after Stop starts nothing")
-	require.Nil(t, ob.Runner().Consumer())
+	require.Nil(t, ob.Consumer())
 	require.Zero(t, pgtest.QueryInt(t, pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE lease_owner IS NOT NULL`), "nothing holds a lease")
 	require.NoError(t, ob.Stop(ctx))
 }
