@@ -277,10 +277,13 @@ type ReplayRequest struct {
 	Operator
 }
 
+// requestReplaySQL marks consumer @consumer's dead letter at @sequence of @project for replay,
+// by @actor for @reason, at the time of the clock shifted by @clock_offset.
 const requestReplaySQL = `
 UPDATE lifecycle_consumer_deliveries
-SET state = 'replay_requested', replay_requested_at = pg_catalog.now() + $6::interval, replay_requested_by = $4, replay_reason = $5
-WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'dead'
+SET state = 'replay_requested', replay_requested_at = pg_catalog.now() + @clock_offset::interval,
+    replay_requested_by = @actor, replay_reason = @reason
+WHERE project_id = @project AND consumer_id = @consumer AND sequence = @sequence AND state = 'dead'
 RETURNING event_id`
 
 const deliveryStateSQL = `
@@ -339,7 +342,8 @@ func (a *Admin) requestReplay(ctx context.Context, r ReplayRequest, eventID *str
 		return err
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if err := tx.QueryRow(ctx, requestReplaySQL, r.ProjectID, r.ConsumerID, r.Sequence, r.Actor, r.Reason, a.clock.Offset()).Scan(eventID); err != nil {
+	if err := tx.QueryRow(ctx, requestReplaySQL, pgx.StrictNamedArgs{"project": r.ProjectID, "consumer": r.ConsumerID, "sequence": r.Sequence,
+		"actor": r.Actor, "reason": r.Reason, "clock_offset": a.clock.Offset()}).Scan(eventID); err != nil {
 		return err
 	}
 	return tx.Commit(ctx)
@@ -366,21 +370,24 @@ type RetireRequest struct {
 	Operator
 }
 
-// retireSQL and reinstateSQL lock the consumer's rows in project order before they write any,
-// as every statement that writes several cursor rows does (lockedCursors): a plain UPDATE takes
-// them in whatever order its plan reads them, which a heartbeat writing the same rows in
+// retireSQL retires consumer @consumer in @project (every project when empty), by @actor for
+// @reason, at the time of the clock shifted by @clock_offset; reinstateSQL undoes that for
+// consumer $1 in project $2. Both lock the consumer's rows in project order before they write
+// any, as every statement that writes several cursor rows does (see renewSQL): a plain UPDATE
+// takes them in whatever order its plan reads them, which a heartbeat writing the same rows in
 // project order could deadlock with.
 const retireSQL = `
 WITH rows AS (
     SELECT k.project_id FROM lifecycle_consumer_cursors k
-    WHERE k.consumer_id = $1 AND ($2 = '' OR k.project_id = $2) AND k.retired_at IS NULL
+    WHERE k.consumer_id = @consumer AND (@project = '' OR k.project_id = @project) AND k.retired_at IS NULL
     ORDER BY k.project_id
     FOR NO KEY UPDATE
 )
 UPDATE lifecycle_consumer_cursors c
-SET retired_at = pg_catalog.now() + $5::interval, retired_by = $3, retired_reason = $4, lease_owner = NULL, lease_expires_at = NULL
+SET retired_at = pg_catalog.now() + @clock_offset::interval, retired_by = @actor, retired_reason = @reason,
+    lease_owner = NULL, lease_expires_at = NULL
 FROM rows r
-WHERE c.consumer_id = $1 AND c.project_id = r.project_id
+WHERE c.consumer_id = @consumer AND c.project_id = r.project_id
 RETURNING c.project_id`
 
 const reinstateSQL = `
@@ -427,7 +434,8 @@ func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql string, act
 	defer func() { _ = tx.Rollback(ctx) }()
 	args := []any{r.ConsumerID, r.ProjectID}
 	if action == AuditConsumerRetired {
-		args = append(args, r.Actor, r.Reason, a.clock.Offset())
+		args = []any{pgx.StrictNamedArgs{"consumer": r.ConsumerID, "project": r.ProjectID, "actor": r.Actor, "reason": r.Reason,
+			"clock_offset": a.clock.Offset()}}
 	}
 	rows, err := tx.Query(ctx, sql, args...)
 	if err != nil {

@@ -19,11 +19,12 @@ import (
 const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
        writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text`
 
-// readEventsSQL reads up to $3 events of project $1 numbered after $2, continuing after the key
-// ($4, $5, $6) of the event at $2 when the caller has it. The casts make the call an exact match
-// for the module's function.
+// readEventsSQL reads up to @limit events of @project numbered after @after, continuing after
+// the key (@key_txid, @key_deleted_at, @key_task_id) of the event at @after when the caller has
+// it. The casts make the call an exact match for the module's function.
 const readEventsSQL = `SELECT ` + eventColumns + `
-FROM lifecycle_outbox_read($1::text, $2::bigint, $3::integer, $4::text::xid8, $5::timestamptz, $6::text)`
+FROM lifecycle_outbox_read(@project::text, @after::bigint, @limit::integer,
+                           @key_txid::text::xid8, @key_deleted_at::timestamptz, @key_task_id::text)`
 
 // readFirstEventsSQL reads, for each project in $1 after its position in $2 (the arrays in step),
 // its parts from the one holding its next event, whole, up to $3 events past the position,
@@ -60,7 +61,8 @@ func (k eventKey) args() (txid *string, deletedAt *time.Time, taskID *string) {
 // key of the event at after, when known.
 func readEvents(ctx context.Context, db DBTX, project string, after int64, limit int, key eventKey) ([]storedEvent, error) {
 	kt, kd, kk := key.args()
-	rows, err := db.Query(ctx, readEventsSQL, project, after, limit, kt, kd, kk)
+	rows, err := db.Query(ctx, readEventsSQL, pgx.StrictNamedArgs{"project": project, "after": after, "limit": limit,
+		"key_txid": kt, "key_deleted_at": kd, "key_task_id": kk})
 	if err != nil {
 		return nil, fmt.Errorf("read events: %w", err)
 	}
