@@ -69,12 +69,27 @@ const (
 // newestTickSQL reads the newest tick: the standby's probe.
 const newestTickSQL = `SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`
 
-// openWithTickSQL is openDeliveriesSQL with the newest tick on every row, and one row with
-// only the tick when nothing is open: the primary's tick costs no statement of its own.
+// openWithTickSQL is openDeliveriesSQL (word for word: the prepare test checks) with the newest
+// tick on every row, and one row with only the tick when nothing is open: the primary's tick
+// costs no statement of its own.
 const openWithTickSQL = `
 SELECT t.tick_id, t.ticked_at, d.project_id, d.sequence, d.event_id, d.state, d.attempts, d.due, d.wait_seconds
 FROM (SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
-LEFT JOIN (` + openDeliveriesSQL + `) AS d (project_id, sequence, event_id, state, attempts, due, wait_seconds) ON true
+LEFT JOIN (
+    SELECT project_id, sequence, event_id, state, attempts,
+           coalesce(due_at <= pg_catalog.now() + $3::interval + interval '1 millisecond', true),
+           CASE WHEN due_at IS NULL OR due_at <= pg_catalog.now() + $3::interval THEN 0
+                WHEN due_at >= pg_catalog.now() + $3::interval + interval '1 day' THEN 86400
+                ELSE extract(epoch FROM due_at - (pg_catalog.now() + $3::interval))::float8
+           END
+    FROM (
+        SELECT project_id, sequence, event_id, state, attempts,
+               least(next_attempt_at, last_failed_at + interval '1 day') AS due_at
+        FROM lifecycle_consumer_deliveries
+        WHERE consumer_id = $1 AND project_id = ANY ($2::text[]) AND state IN ('retrying', 'replay_requested')
+    ) d
+    ORDER BY project_id, sequence
+) AS d (project_id, sequence, event_id, state, attempts, due, wait_seconds) ON true
 ORDER BY d.project_id, d.sequence`
 
 // readSource is where a consumer's scans read: the standby when Config.ReadDSN is set and it
