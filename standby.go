@@ -621,7 +621,7 @@ func standbyDown(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		// Class 08, connection exception; 57P01-57P03, the server shutting down or starting.
-		return strings.HasPrefix(pgErr.Code, "08") || pgErr.Code == pgerrcode.AdminShutdown ||
+		return pgerrcode.IsConnectionException(pgErr.Code) || pgErr.Code == pgerrcode.AdminShutdown ||
 			pgErr.Code == pgerrcode.CrashShutdown || pgErr.Code == pgerrcode.CannotConnectNow
 	}
 	return false

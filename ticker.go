@@ -116,10 +116,6 @@ func tickError(err error) error {
 	return fmt.Errorf("tick: %w", err)
 }
 
-// sqlstateXIDTimeline is the module's own SQLSTATE (class LX) for a cluster whose xids are
-// behind the last tick (migration 0018).
-const sqlstateXIDTimeline = "LX001"
-
 // Sequence numbers every committed event (see Tick) and returns the heads of projects (every
 // project the role may see when projects is nil), with Assigned set to what this call numbered
 // in each. limit bounds the rows of older writers adopted per statement (at most 100000).
