@@ -334,6 +334,7 @@ func (t *ticker) campaignOnce(ctx context.Context) error {
 	if _, err := conn.Exec(ctx, "SELECT pg_catalog.pg_advisory_lock($1)", tickerLockKey); err != nil {
 		return fmt.Errorf("wait for the ticker lock: %w", err)
 	}
+	// LISTEN takes no parameter: the configured channel is quoted as an identifier.
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{t.cfg.NotifyChannel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen for hints: %w", err)
 	}
