@@ -69,6 +69,14 @@ const (
 // newestTickSQL reads the newest tick: the standby's probe.
 const newestTickSQL = `SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`
 
+// inRecoverySQL asks a server whether it is a standby.
+const inRecoverySQL = `SELECT pg_catalog.pg_is_in_recovery()`
+
+// standbyNewestTickSQL is newestTickSQL with whether the server is a standby, for
+// CompareStandby.
+const standbyNewestTickSQL = `
+SELECT n.tick_id, n.ticked_at, pg_catalog.pg_is_in_recovery() FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`
+
 // openWithTickSQL is openDeliveriesSQL (word for word: the prepare test checks) with the newest
 // tick on every row, and one row with only the tick when nothing is open: the primary's tick
 // costs no statement of its own.
@@ -132,7 +140,7 @@ func (r *readSource) open() error {
 	// primary by mistake): its ticks and events may not be the primary's, so it serves nothing.
 	pcfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		var inRecovery bool
-		if err := conn.QueryRow(ctx, `SELECT pg_catalog.pg_is_in_recovery()`).Scan(&inRecovery); err != nil {
+		if err := conn.QueryRow(ctx, inRecoverySQL).Scan(&inRecovery); err != nil {
 			return err
 		}
 		if !inRecovery {
@@ -652,8 +660,7 @@ func CompareStandby(ctx context.Context, primary, standby DBTX) (StandbyLag, err
 	if err := primary.QueryRow(ctx, newestTickSQL).Scan(&l.PrimaryTick, &l.PrimaryTickAt); err != nil {
 		return l, fmt.Errorf("compare standby: read the primary's newest tick: %w", err)
 	}
-	err := standby.QueryRow(ctx, `SELECT n.tick_id, n.ticked_at, pg_catalog.pg_is_in_recovery()
-FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
+	err := standby.QueryRow(ctx, standbyNewestTickSQL).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
 	if err != nil {
 		return l, fmt.Errorf("compare standby: read the standby's newest tick: %w", err)
 	}
