@@ -20,18 +20,27 @@ type ack struct {
 	sequence int64
 }
 
-// ROWS FROM spells out the multi-argument unnest, whose shorthand exists only unqualified. The
-// rows are locked first, in project order, as the lease heartbeat locks them (see
-// lockedCursors): the two run at once on two connections.
+// ackSQL writes the cursors of consumer @consumer's instance @owner: for each of @projects
+// the sequence in @sequences, under the epoch in @epochs (the arrays in step), while the lease
+// is unexpired on the clock shifted by @clock_offset. ROWS FROM spells out the multi-argument
+// unnest, whose shorthand exists only unqualified. The rows are locked first, in project
+// order, as the lease heartbeat locks them (see renewSQL): the two run at once on two
+// connections.
 const ackSQL = `
-WITH ` + lockedCursors + `$3::text[]` + lockedCursorsEnd + `
+WITH locked AS (
+    SELECT k.project_id FROM lifecycle_consumer_cursors k
+    WHERE k.consumer_id = @consumer AND k.lease_owner = @owner AND k.project_id = ANY (@projects::text[])
+    ORDER BY k.project_id
+    FOR NO KEY UPDATE
+)
 UPDATE lifecycle_consumer_cursors c
 SET last_acked_sequence = a.sequence, acked_at = pg_catalog.now()
-FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[]), pg_catalog.unnest($5::bigint[])) AS a(project_id, epoch, sequence)
+FROM ROWS FROM (pg_catalog.unnest(@projects::text[]), pg_catalog.unnest(@epochs::bigint[]), pg_catalog.unnest(@sequences::bigint[]))
+    AS a(project_id, epoch, sequence)
 JOIN locked l ON l.project_id = a.project_id
-WHERE c.consumer_id = $1 AND c.lease_owner = $2
+WHERE c.consumer_id = @consumer AND c.lease_owner = @owner
   AND c.project_id = a.project_id AND c.lease_epoch = a.epoch
-  AND c.lease_expires_at > pg_catalog.now() + $6::interval AND c.retired_at IS NULL
+  AND c.lease_expires_at > pg_catalog.now() + @clock_offset::interval AND c.retired_at IS NULL
   AND (c.last_acked_sequence IS NULL OR c.last_acked_sequence <= a.sequence)
 RETURNING c.project_id`
 
@@ -100,7 +109,8 @@ func (a *acknowledger) write(ctx context.Context, acks []ack) ([]string, error) 
 	for i, k := range acks {
 		projects[i], epochs[i], seqs[i] = k.project, k.epoch, k.sequence
 	}
-	rows, err := a.pool.Query(ctx, ackSQL, a.id, a.owner, projects, epochs, seqs, a.clock.Offset())
+	rows, err := a.pool.Query(ctx, ackSQL, pgx.StrictNamedArgs{"consumer": a.id, "owner": a.owner, "projects": projects,
+		"epochs": epochs, "sequences": seqs, "clock_offset": a.clock.Offset()})
 	if err != nil {
 		return nil, err
 	}

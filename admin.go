@@ -102,21 +102,11 @@ type ConsumerStatus struct {
 	ReconcileReason ReconcileReason `json:"reconcileReason,omitempty"`
 }
 
-const statusSQL = statusSelect + `
-WHERE ($2 = '' OR c.project_id = $2) AND ($3 = '' OR c.consumer_id = $3)
-ORDER BY c.project_id, c.consumer_id`
-
-// projectsStatusSQL is the status of every consumer of the given projects.
-const projectsStatusSQL = statusSelect + `
-WHERE c.project_id = ANY ($2::text[])
-ORDER BY c.project_id, c.consumer_id`
-
-// statusProjectsSQL lists the projects a status call covers, for reading them one by one after
-// the read of them all failed.
-const statusProjectsSQL = `
-SELECT DISTINCT project_id FROM lifecycle_consumer_cursors WHERE ($1 = '' OR consumer_id = $1) ORDER BY 1`
-
-const statusSelect = `
+// statusSQL is the status of every cursor of project $2 (every project when empty) and
+// consumer $3 (every consumer when empty), on the clock shifted by $1. projectsStatusSQL is the
+// same read of the projects in $2; the two return the same columns (TestEveryStatementPrepares
+// checks), which queryStatus scans.
+const statusSQL = `
 SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
        coalesce(h.last_sequence, 0), coalesce(h.pruned_through, 0),
        greatest(coalesce(h.last_sequence, 0) - coalesce(c.last_acked_sequence, 0), 0),
@@ -138,7 +128,41 @@ LEFT JOIN LATERAL (
            pg_catalog.count(*) FILTER (WHERE state = 'replay_requested')::int AS replay
     FROM lifecycle_consumer_deliveries d
     WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
-) d ON true`
+) d ON true
+WHERE ($2 = '' OR c.project_id = $2) AND ($3 = '' OR c.consumer_id = $3)
+ORDER BY c.project_id, c.consumer_id`
+
+// projectsStatusSQL is the status of every consumer of the given projects.
+const projectsStatusSQL = `
+SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
+       coalesce(h.last_sequence, 0), coalesce(h.pruned_through, 0),
+       greatest(coalesce(h.last_sequence, 0) - coalesce(c.last_acked_sequence, 0), 0),
+       coalesce(greatest(extract(epoch FROM (pg_catalog.now() + $1::interval) - o.occurred_at), 0), 0)::float8,
+       coalesce(c.lease_owner, ''), c.lease_epoch, c.lease_expires_at,
+       coalesce(c.lease_owner IS NOT NULL AND c.lease_expires_at > pg_catalog.now() + $1::interval, false),
+       c.heartbeat_at, c.retired_at IS NOT NULL, c.retired_at, coalesce(c.retired_by, ''), coalesce(c.retired_reason, ''),
+       coalesce(d.retrying, 0), coalesce(d.dead, 0), coalesce(d.replay, 0),
+       c.reconciled_at, coalesce(c.reconcile_reason, '')
+FROM lifecycle_consumer_cursors c
+LEFT JOIN lifecycle_outbox_head h ON h.project_id = c.project_id
+LEFT JOIN LATERAL (
+    SELECT r.occurred_at FROM lifecycle_outbox_read(c.project_id::text, coalesce(c.last_acked_sequence, 0), 1, NULL, NULL, NULL) r
+    WHERE coalesce(c.last_acked_sequence, 0) < h.last_sequence
+) o ON true
+LEFT JOIN LATERAL (
+    SELECT pg_catalog.count(*) FILTER (WHERE state = 'retrying')::int AS retrying,
+           pg_catalog.count(*) FILTER (WHERE state = 'dead')::int AS dead,
+           pg_catalog.count(*) FILTER (WHERE state = 'replay_requested')::int AS replay
+    FROM lifecycle_consumer_deliveries d
+    WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
+) d ON true
+WHERE c.project_id = ANY ($2::text[])
+ORDER BY c.project_id, c.consumer_id`
+
+// statusProjectsSQL lists the projects a status call covers, for reading them one by one after
+// the read of them all failed.
+const statusProjectsSQL = `
+SELECT DISTINCT project_id FROM lifecycle_consumer_cursors WHERE ($1 = '' OR consumer_id = $1) ORDER BY 1`
 
 // Now is the local clock shifted as the Admin's Clock shifts the database's: the time against
 // which the times Status returns (heartbeats, lease expiries) are judged, for a surface that
@@ -282,10 +306,13 @@ type ReplayRequest struct {
 	Operator
 }
 
+// requestReplaySQL marks consumer @consumer's dead letter at @sequence of @project for replay,
+// by @actor for @reason, at the time of the clock shifted by @clock_offset.
 const requestReplaySQL = `
 UPDATE lifecycle_consumer_deliveries
-SET state = 'replay_requested', replay_requested_at = pg_catalog.now() + $6::interval, replay_requested_by = $4, replay_reason = $5
-WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'dead'
+SET state = 'replay_requested', replay_requested_at = pg_catalog.now() + @clock_offset::interval,
+    replay_requested_by = @actor, replay_reason = @reason
+WHERE project_id = @project AND consumer_id = @consumer AND sequence = @sequence AND state = 'dead'
 RETURNING event_id`
 
 const deliveryStateSQL = `
@@ -344,7 +371,8 @@ func (a *Admin) requestReplay(ctx context.Context, r ReplayRequest, eventID *str
 		return err
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if err := tx.QueryRow(ctx, requestReplaySQL, r.ProjectID, r.ConsumerID, r.Sequence, r.Actor, r.Reason, a.clock.Offset()).Scan(eventID); err != nil {
+	if err := tx.QueryRow(ctx, requestReplaySQL, pgx.StrictNamedArgs{"project": r.ProjectID, "consumer": r.ConsumerID, "sequence": r.Sequence,
+		"actor": r.Actor, "reason": r.Reason, "clock_offset": a.clock.Offset()}).Scan(eventID); err != nil {
 		return err
 	}
 	return tx.Commit(ctx)
@@ -371,21 +399,24 @@ type RetireRequest struct {
 	Operator
 }
 
-// retireSQL and reinstateSQL lock the consumer's rows in project order before they write any,
-// as every statement that writes several cursor rows does (lockedCursors): a plain UPDATE takes
-// them in whatever order its plan reads them, which a heartbeat writing the same rows in
+// retireSQL retires consumer @consumer in @project (every project when empty), by @actor for
+// @reason, at the time of the clock shifted by @clock_offset; reinstateSQL undoes that for
+// consumer $1 in project $2. Both lock the consumer's rows in project order before they write
+// any, as every statement that writes several cursor rows does (see renewSQL): a plain UPDATE
+// takes them in whatever order its plan reads them, which a heartbeat writing the same rows in
 // project order could deadlock with.
 const retireSQL = `
 WITH rows AS (
     SELECT k.project_id FROM lifecycle_consumer_cursors k
-    WHERE k.consumer_id = $1 AND ($2 = '' OR k.project_id = $2) AND k.retired_at IS NULL
+    WHERE k.consumer_id = @consumer AND (@project = '' OR k.project_id = @project) AND k.retired_at IS NULL
     ORDER BY k.project_id
     FOR NO KEY UPDATE
 )
 UPDATE lifecycle_consumer_cursors c
-SET retired_at = pg_catalog.now() + $5::interval, retired_by = $3, retired_reason = $4, lease_owner = NULL, lease_expires_at = NULL
+SET retired_at = pg_catalog.now() + @clock_offset::interval, retired_by = @actor, retired_reason = @reason,
+    lease_owner = NULL, lease_expires_at = NULL
 FROM rows r
-WHERE c.consumer_id = $1 AND c.project_id = r.project_id
+WHERE c.consumer_id = @consumer AND c.project_id = r.project_id
 RETURNING c.project_id`
 
 const reinstateSQL = `
@@ -432,7 +463,8 @@ func (a *Admin) setRetired(ctx context.Context, r RetireRequest, sql string, act
 	defer func() { _ = tx.Rollback(ctx) }()
 	args := []any{r.ConsumerID, r.ProjectID}
 	if action == AuditConsumerRetired {
-		args = append(args, r.Actor, r.Reason, a.clock.Offset())
+		args = []any{pgx.StrictNamedArgs{"consumer": r.ConsumerID, "project": r.ProjectID, "actor": r.Actor, "reason": r.Reason,
+			"clock_offset": a.clock.Offset()}}
 	}
 	rows, err := tx.Query(ctx, sql, args...)
 	if err != nil {

@@ -44,12 +44,13 @@ func (w *Writer) QueueTaskDeleted(ctx context.Context, b *pgx.Batch, d TaskDelet
 	if w.trace.tracer != nil {
 		var tc *string
 		_, q.span, tc = w.startCreate(ctx, ev)
-		sql, args = insertTracedEventSQL, append(args, tc)
+		sql = insertTracedEventSQL
+		args["trace_context"] = tc
 		if tc != nil {
 			q.ev.traceContext = *tc
 		}
 	}
-	b.Queue(sql, args...).QueryRow(func(row pgx.Row) error {
+	b.Queue(sql, args).QueryRow(func(row pgx.Row) error {
 		q.read = true
 		err := row.Scan(&q.ev.OccurredAt)
 		switch {

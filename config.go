@@ -429,7 +429,8 @@ func boundedTx(iso pgx.TxIsoLevel, mode pgx.TxAccessMode, lock, stmt time.Durati
 	if mode != "" {
 		begin += " " + string(mode)
 	}
-	// Integers only: nothing from outside reaches this text.
+	// BeginQuery takes no arguments and SET no parameters, so the timeouts are written into the
+	// text: integers only, nothing from outside reaches it.
 	return pgx.TxOptions{BeginQuery: fmt.Sprintf("%s; SET LOCAL lock_timeout = %d; SET LOCAL statement_timeout = %d",
 		begin, max(lock.Milliseconds(), 1), max(stmt.Milliseconds(), 1))}
 }

@@ -40,11 +40,15 @@ func TestCursorWritesLockInProjectOrder(t *testing.T) {
 		leased bool // the rows are leased to owner; else free for acquiring
 		args   []any
 	}{
-		{"ackSQL", true, []any{id, owner, projects, epochs, seqs, time.Duration(0)}},
-		{"renewSQL", true, []any{id, owner, 30 * time.Second, time.Duration(0), projects, epochs}},
+		{"ackSQL", true, []any{pgx.StrictNamedArgs{"consumer": id, "owner": owner, "projects": projects, "epochs": epochs,
+			"sequences": seqs, "clock_offset": time.Duration(0)}}},
+		{"renewSQL", true, []any{pgx.StrictNamedArgs{"consumer": id, "owner": owner, "projects": projects, "epochs": epochs,
+			"lease_ttl": 30 * time.Second, "clock_offset": time.Duration(0)}}},
 		{"releaseSQL", true, []any{id, owner, projects, epochs}},
-		{"acquireSQL", false, []any{id, projects, owner, 30 * time.Second, time.Duration(0)}},
-		{"retireSQL", true, []any{id, "", "operator", "test", time.Duration(0)}},
+		{"acquireSQL", false, []any{pgx.StrictNamedArgs{"consumer": id, "owner": owner, "projects": projects,
+			"lease_ttl": 30 * time.Second, "clock_offset": time.Duration(0)}}},
+		{"retireSQL", true, []any{pgx.StrictNamedArgs{"consumer": id, "project": "", "actor": "operator", "reason": "test",
+			"clock_offset": time.Duration(0)}}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			conns := make([]*pgx.Conn, 3)

@@ -151,18 +151,25 @@ SELECT attempts FROM lifecycle_consumer_deliveries
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3
 FOR UPDATE`
 
+// upsertRetryingSQL records @attempts failed attempts of consumer @consumer to deliver event
+// @event_id at @sequence of @project, the last of class @failure_class, and its next attempt
+// @retry_delay from now, on the clock shifted by @clock_offset.
 const upsertRetryingSQL = `
 INSERT INTO lifecycle_consumer_deliveries AS d
     (project_id, consumer_id, sequence, event_id, state, attempts, next_attempt_at, last_failure_class, first_failed_at, last_failed_at)
-VALUES ($1, $2, $3, $4, 'retrying', $5, pg_catalog.now() + $7::interval + $6::interval, $8, pg_catalog.now() + $7::interval, pg_catalog.now() + $7::interval)
+VALUES (@project, @consumer, @sequence, @event_id, 'retrying', @attempts,
+        pg_catalog.now() + @clock_offset::interval + @retry_delay::interval, @failure_class,
+        pg_catalog.now() + @clock_offset::interval, pg_catalog.now() + @clock_offset::interval)
 ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
 SET state = 'retrying', attempts = excluded.attempts, next_attempt_at = excluded.next_attempt_at,
     last_failure_class = excluded.last_failure_class, last_failed_at = excluded.last_failed_at`
 
+// upsertDeadSQL parks the delivery upsertRetryingSQL records, after its last attempt.
 const upsertDeadSQL = `
 INSERT INTO lifecycle_consumer_deliveries AS d
     (project_id, consumer_id, sequence, event_id, state, attempts, last_failure_class, first_failed_at, last_failed_at, parked_at)
-VALUES ($1, $2, $3, $4, 'dead', $5, $7, pg_catalog.now() + $6::interval, pg_catalog.now() + $6::interval, pg_catalog.now() + $6::interval)
+VALUES (@project, @consumer, @sequence, @event_id, 'dead', @attempts, @failure_class,
+        pg_catalog.now() + @clock_offset::interval, pg_catalog.now() + @clock_offset::interval, pg_catalog.now() + @clock_offset::interval)
 ON CONFLICT (project_id, consumer_id, sequence) DO UPDATE
 SET state = 'dead', attempts = excluded.attempts, next_attempt_at = NULL, last_failure_class = excluded.last_failure_class,
     last_failed_at = excluded.last_failed_at, parked_at = excluded.parked_at`
@@ -181,12 +188,14 @@ func (s *deliveryStore) recordFailureTx(ctx context.Context, tx pgx.Tx, project 
 		return 0, false, err
 	}
 	attempts++
+	args := pgx.StrictNamedArgs{"project": project, "consumer": s.id, "sequence": ev.Sequence, "event_id": ev.EventID,
+		"attempts": attempts, "failure_class": string(class), "clock_offset": s.offset()}
 	if attempts < s.cfg.MaxAttempts && class != FailureUndecodableEvent {
-		_, err := tx.Exec(ctx, upsertRetryingSQL, project, s.id, ev.Sequence, ev.EventID, attempts,
-			s.cfg.retryDelay(attempts), s.offset(), string(class))
+		args["retry_delay"] = s.cfg.retryDelay(attempts)
+		_, err := tx.Exec(ctx, upsertRetryingSQL, args)
 		return attempts, false, err
 	}
-	if _, err := tx.Exec(ctx, upsertDeadSQL, project, s.id, ev.Sequence, ev.EventID, attempts, s.offset(), string(class)); err != nil {
+	if _, err := tx.Exec(ctx, upsertDeadSQL, args); err != nil {
 		return 0, false, err
 	}
 	if err := s.audit.WriteAuditTx(ctx, tx, AuditRecord{Action: AuditConsumerPoisoned, ProjectID: project,
@@ -221,11 +230,14 @@ const replayMissingSQL = `
 UPDATE lifecycle_consumer_deliveries SET state = 'dead', parked_at = pg_catalog.now() + $4::interval
 WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
 
+// replayFailedSQL parks again, with one more attempt of class @failure_class, the replay of
+// consumer @consumer's delivery at @sequence of @project, at the time of the clock shifted by
+// @clock_offset.
 const replayFailedSQL = `
 UPDATE lifecycle_consumer_deliveries
-SET state = 'dead', attempts = attempts + 1, last_failure_class = $5,
-    last_failed_at = pg_catalog.now() + $4::interval, parked_at = pg_catalog.now() + $4::interval
-WHERE project_id = $1 AND consumer_id = $2 AND sequence = $3 AND state = 'replay_requested'`
+SET state = 'dead', attempts = attempts + 1, last_failure_class = @failure_class,
+    last_failed_at = pg_catalog.now() + @clock_offset::interval, parked_at = pg_catalog.now() + @clock_offset::interval
+WHERE project_id = @project AND consumer_id = @consumer AND sequence = @sequence AND state = 'replay_requested'`
 
 // replayMissingTx puts a replay request whose event is no longer stored back to dead.
 func (s *deliveryStore) replayMissingTx(ctx context.Context, tx pgx.Tx, project string, sequence int64) error {
@@ -235,7 +247,8 @@ func (s *deliveryStore) replayMissingTx(ctx context.Context, tx pgx.Tx, project 
 
 // replayFailedTx puts a replay that failed back to dead, counting the attempt.
 func (s *deliveryStore) replayFailedTx(ctx context.Context, tx pgx.Tx, project string, sequence int64, class FailureClass) error {
-	_, err := tx.Exec(ctx, replayFailedSQL, project, s.id, sequence, s.offset(), string(class))
+	_, err := tx.Exec(ctx, replayFailedSQL, pgx.StrictNamedArgs{"project": project, "consumer": s.id, "sequence": sequence,
+		"failure_class": string(class), "clock_offset": s.offset()})
 	return err
 }
 

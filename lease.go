@@ -184,50 +184,55 @@ SELECT project_id FROM lifecycle_consumer_cursors
 WHERE consumer_id = $1 AND project_id = ANY ($2::text[]) AND retired_at IS NOT NULL
 ORDER BY project_id`
 
+// acquireSQL takes, for consumer @consumer and its instance @owner, every lease among
+// @projects that is free or expired on the clock shifted by @clock_offset, for @lease_ttl.
 const acquireSQL = `
 WITH free AS (
     SELECT k.project_id FROM lifecycle_consumer_cursors k
-    WHERE k.consumer_id = $1 AND k.project_id = ANY ($2::text[]) AND k.retired_at IS NULL
-      AND (k.lease_owner IS NULL OR k.lease_expires_at IS NULL OR k.lease_expires_at <= pg_catalog.now() + $5::interval)
+    WHERE k.consumer_id = @consumer AND k.project_id = ANY (@projects::text[]) AND k.retired_at IS NULL
+      AND (k.lease_owner IS NULL OR k.lease_expires_at IS NULL OR k.lease_expires_at <= pg_catalog.now() + @clock_offset::interval)
     ORDER BY k.project_id
     FOR NO KEY UPDATE
 )
 UPDATE lifecycle_consumer_cursors c
-SET lease_owner = $3, lease_epoch = c.lease_epoch + 1,
-    lease_expires_at = pg_catalog.now() + $5::interval + $4::interval, heartbeat_at = pg_catalog.now() + $5::interval
+SET lease_owner = @owner, lease_epoch = c.lease_epoch + 1,
+    lease_expires_at = pg_catalog.now() + @clock_offset::interval + @lease_ttl::interval,
+    heartbeat_at = pg_catalog.now() + @clock_offset::interval
 FROM free f
-WHERE c.consumer_id = $1 AND c.project_id = f.project_id
+WHERE c.consumer_id = @consumer AND c.project_id = f.project_id
 RETURNING c.project_id, c.lease_epoch, coalesce(c.last_acked_sequence, -1)`
 
-// lockedCursors locks the cursor rows that a statement writing several of them will write, in
-// project order, before it writes any: a CTE named locked, between lockedCursors and
-// lockedCursorsEnd with the statement's text[] parameter of projects. A consumer's
-// acknowledgement and its heartbeat each write several of its rows, at once on two
-// connections; taking them in the order their arguments came, each could hold a row the other
-// waits for, a deadlock that PostgreSQL breaks only after deadlock_timeout (a second by
-// default), while the consumer's scans wait. $1 is the consumer and $2 its instance.
-const (
-	lockedCursors = `locked AS (
+// renewSQL and releaseSQL, like ackSQL and retireSQL, lock the cursor rows they will write in
+// project order before they write any (the CTE named locked). A consumer's acknowledgement and
+// its heartbeat each write several of its rows, at once on two connections; taking them in the
+// order their arguments came, each could hold a row the other waits for, a deadlock that
+// PostgreSQL breaks only after deadlock_timeout (a second by default), while the consumer's
+// scans wait.
+const renewSQL = `
+WITH locked AS (
     SELECT k.project_id FROM lifecycle_consumer_cursors k
-    WHERE k.consumer_id = $1 AND k.lease_owner = $2 AND k.project_id = ANY (`
-	lockedCursorsEnd = `)
+    WHERE k.consumer_id = @consumer AND k.lease_owner = @owner AND k.project_id = ANY (@projects::text[])
     ORDER BY k.project_id
     FOR NO KEY UPDATE
-)`
 )
-
-const renewSQL = `
-WITH ` + lockedCursors + `$5::text[]` + lockedCursorsEnd + `
 UPDATE lifecycle_consumer_cursors c
-SET lease_expires_at = pg_catalog.now() + $4::interval + $3::interval, heartbeat_at = pg_catalog.now() + $4::interval
-FROM ROWS FROM (pg_catalog.unnest($5::text[]), pg_catalog.unnest($6::bigint[])) AS h(project_id, epoch)
+SET lease_expires_at = pg_catalog.now() + @clock_offset::interval + @lease_ttl::interval,
+    heartbeat_at = pg_catalog.now() + @clock_offset::interval
+FROM ROWS FROM (pg_catalog.unnest(@projects::text[]), pg_catalog.unnest(@epochs::bigint[])) AS h(project_id, epoch)
 JOIN locked l ON l.project_id = h.project_id
-WHERE c.consumer_id = $1 AND c.lease_owner = $2 AND c.project_id = h.project_id AND c.lease_epoch = h.epoch
-  AND c.lease_expires_at > pg_catalog.now() + $4::interval AND c.retired_at IS NULL
+WHERE c.consumer_id = @consumer AND c.lease_owner = @owner AND c.project_id = h.project_id AND c.lease_epoch = h.epoch
+  AND c.lease_expires_at > pg_catalog.now() + @clock_offset::interval AND c.retired_at IS NULL
 RETURNING c.project_id`
 
+// releaseSQL gives up the leases of consumer $1's instance $2 on the projects $3, each under
+// its epoch in $4.
 const releaseSQL = `
-WITH ` + lockedCursors + `$3::text[]` + lockedCursorsEnd + `
+WITH locked AS (
+    SELECT k.project_id FROM lifecycle_consumer_cursors k
+    WHERE k.consumer_id = $1 AND k.lease_owner = $2 AND k.project_id = ANY ($3::text[])
+    ORDER BY k.project_id
+    FOR NO KEY UPDATE
+)
 UPDATE lifecycle_consumer_cursors c
 SET lease_owner = NULL, lease_expires_at = NULL
 FROM ROWS FROM (pg_catalog.unnest($3::text[]), pg_catalog.unnest($4::bigint[])) AS h(project_id, epoch)
@@ -334,7 +339,8 @@ func (k *leaseKeeper) acquire(ctx context.Context, projects []string) ([]string,
 		return nil, nil
 	}
 	sent := k.now()
-	rows, err := k.pool.Query(ctx, acquireSQL, k.id, projects, k.owner, k.cfg.LeaseTTL, k.cfg.Clock.Offset())
+	rows, err := k.pool.Query(ctx, acquireSQL, pgx.StrictNamedArgs{"consumer": k.id, "owner": k.owner, "projects": projects,
+		"lease_ttl": k.cfg.LeaseTTL, "clock_offset": k.cfg.Clock.Offset()})
 	if err != nil {
 		return nil, fmt.Errorf("acquire leases: %w", err)
 	}
@@ -372,7 +378,8 @@ func (k *leaseKeeper) renew(ctx context.Context) error {
 	}
 	projects, epochs := leaseArrays(held, nil)
 	sent := k.now()
-	rows, err := k.pool.Query(ctx, renewSQL, k.id, k.owner, k.cfg.LeaseTTL, k.cfg.Clock.Offset(), projects, epochs)
+	rows, err := k.pool.Query(ctx, renewSQL, pgx.StrictNamedArgs{"consumer": k.id, "owner": k.owner, "projects": projects,
+		"epochs": epochs, "lease_ttl": k.cfg.LeaseTTL, "clock_offset": k.cfg.Clock.Offset()})
 	if err != nil {
 		return fmt.Errorf("renew leases: %w", err)
 	}
@@ -584,10 +591,12 @@ func (k *leaseKeeper) dropUnobserved(held map[string]lease, observed map[string]
 	k.log.Info("stopped observing projects", zap.Strings("projects", projects))
 }
 
+// fenceSQL locks the cursor of @project while consumer @consumer's instance @owner holds its
+// lease under @epoch, unexpired on the clock shifted by @clock_offset.
 const fenceSQL = `
 SELECT coalesce(last_acked_sequence, -1) FROM lifecycle_consumer_cursors
-WHERE project_id = $1 AND consumer_id = $2 AND lease_owner = $3 AND lease_epoch = $4
-  AND lease_expires_at > pg_catalog.now() + $5::interval AND retired_at IS NULL
+WHERE project_id = @project AND consumer_id = @consumer AND lease_owner = @owner AND lease_epoch = @epoch
+  AND lease_expires_at > pg_catalog.now() + @clock_offset::interval AND retired_at IS NULL
 FOR UPDATE`
 
 // cursorSQL reads the durable cursor of a lease this instance holds.
@@ -617,7 +626,8 @@ func (k *leaseKeeper) fencedTx(ctx context.Context, project string, epoch int64,
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
 	var cursor int64
-	err = tx.QueryRow(ctx, fenceSQL, project, k.id, k.owner, epoch, k.cfg.Clock.Offset()).Scan(&cursor)
+	err = tx.QueryRow(ctx, fenceSQL, pgx.StrictNamedArgs{"project": project, "consumer": k.id, "owner": k.owner,
+		"epoch": epoch, "clock_offset": k.cfg.Clock.Offset()}).Scan(&cursor)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ErrLeaseLost
 	}

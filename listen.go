@@ -143,6 +143,7 @@ func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
 		defer cancel()
 		_ = conn.Close(closeCtx)
 	}()
+	// LISTEN takes no parameter: the configured channel is quoted as an identifier.
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{wk.cfg.TickChannel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -80,7 +81,8 @@ func TestPolicyChecksDoNotGrowWithGrants(t *testing.T) {
 	insert := outbox.Statements["insertEventSQL"]
 	deletedAt := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
 	hookArgs := func(task string) []any {
-		return []any{projects[0], task, deletedAt, false, 1, "0s", "host-1-0123456789abcdef", "todo"}
+		return []any{pgx.StrictNamedArgs{"project": projects[0], "task_id": task, "deleted_at": deletedAt, "archived": false,
+			"payload_version": 1, "clock_offset": "0s", "writer_process_id": "host-1-0123456789abcdef", "prior_column": "todo"}}
 	}
 	few := grantRowsRead(t, fewWriter, insert, hookArgs("t-1")...)
 	lots := grantRowsRead(t, manyWriter, insert, hookArgs("t-1")...)
@@ -98,7 +100,8 @@ func TestPolicyChecksDoNotGrowWithGrants(t *testing.T) {
 
 	_, err := fewConsumer.Exec(ctx, ensure, ensureArgs...)
 	require.NoError(t, err)
-	acquireArgs := []any{consumers[0], []string{projects[0]}, consumers[0] + "@0123456789abcdef", "10s", "0s"}
+	acquireArgs := []any{pgx.StrictNamedArgs{"consumer": consumers[0], "projects": []string{projects[0]},
+		"owner": consumers[0] + "@0123456789abcdef", "lease_ttl": "10s", "clock_offset": "0s"}}
 	few = grantRowsRead(t, fewConsumer, acquire, acquireArgs...)
 	lots = grantRowsRead(t, manyConsumer, acquire, acquireArgs...)
 	require.Equal(t, few, lots, "taking a lease read more grant rows for a role of %d projects and consumers", many)

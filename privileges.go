@@ -161,6 +161,8 @@ func GrantOperatorRole(ctx context.Context, db DBTX, role string, projects ...st
 // granted the union of the component grants (or, before schema 17, GrantRuntimeRole) to
 // per-component grants.
 func RevokeModulePrivileges(ctx context.Context, db DBTX, role string) error {
+	// GRANT and REVOKE take no parameters: the role is quoted as an identifier, and the
+	// privileges and objects are this file's constants.
 	ident := pgx.Identifier{role}.Sanitize()
 	for _, o := range moduleObjects {
 		if _, err := db.Exec(ctx, fmt.Sprintf("REVOKE ALL ON %s FROM %s", o, ident)); err != nil {
@@ -174,7 +176,7 @@ func RevokeModulePrivileges(ctx context.Context, db DBTX, role string) error {
 }
 
 func grantAll(ctx context.Context, db DBTX, role string, grants []grant) error {
-	ident := pgx.Identifier{role}.Sanitize()
+	ident := pgx.Identifier{role}.Sanitize() // see RevokeModulePrivileges
 	if err := grantSchemaUsage(ctx, db, ident); err != nil {
 		return err
 	}

@@ -27,10 +27,13 @@ const (
 
 const headSQL = `SELECT coalesce((SELECT last_sequence FROM lifecycle_outbox_head WHERE project_id = $1), 0)`
 
+// reconcileCursorSQL restarts consumer @consumer's cursor of @project at @head, recording
+// @reason and the time of the clock shifted by @clock_offset.
 const reconcileCursorSQL = `
 UPDATE lifecycle_consumer_cursors
-SET last_acked_sequence = $3, acked_at = pg_catalog.now(), reconciled_at = pg_catalog.now() + $5::interval, reconcile_reason = $4
-WHERE project_id = $1 AND consumer_id = $2`
+SET last_acked_sequence = @head, acked_at = pg_catalog.now(),
+    reconciled_at = pg_catalog.now() + @clock_offset::interval, reconcile_reason = @reason
+WHERE project_id = @project AND consumer_id = @consumer`
 
 const supersedeRetriesSQL = `
 UPDATE lifecycle_consumer_deliveries
@@ -103,7 +106,8 @@ func (l *scanLoop) reconcile(ctx context.Context, st *stream, reason ReconcileRe
 // supersedes.
 func (r *reconciler) restartCursorTx(ctx context.Context, tx pgx.Tx, project string, head int64, reason ReconcileReason) error {
 	offset := r.cfg.Clock.Offset()
-	if _, err := tx.Exec(ctx, reconcileCursorSQL, project, r.id, head, string(reason), offset); err != nil {
+	if _, err := tx.Exec(ctx, reconcileCursorSQL, pgx.StrictNamedArgs{"project": project, "consumer": r.id, "head": head,
+		"reason": string(reason), "clock_offset": offset}); err != nil {
 		return err
 	}
 	_, err := tx.Exec(ctx, supersedeRetriesSQL, project, r.id, head, offset)

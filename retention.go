@@ -163,15 +163,17 @@ SELECT (SELECT pg_catalog.count(*) FROM lifecycle_outbox o
                          AND d.sequence >= tp.first_sequence AND d.sequence <= tp.first_sequence + tp.events - 1
                          AND d.state <> 'resolved' AND c.retired_at IS NULL)), 0)`
 
-// pruneBatchSQL deletes, as the schema owner (migrations 0017 and 0019), up to $2 events of
-// project $1 above $3, the highest sequence this sweep pruned in the project before (more than
-// $2 when one part of a tick holds more: parts go whole), that every live cursor acknowledged
-// (read again inside the call: a cursor created or reinstated since the plan holds its events
-// back too) and that are older than the window $5 on the clock shifted by $4; it raises the
-// project's floor to the highest sequence it deleted. Starting above $3 keeps a batch from
-// stepping over the index entries of every row the sweep deleted so far, which cannot be
-// marked dead while a snapshot from before their deletion lives.
-const pruneBatchSQL = `SELECT pruned, max_sequence FROM lifecycle_outbox_prune($1, $2, $3, $4::interval, $5::interval)`
+// pruneBatchSQL deletes, as the schema owner (migrations 0017 and 0019), up to @limit events
+// of @project above @after, the highest sequence this sweep pruned in the project before (more
+// than @limit when one part of a tick holds more: parts go whole), that every live cursor
+// acknowledged (read again inside the call: a cursor created or reinstated since the plan
+// holds its events back too) and that are older than @window on the clock shifted by
+// @clock_offset; it raises the project's floor to the highest sequence it deleted. Starting
+// above @after keeps a batch from stepping over the index entries of every row the sweep
+// deleted so far, which cannot be marked dead while a snapshot from before their deletion
+// lives.
+const pruneBatchSQL = `
+SELECT pruned, max_sequence FROM lifecycle_outbox_prune(@project, @limit, @after, @clock_offset::interval, @window::interval)`
 
 // pruneDeadLettersSQL deletes, as the schema owner, up to $1 deliveries of the caller's
 // projects resolved more than $3 ago on the clock shifted by $2, or left by a retired consumer.
@@ -302,7 +304,8 @@ func (r *Retention) pruneBatch(ctx context.Context, p PrunePlan, limit int64, af
 	started := time.Now()
 	var n, maxSeq int64
 	err := pgx.BeginTxFunc(ctx, r.pool, r.cfg.txOptions("", ""), func(tx pgx.Tx) error {
-		return tx.QueryRow(ctx, pruneBatchSQL, p.ProjectID, limit, *after, r.cfg.Clock.Offset(), r.cfg.RetentionWindow).Scan(&n, &maxSeq)
+		return tx.QueryRow(ctx, pruneBatchSQL, pgx.StrictNamedArgs{"project": p.ProjectID, "limit": limit, "after": *after,
+			"clock_offset": r.cfg.Clock.Offset(), "window": r.cfg.RetentionWindow}).Scan(&n, &maxSeq)
 	})
 	if err != nil {
 		return 0, fmt.Errorf("prune project %s: %w", p.ProjectID, err)

@@ -276,7 +276,8 @@ func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
 	var n, maxSeq int64
-	require.NoError(t, tx.QueryRow(ctx, outbox.PruneBatchSQL, "p", 100, 0, 40*24*time.Hour, 30*24*time.Hour).Scan(&n, &maxSeq))
+	require.NoError(t, tx.QueryRow(ctx, outbox.PruneBatchSQL, pgx.StrictNamedArgs{"project": "p", "limit": 100, "after": 0,
+		"clock_offset": 40 * 24 * time.Hour, "window": 30 * 24 * time.Hour}).Scan(&n, &maxSeq))
 	require.Equal(t, int64(10), n)
 	require.Equal(t, int64(10), maxSeq)
 
@@ -581,7 +582,8 @@ func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
 	_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET retired_at = now(), retired_by = 'oncall', retired_reason = 'FN-1'`)
 	require.NoError(t, err)
 	var n, maxSeq int64
-	require.NoError(t, pool.QueryRow(ctx, outbox.PruneBatchSQL, "q", 1, 0, month, 30*24*time.Hour).Scan(&n, &maxSeq))
+	require.NoError(t, pool.QueryRow(ctx, outbox.PruneBatchSQL, pgx.StrictNamedArgs{"project": "q", "limit": 1, "after": 0,
+		"clock_offset": month, "window": 30 * 24 * time.Hour}).Scan(&n, &maxSeq))
 	require.Equal(t, []int64{1, 1}, []int64{n, maxSeq})
 	require.Equal(t, seq(4, 6), tickIDs(t, pool), "one tick for a limit of one")
 	_, err = r.Sweep(ctx)

@@ -68,14 +68,17 @@ type TableAuditSink struct{}
 
 // WriteAuditTx inserts rec into lifecycle_audit.
 func (TableAuditSink) WriteAuditTx(ctx context.Context, tx pgx.Tx, rec AuditRecord) error {
-	_, err := tx.Exec(ctx, insertAuditSQL, rec.ProjectID, string(rec.Action), nullable(string(rec.ConsumerID)),
-		nullable(rec.EventID), nullableInt(rec.Sequence), nullableInt(int64(rec.Attempts)), nullable(rec.Actor), nullable(rec.Reason))
+	_, err := tx.Exec(ctx, insertAuditSQL, pgx.StrictNamedArgs{"project": rec.ProjectID, "action": string(rec.Action),
+		"consumer": nullable(string(rec.ConsumerID)), "event_id": nullable(rec.EventID), "sequence": nullableInt(rec.Sequence),
+		"attempts": nullableInt(int64(rec.Attempts)), "actor": nullable(rec.Actor), "reason": nullable(rec.Reason)})
 	return err
 }
 
+// insertAuditSQL writes an audit row; the parameters are its columns, NULL where they do not
+// apply.
 const insertAuditSQL = `
 INSERT INTO lifecycle_audit (project_id, action, consumer_id, event_id, sequence, attempts, actor, reason)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`
+VALUES (@project, @action, @consumer, @event_id, @sequence, @attempts, @actor, @reason)`
 
 func nullable(s string) *string {
 	if s == "" {

@@ -69,12 +69,35 @@ const (
 // newestTickSQL reads the newest tick: the standby's probe.
 const newestTickSQL = `SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`
 
-// openWithTickSQL is openDeliveriesSQL with the newest tick on every row, and one row with
-// only the tick when nothing is open: the primary's tick costs no statement of its own.
+// inRecoverySQL asks a server whether it is a standby.
+const inRecoverySQL = `SELECT pg_catalog.pg_is_in_recovery()`
+
+// standbyNewestTickSQL is newestTickSQL with whether the server is a standby, for
+// CompareStandby.
+const standbyNewestTickSQL = `
+SELECT n.tick_id, n.ticked_at, pg_catalog.pg_is_in_recovery() FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`
+
+// openWithTickSQL is openDeliveriesSQL (word for word: the prepare test checks) with the newest
+// tick on every row, and one row with only the tick when nothing is open: the primary's tick
+// costs no statement of its own.
 const openWithTickSQL = `
 SELECT t.tick_id, t.ticked_at, d.project_id, d.sequence, d.event_id, d.state, d.attempts, d.due, d.wait_seconds
 FROM (SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1) t
-LEFT JOIN (` + openDeliveriesSQL + `) AS d (project_id, sequence, event_id, state, attempts, due, wait_seconds) ON true
+LEFT JOIN (
+    SELECT project_id, sequence, event_id, state, attempts,
+           coalesce(due_at <= pg_catalog.now() + $3::interval + interval '1 millisecond', true),
+           CASE WHEN due_at IS NULL OR due_at <= pg_catalog.now() + $3::interval THEN 0
+                WHEN due_at >= pg_catalog.now() + $3::interval + interval '1 day' THEN 86400
+                ELSE extract(epoch FROM due_at - (pg_catalog.now() + $3::interval))::float8
+           END
+    FROM (
+        SELECT project_id, sequence, event_id, state, attempts,
+               least(next_attempt_at, last_failed_at + interval '1 day') AS due_at
+        FROM lifecycle_consumer_deliveries
+        WHERE consumer_id = $1 AND project_id = ANY ($2::text[]) AND state IN ('retrying', 'replay_requested')
+    ) d
+    ORDER BY project_id, sequence
+) AS d (project_id, sequence, event_id, state, attempts, due, wait_seconds) ON true
 ORDER BY d.project_id, d.sequence`
 
 // readSource is where a consumer's scans read: the standby when Config.ReadDSN is set and it
@@ -117,7 +140,7 @@ func (r *readSource) open() error {
 	// primary by mistake): its ticks and events may not be the primary's, so it serves nothing.
 	pcfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		var inRecovery bool
-		if err := conn.QueryRow(ctx, `SELECT pg_catalog.pg_is_in_recovery()`).Scan(&inRecovery); err != nil {
+		if err := conn.QueryRow(ctx, inRecoverySQL).Scan(&inRecovery); err != nil {
 			return err
 		}
 		if !inRecovery {
@@ -608,7 +631,7 @@ func standbyDown(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		// Class 08, connection exception; 57P01-57P03, the server shutting down or starting.
-		return strings.HasPrefix(pgErr.Code, "08") || pgErr.Code == pgerrcode.AdminShutdown ||
+		return pgerrcode.IsConnectionException(pgErr.Code) || pgErr.Code == pgerrcode.AdminShutdown ||
 			pgErr.Code == pgerrcode.CrashShutdown || pgErr.Code == pgerrcode.CannotConnectNow
 	}
 	return false
@@ -639,8 +662,7 @@ func CompareStandby(ctx context.Context, primary, standby DBTX) (StandbyLag, err
 	if err := primary.QueryRow(ctx, newestTickSQL).Scan(&l.PrimaryTick, &l.PrimaryTickAt); err != nil {
 		return l, fmt.Errorf("compare standby: read the primary's newest tick: %w", err)
 	}
-	err := standby.QueryRow(ctx, `SELECT n.tick_id, n.ticked_at, pg_catalog.pg_is_in_recovery()
-FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
+	err := standby.QueryRow(ctx, standbyNewestTickSQL).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
 	if err != nil {
 		return l, fmt.Errorf("compare standby: read the standby's newest tick: %w", err)
 	}

@@ -13,28 +13,34 @@ import (
 
 // Reading outbox rows back as events, for the scan loop and for replays.
 
-// eventColumns is what scanEvents decodes, in its order, from the rows of lifecycle_outbox_read
-// (migration 0018): the stream numbered before schema 18, then the event log tick by tick. The
-// last column is the event's key in the log, with which the next read continues inside a tick.
-const eventColumns = `project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text`
+// The statements below read the columns scanEvents decodes, in its order (the prepare test
+// checks they agree), from the rows of lifecycle_outbox_read (migration 0018): the stream
+// numbered before schema 18, then the event log tick by tick. The last column is the event's
+// key in the log, with which the next read continues inside a tick.
 
-// readEventsSQL reads up to $3 events of project $1 numbered after $2, continuing after the key
-// ($4, $5, $6) of the event at $2 when the caller has it. The casts make the call an exact match
-// for the module's function.
-const readEventsSQL = `SELECT ` + eventColumns + `
-FROM lifecycle_outbox_read($1::text, $2::bigint, $3::integer, $4::text::xid8, $5::timestamptz, $6::text)`
+// readEventsSQL reads up to @limit events of @project numbered after @after, continuing after
+// the key (@key_txid, @key_deleted_at, @key_task_id) of the event at @after when the caller has
+// it. The casts make the call an exact match for the module's function.
+const readEventsSQL = `
+SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+       writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text
+FROM lifecycle_outbox_read(@project::text, @after::bigint, @limit::integer,
+                           @key_txid::text::xid8, @key_deleted_at::timestamptz, @key_task_id::text)`
 
 // readFirstEventsSQL reads, for each project in $1 after its position in $2 (the arrays in step),
 // its parts from the one holding its next event, whole, up to $3 events past the position,
 // walking each tick's transactions once for all of them (migration 0022). It returns nothing for
 // a project whose next event is in the frozen stream or in a part of more than $3 events, or
 // whose parts do not all come back whole.
-const readFirstEventsSQL = `SELECT ` + eventColumns + `
+const readFirstEventsSQL = `
+SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+       writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text
 FROM lifecycle_outbox_read_parts($1::text[], $2::bigint[], $3::integer)`
 
 // readEventSQL reads the one event numbered $2.
-const readEventSQL = `SELECT ` + eventColumns + `
+const readEventSQL = `
+SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+       writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text
 FROM lifecycle_outbox_read($1::text, $2::bigint - 1, 1, NULL, NULL, NULL)
 WHERE sequence = $2`
 
@@ -60,7 +66,8 @@ func (k eventKey) args() (txid *string, deletedAt *time.Time, taskID *string) {
 // key of the event at after, when known.
 func readEvents(ctx context.Context, db DBTX, project string, after int64, limit int, key eventKey) ([]storedEvent, error) {
 	kt, kd, kk := key.args()
-	rows, err := db.Query(ctx, readEventsSQL, project, after, limit, kt, kd, kk)
+	rows, err := db.Query(ctx, readEventsSQL, pgx.StrictNamedArgs{"project": project, "after": after, "limit": limit,
+		"key_txid": kt, "key_deleted_at": kd, "key_task_id": kk})
 	if err != nil {
 		return nil, fmt.Errorf("read events: %w", err)
 	}

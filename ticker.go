@@ -47,6 +47,9 @@ var ErrXIDTimeline = errors.New("the transaction ID timeline is behind the last 
 // tickSQL calls the ticker function; the cast makes it an exact match for the module's.
 const tickSQL = `SELECT coalesce(tick_id, 0), projects, events, legacy FROM lifecycle_outbox_tick($1::text)`
 
+// tickerLockSQL waits for the advisory lock that elects the ticker.
+const tickerLockSQL = `SELECT pg_catalog.pg_advisory_lock($1)`
+
 // adoptSQL moves rows of older writers into the log.
 const adoptSQL = `SELECT lifecycle_outbox_adopt_legacy($1::integer)`
 
@@ -115,10 +118,6 @@ func tickError(err error) error {
 	}
 	return fmt.Errorf("tick: %w", err)
 }
-
-// sqlstateXIDTimeline is the module's own SQLSTATE (class LX) for a cluster whose xids are
-// behind the last tick (migration 0018).
-const sqlstateXIDTimeline = "LX001"
 
 // Sequence numbers every committed event (see Tick) and returns the heads of projects (every
 // project the role may see when projects is nil), with Assigned set to what this call numbered
@@ -335,9 +334,10 @@ func (t *ticker) campaignOnce(ctx context.Context) error {
 	// Blocks, without a statement a second, until the elected one's session ends. It listens
 	// only once elected: a session that listens without reading holds the server's
 	// notification queue back for every listener.
-	if _, err := conn.Exec(ctx, "SELECT pg_catalog.pg_advisory_lock($1)", tickerLockKey); err != nil {
+	if _, err := conn.Exec(ctx, tickerLockSQL, tickerLockKey); err != nil {
 		return fmt.Errorf("wait for the ticker lock: %w", err)
 	}
+	// LISTEN takes no parameter: the configured channel is quoted as an identifier.
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{t.cfg.NotifyChannel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen for hints: %w", err)
 	}

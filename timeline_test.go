@@ -115,7 +115,7 @@ func TestMovedDatabaseTicksAfterEpochBump(t *testing.T) {
 	_, _, err = tick(ctx, ownerB)
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr, "the ticker refuses on the moved database")
-	require.Equal(t, "LX001", pgErr.Code, pgErr.Message)
+	require.Equal(t, outbox.SQLStateXIDTimeline, pgErr.Code, pgErr.Message)
 	m := regexp.MustCompile(`pg_resetwal --epoch=(\d+) `).FindStringSubmatch(pgErr.Hint)
 	require.NotNil(t, m, "HINT: %s", pgErr.Hint)
 	require.Equal(t, strconv.FormatInt(wantEpoch, 10), m[1], "HINT: %s", pgErr.Hint)

@@ -87,10 +87,12 @@ func endSpan(span trace.Span, err error, attrs ...attribute.KeyValue) {
 	span.End()
 }
 
+// insertTracedEventSQL is insertEventSQL storing the event's @trace_context too.
 const insertTracedEventSQL = `
 INSERT INTO lifecycle_event_log
     (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column, trace_context)
-VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7, $8, $9)
+VALUES (@project, @task_id, @deleted_at, 'task:deleted', @archived, @payload_version, pg_catalog.now() + @clock_offset::interval,
+        @writer_process_id, @prior_column, @trace_context)
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
@@ -107,8 +109,9 @@ func (w *Writer) startCreate(ctx context.Context, ev Event) (context.Context, tr
 // span's trace context with the event.
 func (w *Writer) insertTraced(ctx context.Context, tx pgx.Tx, ev *Event, prior *string) error {
 	ctx, span, tc := w.startCreate(ctx, *ev)
-	err := tx.QueryRow(ctx, insertTracedEventSQL, ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion,
-		w.clock.Offset(), ev.WriterProcessID, prior, tc).Scan(&ev.OccurredAt)
+	args := w.insertArgs(*ev, prior)
+	args["trace_context"] = tc
+	err := tx.QueryRow(ctx, insertTracedEventSQL, args).Scan(&ev.OccurredAt)
 	switch {
 	case err == nil:
 		if tc != nil {

@@ -102,10 +102,14 @@ func newWriter(db DBTX, opts writerOptions, log *zap.Logger) (*Writer, error) {
 // ProcessID is this boot's writer process ID, stamped on every event it records.
 func (w *Writer) ProcessID() string { return w.processID }
 
+// insertEventSQL records a task:deleted event (the arguments are insertArgs), occurred at the
+// time of the clock shifted by @clock_offset; insertTracedEventSQL is the same insert with
+// the event's trace context.
 const insertEventSQL = `
 INSERT INTO lifecycle_event_log
     (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id, prior_column)
-VALUES ($1, $2, $3, 'task:deleted', $4, $5, pg_catalog.now() + $6::interval, $7, $8)
+VALUES (@project, @task_id, @deleted_at, 'task:deleted', @archived, @payload_version, pg_catalog.now() + @clock_offset::interval,
+        @writer_process_id, @prior_column)
 ON CONFLICT (project_id, task_id, deleted_at) DO NOTHING
 RETURNING occurred_at`
 
@@ -143,7 +147,7 @@ func (w *Writer) RecordTaskDeletedTx(ctx context.Context, tx pgx.Tx, d TaskDelet
 	if w.trace.tracer != nil {
 		err = w.insertTraced(ctx, tx, &ev, prior) // tracing.go
 	} else {
-		err = tx.QueryRow(ctx, insertEventSQL, w.insertArgs(ev, prior)...).Scan(&ev.OccurredAt)
+		err = tx.QueryRow(ctx, insertEventSQL, w.insertArgs(ev, prior)).Scan(&ev.OccurredAt)
 	}
 	if err == nil {
 		return ev, true, nil
@@ -180,9 +184,12 @@ func (w *Writer) prepare(ctx context.Context, d TaskDeletion) (Event, *string, e
 	return ev, prior, nil
 }
 
-// insertArgs are insertEventSQL's arguments for ev.
-func (w *Writer) insertArgs(ev Event, prior *string) []any {
-	return []any{ev.ProjectID, ev.TaskID, ev.DeletedAt, ev.Archived, ev.PayloadVersion, w.clock.Offset(), ev.WriterProcessID, prior}
+// insertArgs are insertEventSQL's arguments for ev; insertTracedEventSQL takes trace_context
+// too.
+func (w *Writer) insertArgs(ev Event, prior *string) pgx.StrictNamedArgs {
+	return pgx.StrictNamedArgs{"project": ev.ProjectID, "task_id": ev.TaskID, "deleted_at": ev.DeletedAt, "archived": ev.Archived,
+		"payload_version": ev.PayloadVersion, "clock_offset": w.clock.Offset(), "writer_process_id": ev.WriterProcessID,
+		"prior_column": prior}
 }
 
 // readRecorded returns the stored event of a deletion recorded before.

@@ -459,9 +459,6 @@ func (d *DB) createOwner(ctx context.Context) error {
 // componentRoles is the Header's Roles: see there.
 const componentRoles = "component+owner"
 
-// hostTables are the reference host's tables, on which its writer role gets the host's own grants.
-const hostTables = "tasks, run_audit, mailbox_notices, settings"
-
 // createRoles creates the database's writer, consumer and operator login roles and grants them
 // what the README tells a host to grant, in every project, and on the host's tables what the
 // host needs.
@@ -483,7 +480,8 @@ func (d *DB) createRoles(ctx context.Context) error {
 	}{
 		{"writer grants", func() error { return outbox.GrantWriterRole(ctx, conn, d.writer.name, "*") }},
 		{"host grants", func() error {
-			_, err := conn.Exec(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON "+hostTables+" TO "+w)
+			// The reference host's tables. GRANT takes no parameters: the role is quoted (w).
+			_, err := conn.Exec(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON tasks, run_audit, mailbox_notices, settings TO "+w)
 			return err
 		}},
 		{"consumer grants", func() error { return outbox.GrantConsumerRole(ctx, conn, d.consumer.name, "bench", "*") }},

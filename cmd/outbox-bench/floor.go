@@ -18,23 +18,24 @@ import (
 const (
 	floorTableDDL = `CREATE TABLE bench_stream_floor (LIKE lifecycle_outbox INCLUDING ALL)`
 	floorDropDDL  = `DROP TABLE bench_stream_floor`
-	// floorCopySQL copies one batch of a project's logged events, in the log's key order,
-	// numbered in that order, and returns the batch's last key.
+	// floorCopySQL copies up to @batch of @project's logged events after the key
+	// (@after_deleted_at, @after_task_id), in the log's key order, numbered in that order from
+	// @base + 1, and returns the batch's last key.
 	floorCopySQL = `
 WITH b AS (
     SELECT q.project_id::text AS project_id, q.task_id::text AS task_id, q.deleted_at::timestamptz AS deleted_at,
            q.event_type, q.archived, q.payload_version::smallint AS payload_version, q.occurred_at::timestamptz AS occurred_at,
            q.writer_process_id::text AS writer_process_id, q.prior_column::text AS prior_column, q.trace_context::text AS trace_context
     FROM lifecycle_event_log q
-    WHERE q.project_id = $1 AND (q.deleted_at, q.task_id) > ($2::timestamptz, $3::text)
+    WHERE q.project_id = @project AND (q.deleted_at, q.task_id) > (@after_deleted_at::timestamptz, @after_task_id::text)
     ORDER BY q.project_id, q.deleted_at, q.task_id
-    LIMIT $4
+    LIMIT @batch
 ), copied AS (
     INSERT INTO bench_stream_floor
         (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at,
          writer_process_id, prior_column, trace_context)
     SELECT b.project_id, b.task_id, b.deleted_at,
-           $5::bigint + row_number() OVER (ORDER BY b.deleted_at, b.task_id),
+           @base::bigint + row_number() OVER (ORDER BY b.deleted_at, b.task_id),
            b.event_type, b.archived, b.payload_version, b.occurred_at, b.writer_process_id, b.prior_column, b.trace_context
     FROM b
     RETURNING 1
@@ -62,7 +63,8 @@ func copyFloor(ctx context.Context, admin *pgxpool.Pool, projects []string, batc
 		afterTask, base := "", int64(0)
 		for {
 			var n int64
-			err := admin.QueryRow(ctx, floorCopySQL, project, after, afterTask, batch, base).Scan(&n, &after, &afterTask)
+			err := admin.QueryRow(ctx, floorCopySQL, pgx.StrictNamedArgs{"project": project, "after_deleted_at": after,
+				"after_task_id": afterTask, "batch": batch, "base": base}).Scan(&n, &after, &afterTask)
 			if errors.Is(err, pgx.ErrNoRows) {
 				break
 			}

@@ -70,13 +70,15 @@ func (*stampTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceQ
 	}
 }
 
-// createTasksSQL inserts live tasks "<prefix>-<i>" for i in generate_series($3, $4, $5).
+// createTasksSQL inserts live tasks "<prefix>-<i>" of @project for i in
+// generate_series(@from, @to, @step).
 const createTasksSQL = `
 INSERT INTO tasks (project_id, id, title)
-SELECT $1, $2::text || '-' || i, 'task ' || i FROM generate_series($3::bigint, $4::bigint, $5::bigint) AS i`
+SELECT @project, @prefix::text || '-' || i, 'task ' || i FROM generate_series(@from::bigint, @to::bigint, @step::bigint) AS i`
 
 func createTasks(ctx context.Context, db outbox.DBTX, project, prefix string, from, to, step int) error {
-	if _, err := db.Exec(ctx, createTasksSQL, project, prefix, from, to, step); err != nil {
+	if _, err := db.Exec(ctx, createTasksSQL, pgx.StrictNamedArgs{"project": project, "prefix": prefix, "from": from, "to": to,
+		"step": step}); err != nil {
 		return fmt.Errorf("create tasks: %w", err)
 	}
 	return nil
@@ -111,7 +113,7 @@ func insertBacklog(ctx context.Context, pool *pgxpool.Pool, project, prefix stri
 			return fmt.Errorf("number backlog: %w", err)
 		}
 	}
-	return settleBacklog(ctx, pool, "lifecycle_event_log", "lifecycle_tick_project")
+	return settleBacklog(ctx, pool, `VACUUM ANALYZE lifecycle_event_log, lifecycle_tick_project`)
 }
 
 // streamBacklogSQL inserts n task:deleted events of project $1 for tasks "<prefix>-1" ..
@@ -139,12 +141,12 @@ func insertStreamBacklog(ctx context.Context, pool *pgxpool.Pool, project, prefi
 	if _, err := pool.Exec(ctx, streamBacklogHeadSQL, project, n); err != nil {
 		return fmt.Errorf("insert backlog head: %w", err)
 	}
-	return settleBacklog(ctx, pool, "lifecycle_outbox")
+	return settleBacklog(ctx, pool, `VACUUM ANALYZE lifecycle_outbox`)
 }
 
-// settleBacklog vacuums and analyses tables and takes a checkpoint.
-func settleBacklog(ctx context.Context, pool *pgxpool.Pool, tables ...string) error {
-	if _, err := pool.Exec(ctx, "VACUUM ANALYZE "+strings.Join(tables, ", ")); err != nil {
+// settleBacklog runs vacuum, a VACUUM ANALYZE of the tables loaded, and takes a checkpoint.
+func settleBacklog(ctx context.Context, pool *pgxpool.Pool, vacuum string) error {
+	if _, err := pool.Exec(ctx, vacuum); err != nil {
 		return fmt.Errorf("vacuum backlog: %w", err)
 	}
 	if _, err := pool.Exec(ctx, "CHECKPOINT"); err != nil {

@@ -178,12 +178,13 @@ func closeSides(sides []*side) {
 }
 
 // keysetSQL reads a page of a project's stream as the consumer does (readEventsSQL): through
-// lifecycle_outbox_read, after the position $2, continuing after the key ($4, $5, $6) of the
-// event at it inside its tick.
+// lifecycle_outbox_read, after the position @after, continuing after the key (@key_txid,
+// @key_deleted_at, @key_task_id) of the event at it inside its tick.
 const keysetSQL = `
 SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
        writer_process_id, occurred_at, payload_version, txid::text
-FROM lifecycle_outbox_read($1::text, $2::bigint, $3::integer, $4::text::xid8, $5::timestamptz, $6::text)`
+FROM lifecycle_outbox_read(@project::text, @after::bigint, @limit::integer,
+                           @key_txid::text::xid8, @key_deleted_at::timestamptz, @key_task_id::text)`
 
 const keysetAckSQL = `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = $3, acked_at = now()
 WHERE project_id = $1 AND consumer_id = $2`
@@ -241,7 +242,8 @@ func keysetWalk(ctx context.Context, pool *pgxpool.Pool, project string, page in
 	var keyDeletedAt *time.Time
 	total := 0
 	for {
-		rows, err := pool.Query(ctx, keysetSQL, project, after, page, keyTxid, keyDeletedAt, keyTask)
+		rows, err := pool.Query(ctx, keysetSQL, pgx.StrictNamedArgs{"project": project, "after": after, "limit": page,
+			"key_txid": keyTxid, "key_deleted_at": keyDeletedAt, "key_task_id": keyTask})
 		if err != nil {
 			return total, fmt.Errorf("keyset read: %w", err)
 		}

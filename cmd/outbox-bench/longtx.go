@@ -106,8 +106,11 @@ type longTxResult struct {
 	Load1mEnd float64 `json:"load_1m_end"`
 }
 
-// longTxScratch is the held transaction's own table: nothing else touches it.
-const longTxScratch = "bench_longtx_scratch"
+// The held transaction's own table, which nothing else touches, and its write there.
+const (
+	longTxScratchDDL = `CREATE TABLE bench_longtx_scratch (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, note text)`
+	longTxHoldSQL    = `INSERT INTO bench_longtx_scratch (note) VALUES ('held') RETURNING pg_current_xact_id()::text`
+)
 
 // heldTx is the unrelated transaction: a write to its own table, which gives it an xid, left
 // open on its own connection.
@@ -119,7 +122,7 @@ type heldTx struct {
 }
 
 func openLongTx(ctx context.Context, db *DB, admin *pgxpool.Pool) (*heldTx, error) {
-	if _, err := admin.Exec(ctx, `CREATE TABLE `+longTxScratch+` (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, note text)`); err != nil {
+	if _, err := admin.Exec(ctx, longTxScratchDDL); err != nil {
 		return nil, fmt.Errorf("longtx: create scratch table: %w", err)
 	}
 	pool, err := db.Pool(ctx, 1, nil)
@@ -133,7 +136,7 @@ func openLongTx(ctx context.Context, db *DB, admin *pgxpool.Pool) (*heldTx, erro
 	}
 	h := &heldTx{pool: pool, tx: tx, at: time.Now()}
 	var xid string
-	if err := tx.QueryRow(ctx, `INSERT INTO `+longTxScratch+` (note) VALUES ('held') RETURNING pg_current_xact_id()::text`).Scan(&xid); err != nil {
+	if err := tx.QueryRow(ctx, longTxHoldSQL).Scan(&xid); err != nil {
 		h.release()
 		return nil, fmt.Errorf("longtx: held write: %w", err)
 	}

@@ -42,12 +42,12 @@ func firstLine(s string) string {
 	return first
 }
 
-// thisDB selects the current database's oid, for pg_stat_statements' dbid.
-const thisDB = `(SELECT oid FROM pg_database WHERE datname = current_database())`
+// resetSQL clears the statistics of this database's statements (all users).
+const resetSQL = `SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)`
 
 // reset clears the statistics of this database's statements (all users).
 func (s *statStatements) reset(ctx context.Context) error {
-	if _, err := s.pool.Exec(ctx, "SELECT pg_stat_statements_reset(0, "+thisDB+", 0)"); err != nil {
+	if _, err := s.pool.Exec(ctx, resetSQL); err != nil {
 		return fmt.Errorf("reset pg_stat_statements: %w", err)
 	}
 	return nil
@@ -64,16 +64,14 @@ func (s *statStatements) reset(ctx context.Context) error {
 // two tickers wait for each other: nearly all of its time is waiting. It is matched by its
 // text, so it reads 0 if the function changes. It is a lower bound: PostgreSQL 15's
 // pg_stat_statements counts a utility statement of a function's cached plan on its first run
-// in a session only (seen there: five ticks on one connection, one LOCK counted).
+// in a session only (seen there: five ticks on one connection, one LOCK counted). A statement
+// calls the ticker or the reader function when its text names it.
 const numberingSQL = `
-SELECT coalesce(sum(total_exec_time) FILTER (WHERE toplevel AND ` + numberingCall + `), 0),
-       coalesce(sum(calls) FILTER (WHERE toplevel AND ` + numberingCall + `), 0)::bigint,
+SELECT coalesce(sum(total_exec_time) FILTER (WHERE toplevel AND (query LIKE '%lifecycle_outbox_tick(%' OR query LIKE '%lifecycle_outbox_read(%')), 0),
+       coalesce(sum(calls) FILTER (WHERE toplevel AND (query LIKE '%lifecycle_outbox_tick(%' OR query LIKE '%lifecycle_outbox_read(%')), 0)::bigint,
        coalesce(sum(total_exec_time) FILTER (WHERE NOT toplevel AND query ILIKE 'lock table lifecycle_tick %'), 0)
 FROM pg_stat_statements
-WHERE dbid = ` + thisDB
-
-// numberingCall matches a statement that calls the ticker or the reader function.
-const numberingCall = `(query LIKE '%lifecycle_outbox_tick(%' OR query LIKE '%lifecycle_outbox_read(%')`
+WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())`
 
 // numberingStats is what numbering cost since the last reset.
 type numberingStats struct {
@@ -94,7 +92,7 @@ func (s *statStatements) numbering(ctx context.Context) (numberingStats, error) 
 const callsSQL = `
 SELECT coalesce(sum(calls) FILTER (WHERE toplevel), 0)::bigint, coalesce(sum(calls), 0)::bigint
 FROM pg_stat_statements
-WHERE dbid = ` + thisDB + ` AND query NOT LIKE '%pg_stat_statements%'`
+WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) AND query NOT LIKE '%pg_stat_statements%'`
 
 // calls returns the statements executed in this database so far (since the last reset):
 // top-level ones and all.

@@ -338,18 +338,16 @@ func sumStats(cs []*runningConsumer) outbox.Stats {
 
 // consumerCallsSQL counts the consumer role's top-level statements in this database since the
 // last reset, and among them the reads of open deliveries (openDeliveriesSQL, alone or with
-// the primary's newest tick, matched by openReadSQL), with their executor time.
+// the primary's newest tick), with their executor time. Those reads are matched by a part of
+// their text that pg_stat_statements' normalising (constants become $n) leaves alone.
 const consumerCallsSQL = `
 SELECT coalesce(sum(s.calls) FILTER (WHERE s.toplevel), 0)::bigint,
-       coalesce(sum(s.calls) FILTER (WHERE s.toplevel AND ` + openReadSQL + `), 0)::bigint,
+       coalesce(sum(s.calls) FILTER (WHERE s.toplevel AND s.query LIKE '%least(next_attempt_at, last_failed_at%'), 0)::bigint,
        coalesce(sum(s.total_exec_time) FILTER (WHERE s.toplevel), 0),
-       coalesce(sum(s.total_exec_time) FILTER (WHERE s.toplevel AND ` + openReadSQL + `), 0)
+       coalesce(sum(s.total_exec_time) FILTER (WHERE s.toplevel AND s.query LIKE '%least(next_attempt_at, last_failed_at%'), 0)
 FROM pg_stat_statements s
-WHERE s.dbid = ` + thisDB + ` AND s.userid = (SELECT r.oid FROM pg_roles r WHERE r.rolname = $1)`
-
-// openReadSQL matches the reads of open deliveries by a part of their text that
-// pg_stat_statements' normalising (constants become $n) leaves alone.
-const openReadSQL = `s.query LIKE '%least(next_attempt_at, last_failed_at%'`
+WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND s.userid = (SELECT r.oid FROM pg_roles r WHERE r.rolname = $1)`
 
 // consumerStatements is what consumerCallsSQL returns.
 type consumerStatements struct {

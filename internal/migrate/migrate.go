@@ -81,8 +81,10 @@ func Load(fsys fs.FS, dir string) ([]Migration, error) {
 
 // Set is a list of migrations with the table that records them and the lock that guards them.
 type Set struct {
-	Table   string // bookkeeping table, e.g. lifecycle_outbox_schema
-	LockKey int64  // pg_advisory_xact_lock key, fixed per set
+	// Table is the bookkeeping table, e.g. lifecycle_outbox_schema. A statement cannot bind a
+	// table name: the statements quote it as an identifier.
+	Table   string
+	LockKey int64 // pg_advisory_xact_lock key, fixed per set
 	// LockTimeout bounds each wait of a migration's statements for a table lock (SET LOCAL
 	// lock_timeout), so that a migration queued behind a long transaction fails instead of
 	// holding every other statement on that table in the queue behind its own lock request.
