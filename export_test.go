@@ -88,6 +88,9 @@ func BeforePruneBatch(r *Retention, fn func(project string)) { r.beforeBatch = f
 // TickerElected reports whether the consumer's ticker is the elected one.
 func TickerElected(c *Consumer) bool { return c.ticker.leading.Load() }
 
+// TickerCalls is how many tick calls of c's ticker have returned.
+func TickerCalls(c *Consumer) int64 { return c.ticker.calls.Load() }
+
 // ScanNow asks a consumer's loop for a full scan, as a poll would.
 func ScanNow(c *Consumer) { c.loop.scans.request() }
 

@@ -196,7 +196,8 @@ type ticker struct {
 	stats   *stats
 	elected chan bool // tells the tick loop when this candidate is elected or not
 	hints   chan struct{}
-	leading atomic.Bool // the tick loop's view: elected
+	leading atomic.Bool  // the tick loop's view: elected
+	calls   atomic.Int64 // tick calls that returned, for tests that must know the first one did
 }
 
 func newTicker(pool *pgxpool.Pool, cfg consumerConfig, log *zap.Logger, metrics *Metrics, st *stats) *ticker {
@@ -282,6 +283,7 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 		}
 		res, err := tick(ctx, t.pool, t.cfg.TickChannel)
 		last = time.Now()
+		t.calls.Add(1)
 		if err != nil {
 			if ctx.Err() != nil {
 				return

@@ -439,6 +439,10 @@ func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 	if elected()[0] == c2 {
 		leader, other, otherRec = c2, c1, rec1
 	}
+	// Every candidate ticks once as it starts, elected or not; on a busy machine that first
+	// call may come late enough to number the deletion below, so wait until both returned.
+	require.Eventually(t, func() bool { return outbox.TickerCalls(c1) >= 1 && outbox.TickerCalls(c2) >= 1 },
+		waitLimit, 5*time.Millisecond, "both tickers made their first call")
 	w, err := outbox.NewWriter(pgtest.Pool(t, db.URL), outbox.Config{}, nil)
 	require.NoError(t, err)
 	store := testhost.New(pgtest.Pool(t, db.URL), testhost.Options{Writer: w})
