@@ -1,6 +1,10 @@
 package outbox
 
-import "context"
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
 
 // Test hooks, compiled only into this package's tests.
 
@@ -96,3 +100,15 @@ func ScanNow(c *Consumer) { c.loop.scans.request() }
 
 // ParseWakePayload exposes the check of a notification payload to the fuzz test.
 func ParseWakePayload(payload string) (string, error) { return parseWakePayload(payload) }
+
+// SharedWaiters is how many consumers wait for a read another consumer on pool has in flight.
+func SharedWaiters(pool *pgxpool.Pool) int {
+	s := shareOf(pool)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, c := range s.calls {
+		n += c.waiters
+	}
+	return n
+}

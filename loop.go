@@ -262,7 +262,9 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 		return nil, false, nil
 	}
 	err = l.read(ctx, func(db *pgxpool.Pool) (err error) {
-		first, err = readFirstEvents(ctx, db, projects, after, l.cfg.BatchSize, capacity)
+		var shared bool
+		first, shared, err = sharedFirstEvents(ctx, db, projects, after, l.cfg.BatchSize, capacity)
+		l.countShared(shared)
 		return err
 	})
 	if err == nil {
@@ -309,12 +311,27 @@ const untickedSQL = `SELECT lifecycle_outbox_unticked()`
 // new lease does; what it delivered and is still stored stays suppressed (verifyDelivered).
 func (l *scanLoop) readHeads(ctx context.Context, projects []string, unticked bool) (map[string]Head, error) {
 	announced := l.scans.announced.Load()
-	hr, err := queryHeads(ctx, l.pool, projects, l.seenTick, unticked)
+	var hr headsRead
+	var err error
+	if unticked {
+		hr, err = queryHeads(ctx, l.pool, projects, l.seenTick, unticked)
+	} else {
+		var shared bool
+		hr, shared, err = sharedHeads(ctx, l.pool, projects, l.seenTick, max(announced, l.seenTick))
+		l.countShared(shared)
+	}
 	if err != nil {
 		return nil, err
 	}
 	l.checked(announced, hr.newest)
 	return l.applyHeads(hr), nil
+}
+
+// countShared counts a read this consumer took from another consumer's statement.
+func (l *scanLoop) countShared(shared bool) {
+	if shared {
+		l.stats.sharedReads.Add(1)
+	}
 }
 
 // applyHeads takes a read of heads (see readHeads) into the loop's view.
