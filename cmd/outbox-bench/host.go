@@ -265,7 +265,10 @@ func runDeletes(ctx context.Context, del deleteFunc, writers int, jobs []deleteJ
 
 // consumerSpec describes a consumer to start.
 type consumerSpec struct {
-	id        string
+	id string
+	// pool, when set, is a pool the consumer shares with others of one process (it is not
+	// closed with the consumer); otherwise the consumer opens one of its own, as a process would.
+	pool      *pgxpool.Pool
 	projects  []string
 	cfg       outbox.Config
 	listeners []outbox.Listener
@@ -274,7 +277,8 @@ type consumerSpec struct {
 	tracer    pgx.QueryTracer // on the consumer's pool; may be nil
 }
 
-// runningConsumer is a started consumer with its own pool, as a separate process would have.
+// runningConsumer is a started consumer with its own pool, as a separate process would have
+// (pool nil: it shares one it does not own).
 type runningConsumer struct {
 	*outbox.Consumer
 	pool *pgxpool.Pool
@@ -284,7 +288,9 @@ func (r *runningConsumer) Close() {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	_ = r.Stop(ctx)
-	r.pool.Close()
+	if r.pool != nil {
+		r.pool.Close()
+	}
 }
 
 // moduleLog is the writers' and consumers' logger: nothing in tests, their warnings on stderr
@@ -293,10 +299,19 @@ func (r *runningConsumer) Close() {
 var moduleLog = zap.NewNop()
 
 func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsumer, error) {
-	// Two pool connections at most, plus the hijacked LISTEN connection.
-	pool, err := db.ConsumerPool(ctx, 4, s.tracer)
-	if err != nil {
-		return nil, err
+	pool, owned := s.pool, s.pool == nil
+	if owned {
+		// Two pool connections at most, plus the hijacked LISTEN connection.
+		p, err := db.ConsumerPool(ctx, 4, s.tracer)
+		if err != nil {
+			return nil, err
+		}
+		pool = p
+	}
+	closePool := func() {
+		if owned {
+			pool.Close()
+		}
 	}
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
 		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
@@ -305,12 +320,15 @@ func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsume
 		LiveTasks:  s.live, Cache: s.cache, Logger: moduleLog,
 	})
 	if err != nil {
-		pool.Close()
+		closePool()
 		return nil, fmt.Errorf("new consumer: %w", err)
 	}
 	if err := c.Start(ctx); err != nil {
-		pool.Close()
+		closePool()
 		return nil, fmt.Errorf("start consumer: %w", err)
+	}
+	if !owned {
+		pool = nil
 	}
 	return &runningConsumer{Consumer: c, pool: pool}, nil
 }

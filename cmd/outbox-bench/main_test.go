@@ -327,6 +327,22 @@ func sustainedLine(t *testing.T, env *Env, seen func(map[string]any) bool) map[s
 	return m
 }
 
+// TestSustainedOneProcess runs the consumers on one shared pool: the line says so, and the
+// counts hold as with a pool each (requireSustained: nothing missing or duplicated).
+func TestSustainedOneProcess(t *testing.T) {
+	t.Parallel()
+	env := testEnv(t)
+	m := growWindow(t, sustainedSmall.seconds, func(seconds float64) map[string]any {
+		o := sustainedSmall
+		o.seconds, o.oneProcess = seconds, true
+		r, err := runSustained(ctxT(t), env, o)
+		require.NoError(t, err)
+		return line(t, r, "sustained")
+	}, func(m map[string]any) bool { return num(t, m, "tx") > 0 && num(t, m, "baseline_tx") > 0 })
+	requireSustained(t, m)
+	require.Equal(t, true, m["one_process"])
+}
+
 func TestSustainedWithStatStatements(t *testing.T) {
 	t.Parallel()
 	m := sustainedLine(t, statsEnv(t), func(m map[string]any) bool {

@@ -25,6 +25,7 @@ func init() {
 			fs.Float64Var(&o.seconds, "seconds", o.seconds, "length of the measured phase with the outbox; the baseline runs as long, in two halves around it")
 			fs.IntVar(&o.tasks, "tasks", o.tasks, "live tasks created in each database (the writers stop early, and the line says so, if they run out)")
 			fs.StringVar(&o.mailbox, "mailbox", o.mailbox, `"included": the host's post-commit mailbox notice as it writes it; "excluded": it commits nothing on either side`)
+			fs.BoolVar(&o.oneProcess, "one-process", o.oneProcess, "run the consumers as one process would: on one shared pool, so that they share their reads of heads and first batches (Stats.SharedReads)")
 			fs.BoolVar(&o.standby, "standby", o.standby, "start a streaming hot standby of the throwaway cluster and have the consumers read from it (Config.ReadDSN); server CPU stays the primary's, the standby's is reported beside it")
 			return one(func(ctx context.Context, env *Env) (sustainedResult, error) { return runSustained(ctx, env, o) })
 		}})
@@ -34,7 +35,7 @@ type sustainedOpts struct {
 	writers, consumers, projects, tasks int
 	seconds                             float64
 	mailbox                             string
-	standby                             bool
+	standby, oneProcess                 bool
 }
 
 type sustainedResult struct {
@@ -44,6 +45,10 @@ type sustainedResult struct {
 	Projects  int     `json:"projects"`
 	Seconds   float64 `json:"seconds"`
 	Mailbox   string  `json:"mailbox"`
+	// OneProcess: the consumers shared one pool, as consumers of one process do; SharedReads
+	// counts the reads they took from one another's statements.
+	OneProcess  bool  `json:"one_process,omitempty"`
+	SharedReads int64 `json:"shared_reads,omitempty"`
 	// The same writers without the outbox and without consumers, on their own database, in
 	// two halves of seconds/2: one before the outbox phase, one after it.
 	BaselineTx     int64   `json:"baseline_tx"`
@@ -335,6 +340,18 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		standbyServer = findServer(ctx, sbPool)
 		sbPool.Close()
 	}
+	if o.oneProcess {
+		// Each consumer holds up to two pool connections and hijacks one for LISTEN.
+		shared, err := ob.db.ConsumerPool(ctx, int32(3*o.consumers+1), nil)
+		if err != nil {
+			return res, err
+		}
+		defer shared.Close()
+		for k := range specs {
+			specs[k].pool = shared
+		}
+		res.OneProcess = true
+	}
 	env.Logf("sustained: starting %d consumers of %d projects", o.consumers, o.projects)
 	consumers, err := startConsumers(ctx, ob.db, specs)
 	if err != nil {
@@ -411,6 +428,7 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		res.ReadFallbacks += st.ReadFallbacks
 		res.ReadReturns += st.ReadReturns
 		res.StandbyWaits += st.StandbyWaits
+		res.SharedReads += st.SharedReads
 	}
 	stopConsumers()
 
