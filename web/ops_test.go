@@ -139,6 +139,17 @@ func TestOpsPageShowsConsumersAndDeadLettersEscaped(t *testing.T) {
 
 var csrfField = regexp.MustCompile(`name="csrf" value="([^"]+)"`)
 
+// serveOps serves ops under /ops for the test, and a client for it that keeps cookies, as a
+// browser does, and does not follow redirects, so that a test sees where they go.
+func serveOps(t *testing.T, ops http.Handler) (*httptest.Server, *http.Client) {
+	t.Helper()
+	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
+	t.Cleanup(srv.Close)
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	return srv, &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+}
+
 func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	t.Parallel()
 	ctx := testkit.Ctx(t)
@@ -152,11 +163,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 		return "oncall@example.com", r.Header.Get("X-Operator") == "yes"
 	}})
 	require.NoError(t, err)
-	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
-	defer srv.Close()
-	jar, err := cookiejar.New(nil)
-	require.NoError(t, err)
-	browser := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	srv, browser := serveOps(t, ops)
 
 	status, page := getBody(t, browser, srv.URL+"/ops/")
 	require.Equal(t, http.StatusOK, status)
@@ -311,11 +318,7 @@ func TestOpsPageShowsOnlyTheProjectsTheHostAllows(t *testing.T) {
 		AuthorizeAction: func(r *http.Request, _ web.OpsAction) (string, bool) { return r.Header.Get("X-User"), true },
 	})
 	require.NoError(t, err)
-	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
-	defer srv.Close()
-	jar, err := cookiejar.New(nil)
-	require.NoError(t, err)
-	client := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	srv, client := serveOps(t, ops)
 	get := func(user, path string) string {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+path, nil)
 		req.Header.Set("X-User", user)
@@ -499,11 +502,7 @@ func TestOpsRetireNeedsItsConfirmation(t *testing.T) {
 	ops, err := web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{
 		AuthorizeAction: func(*http.Request, web.OpsAction) (string, bool) { return "oncall@example.com", true }})
 	require.NoError(t, err)
-	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
-	defer srv.Close()
-	jar, err := cookiejar.New(nil)
-	require.NoError(t, err)
-	browser := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	srv, browser := serveOps(t, ops)
 	_, page := getBody(t, browser, srv.URL+"/ops/")
 	require.Regexp(t, `(?s)<details class="retire"><summary>Retire…</summary>.*?Retiring <code>stalled</code> in <code>stall</code> makes retention stop waiting for it: the 300 events it has not read may be deleted`, page)
 	require.Contains(t, page, `name="confirm" value="retire" required`)
