@@ -144,7 +144,7 @@ func RequireNoSessionStateInSource(t testing.TB, name string, mayListen, mayLock
 	src := string(b)
 	require.NotContains(t, src, ".Prepare(", "%s: named prepared statements do not survive a transaction pooler", name)
 	if !mayListen {
-		require.NotRegexp(t, `"(UN)?LISTEN `, src, "%s: LISTEN belongs to the dedicated connection in listen.go", name)
+		require.NotRegexp(t, `"(UN)?LISTEN `, src, "%s: LISTEN belongs to a dedicated connection (the core's listen.go)", name)
 	}
 	if !mayLock {
 		require.NotRegexp(t, `(?i)pg_(try_)?advisory_lock(_shared)?\(`, src, "%s: session advisory lock", name)
