@@ -8,13 +8,14 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // The batch form of the writer hook: the insert rides on the host's pgx.Batch.
 
 func TestQueueTaskDeletedRecordsOnceInTheHostsBatch(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	w := newWriter(t, pool, outbox.Config{NotifyDisabled: true})
 	d := outbox.TaskDeletion{ProjectID: "p", TaskID: "t1", DeletedAt: stamp(1), PriorColumn: "todo"}
@@ -58,7 +59,7 @@ func TestQueueTaskDeletedRecordsOnceInTheHostsBatch(t *testing.T) {
 
 func TestQueueTaskDeletedRefusesWhatRecordRefuses(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	w := newWriter(t, pool, outbox.Config{NotifyDisabled: true})
 	b := &pgx.Batch{}

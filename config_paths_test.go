@@ -11,14 +11,15 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // TestListenerTimeoutWithoutFx: Config.ListenerTimeout bounds dispatch when the consumer and
 // its dispatcher are built with the plain constructors, the dispatcher given no timeout.
 func TestListenerTimeoutWithoutFx(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
-	cfg := fastConfig()
+	ctx := testkit.Ctx(t)
+	cfg := testkit.FastConfig()
 	cfg.ListenerTimeout = 200 * time.Millisecond
 	// How long the dispatch let the listener run is measured from its call to its context's
 	// end, not over the whole test, and held against half the 30s default that applies if
@@ -38,7 +39,7 @@ func TestListenerTimeoutWithoutFx(t *testing.T) {
 	t.Cleanup(func() { require.NoError(t, c.Stop(context.Background())) })
 	for {
 		var class string
-		err := w.pool.QueryRow(ctx, `SELECT coalesce(max(last_failure_class), '') FROM lifecycle_consumer_deliveries WHERE consumer_id = 'dash'`).Scan(&class)
+		err := w.Pool.QueryRow(ctx, `SELECT coalesce(max(last_failure_class), '') FROM lifecycle_consumer_deliveries WHERE consumer_id = 'dash'`).Scan(&class)
 		require.NoError(t, err)
 		if class != "" {
 			require.Equal(t, string(outbox.FailureListenerTimeout), class)
@@ -65,7 +66,7 @@ func TestConsumerRefusesADispatcherWithoutSelfWriterID(t *testing.T) {
 			Dispatcher: outbox.NewDispatcher(d), Logger: zaptest.NewLogger(t)})
 		return err
 	}
-	rec := newRecorder()
+	rec := testkit.NewRecorder()
 	err := build(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}})
 	var verr *outbox.ValidationError
 	require.ErrorAs(t, err, &verr)
@@ -96,7 +97,7 @@ func TestDispatcherTimeoutMustAgreeWithConfig(t *testing.T) {
 // construction with an error naming the field, not by a CHECK violation at Start.
 func TestConsumerIDThatCannotLeaseIsRefused(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	longest, tooLong := strings.Repeat("c", 111), strings.Repeat("c", 112)
@@ -114,7 +115,7 @@ func TestConsumerIDThatCannotLeaseIsRefused(t *testing.T) {
 	require.ErrorAs(t, err, &verr)
 	require.Equal(t, "outbox.consumer_id", verr.Field)
 
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: outbox.ConsumerID(longest), Pool: pool, Config: fastConfig(),
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: outbox.ConsumerID(longest), Pool: pool, Config: testkit.FastConfig(),
 		Projects: outbox.StaticProjects{"p"}, Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{})})
 	require.NoError(t, err)
 	require.Len(t, c.LeaseOwner(), 128)

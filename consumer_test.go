@@ -17,109 +17,110 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
 func TestWriterAndObserverProcesses(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	projects := []string{"alpha", "beta"}
-	writer := startProcess(t, db.URL, processOpts{projects: projects, cfg: fastConfig()})
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: projects, Config: testkit.FastConfig()})
 	for _, p := range projects {
-		_, err := writer.store.CreateMany(ctx, p, "t", 30)
+		_, err := writer.Store.CreateMany(ctx, p, "t", 30)
 		require.NoError(t, err)
 	}
-	observer := startProcess(t, db.URL, processOpts{id: "dashboard", projects: projects, cfg: fastConfig()})
+	observer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "dashboard", Projects: projects, Config: testkit.FastConfig()})
 	for _, p := range projects {
-		require.Len(t, observer.store.Cache().Live(p), 30)
+		require.Len(t, observer.Store.Cache().Live(p), 30)
 	}
 
 	for i := range 30 {
 		for _, p := range projects {
-			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
+			_, err := writer.Store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
 			require.NoError(t, err)
 		}
 	}
-	evs := observer.rec.waitCount(t, ctx, 60)
+	evs := observer.Rec.WaitCount(t, ctx, 60)
 	require.Len(t, evs, 60, "each deletion observed once")
 	last := map[string]int64{}
 	for _, ev := range evs {
 		require.True(t, ev.Observed)
-		require.Equal(t, writer.writer.ProcessID(), ev.WriterProcessID, "carries the writer's identity")
+		require.Equal(t, writer.Writer.ProcessID(), ev.WriterProcessID, "carries the writer's identity")
 		require.Equal(t, outbox.ConsumerID("dashboard"), ev.ConsumerID)
 		require.Equal(t, last[ev.ProjectID]+1, ev.Sequence, "in sequence order per project")
 		last[ev.ProjectID] = ev.Sequence
 	}
 	for _, p := range projects {
-		require.Empty(t, observer.store.Cache().Live(p), "the observer's cache dropped every deleted task")
-		waitCursor(t, ctx, observer.pool, p, "dashboard", 30)
+		require.Empty(t, observer.Store.Cache().Live(p), "the observer's cache dropped every deleted task")
+		testkit.WaitCursor(t, ctx, observer.Pool, p, "dashboard", 30)
 	}
-	require.Zero(t, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM run_audit WHERE actor <> 'taskstore'`), "the observer wrote no audit row")
-	require.Equal(t, 60, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM mailbox_notices`), "one notice per delete, all from the writer")
+	require.Zero(t, pgtest.QueryInt(t, writer.Pool, `SELECT count(*) FROM run_audit WHERE actor <> 'taskstore'`), "the observer wrote no audit row")
+	require.Equal(t, 60, pgtest.QueryInt(t, writer.Pool, `SELECT count(*) FROM mailbox_notices`), "one notice per delete, all from the writer")
 }
 
 func TestOwnEventsAreNotDeliveredTwiceToOwnListeners(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	proc := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: fastConfig()})
+	proc := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: testkit.FastConfig()})
 	var local []testhost.TaskDeleted
 	var mu sync.Mutex
-	proc.store.Emitter().On(func(_ context.Context, ev testhost.TaskDeleted) { mu.Lock(); local = append(local, ev); mu.Unlock() })
-	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
+	proc.Store.Emitter().On(func(_ context.Context, ev testhost.TaskDeleted) { mu.Lock(); local = append(local, ev); mu.Unlock() })
+	other := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: testkit.FastConfig()})
 
-	_, err := proc.store.Create(ctx, "p", "mine", "", "")
+	_, err := proc.Store.Create(ctx, "p", "mine", "", "")
 	require.NoError(t, err)
-	_, err = other.store.Create(ctx, "p", "theirs", "", "")
+	_, err = other.Store.Create(ctx, "p", "theirs", "", "")
 	require.NoError(t, err)
-	_, err = proc.store.Delete(ctx, "p", "mine")
+	_, err = proc.Store.Delete(ctx, "p", "mine")
 	require.NoError(t, err)
-	_, err = other.store.Delete(ctx, "p", "theirs")
+	_, err = other.Store.Delete(ctx, "p", "theirs")
 	require.NoError(t, err)
 
-	waitCursor(t, ctx, proc.pool, "p", "engine", 2)
-	evs := proc.rec.snapshot()
+	testkit.WaitCursor(t, ctx, proc.Pool, "p", "engine", 2)
+	evs := proc.Rec.Snapshot()
 	require.Len(t, evs, 1, "only the other process's deletion is observed")
 	require.Equal(t, "theirs", evs[0].TaskID)
 	mu.Lock()
 	defer mu.Unlock()
 	require.Len(t, local, 1, "the local emitter heard its own delete once")
 	require.Equal(t, "mine", local[0].TaskID)
-	require.Equal(t, int64(1), proc.consumer.Stats().Own)
+	require.Equal(t, int64(1), proc.Consumer.Stats().Own)
 }
 
 func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.Clock = clock
 	// Only the fake clock expires A's lease: an hour is beyond any real time a busy machine
 	// takes between A's acquisition and B's attempts, as 30s of real time is not.
 	cfg.LeaseTTL = time.Hour
 	cfg.HeartbeatInterval = 10 * time.Second
 
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: cfg})
-	_, err := writer.store.CreateMany(ctx, "p", "t", 5)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: cfg})
+	_, err := writer.Store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
 
 	// A takes the lease and blocks in its listener on the third event.
 	release, aAt3 := make(chan struct{}), make(chan struct{})
 	var aOnce, bOnce sync.Once
-	a := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg})
-	a.rec.setFail(func(ev outbox.ObservedEvent) error {
+	a := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: cfg})
+	a.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence == 3 {
 			aOnce.Do(func() { close(aAt3) })
 			<-release
 		}
 		return nil
 	})
-	outbox.PauseHeartbeat(a.consumer, true) // A is "frozen" from now on
-	b := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg})
+	outbox.PauseHeartbeat(a.Consumer, true) // A is "frozen" from now on
+	b := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: cfg})
 	bGate, bAt3 := make(chan struct{}), make(chan struct{})
-	b.rec.setFail(func(ev outbox.ObservedEvent) error {
+	b.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence == 3 {
 			bOnce.Do(func() { close(bAt3) })
 			<-bGate
@@ -135,137 +136,137 @@ func TestCompetingConsumersOnlyLeaseHolderAdvances(t *testing.T) {
 	}
 
 	for i := range 5 {
-		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+		_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
 	}
 	waitClosed(aAt3, "A to reach event 3")
-	require.Empty(t, b.rec.snapshot(), "B holds no lease while A's is valid")
-	outbox.HeartbeatNow(ctx, b.consumer)
-	require.Empty(t, b.rec.snapshot(), "B still cannot take an unexpired lease")
+	require.Empty(t, b.Rec.Snapshot(), "B holds no lease while A's is valid")
+	outbox.HeartbeatNow(ctx, b.Consumer)
+	require.Empty(t, b.Rec.Snapshot(), "B still cannot take an unexpired lease")
 
 	// Time passes beyond A's lease; B takes over with a new epoch, re-delivers from the
 	// durable cursor (at-least-once) and is held at 3 itself.
 	clock.Advance(time.Hour + time.Second)
-	outbox.HeartbeatNow(ctx, b.consumer)
-	st, err := outbox.NewAdmin(b.pool, outbox.AdminOptions{Clock: clock}).Status(ctx, outbox.StatusFilter{ConsumerID: "engine"})
+	outbox.HeartbeatNow(ctx, b.Consumer)
+	st, err := outbox.NewAdmin(b.Pool, outbox.AdminOptions{Clock: clock}).Status(ctx, outbox.StatusFilter{ConsumerID: "engine"})
 	require.NoError(t, err)
 	require.Len(t, st, 1)
 	require.True(t, st[0].LeaseHeld)
 	require.Equal(t, int64(2), st[0].LeaseEpoch, "B's acquisition bumped the epoch")
 	waitClosed(bAt3, "B to reach event 3")
-	before := cursorOf(t, a.pool, "p", "engine")
+	before := testkit.CursorOf(t, a.Pool, "p", "engine")
 	require.Less(t, before, int64(3))
 
 	// A wakes up late, finishes 3 and tries to acknowledge through 3: rejected.
 	close(release)
-	deadline, cancel := context.WithTimeout(ctx, waitLimit)
+	deadline, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
-	for a.consumer.Stats().LeaseLosses == 0 {
+	for a.Consumer.Stats().LeaseLosses == 0 {
 		select {
 		case <-deadline.Done():
 			t.Fatal("A never noticed it lost the lease")
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
-	require.Equal(t, before, cursorOf(t, a.pool, "p", "engine"), "A's late acknowledgement was rejected")
-	require.Len(t, a.rec.snapshot(), 3, "A stopped dispatching once its lease was gone")
+	require.Equal(t, before, testkit.CursorOf(t, a.Pool, "p", "engine"), "A's late acknowledgement was rejected")
+	require.Len(t, a.Rec.Snapshot(), 3, "A stopped dispatching once its lease was gone")
 
 	// Only the holder advances.
 	close(bGate)
-	waitCursor(t, ctx, b.pool, "p", "engine", 5)
-	evs := b.rec.snapshot()
+	testkit.WaitCursor(t, ctx, b.Pool, "p", "engine", 5)
+	evs := b.Rec.Snapshot()
 	require.Equal(t, int64(5), evs[len(evs)-1].Sequence)
 }
 
 func TestRestartResumesFromCursor(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
-	_, err := writer.store.CreateMany(ctx, "p", "t", 40)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: testkit.FastConfig()})
+	_, err := writer.Store.CreateMany(ctx, "p", "t", 40)
 	require.NoError(t, err)
 
-	first := startProcess(t, db.URL, processOpts{id: "cli", projects: []string{"p"}, cfg: fastConfig()})
+	first := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "cli", Projects: []string{"p"}, Config: testkit.FastConfig()})
 	for i := range 20 {
-		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+		_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
 	}
-	first.rec.waitCount(t, ctx, 20)
-	first.stop(t)
-	require.Equal(t, int64(20), cursorOf(t, writer.pool, "p", "cli"), "stop flushed the acknowledgements")
+	first.Rec.WaitCount(t, ctx, 20)
+	first.Stop(t)
+	require.Equal(t, int64(20), testkit.CursorOf(t, writer.Pool, "p", "cli"), "stop flushed the acknowledgements")
 
 	for i := 20; i < 40; i++ {
-		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+		_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
 	}
-	second := startProcess(t, db.URL, processOpts{id: "cli", projects: []string{"p"}, cfg: fastConfig()})
-	evs := second.rec.waitCount(t, ctx, 20)
+	second := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "cli", Projects: []string{"p"}, Config: testkit.FastConfig()})
+	evs := second.Rec.WaitCount(t, ctx, 20)
 	require.Len(t, evs, 20)
 	for i, ev := range evs {
 		require.Equal(t, int64(21+i), ev.Sequence, "resumed after the cursor, nothing lost or repeated")
 	}
-	require.Zero(t, second.consumer.Stats().Reconciliations)
+	require.Zero(t, second.Consumer.Stats().Reconciliations)
 }
 
 func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
-	_, err := writer.store.CreateMany(ctx, "p", "t", 20)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: testkit.FastConfig()})
+	_, err := writer.Store.CreateMany(ctx, "p", "t", 20)
 	require.NoError(t, err)
 
 	t.Run("a notification wakes a consumer that polls hourly", func(t *testing.T) {
-		cfg := fastConfig()
+		cfg := testkit.FastConfig()
 		cfg.PollInterval = time.Hour
-		obs := startProcess(t, db.URL, processOpts{id: "hourly", projects: []string{"p"}, cfg: cfg})
-		waitCursor(t, ctx, obs.pool, "p", "hourly", 0) // positioned; LISTEN is up before the first scan
-		_, err := writer.store.Delete(ctx, "p", "t-1")
+		obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "hourly", Projects: []string{"p"}, Config: cfg})
+		testkit.WaitCursor(t, ctx, obs.Pool, "p", "hourly", 0) // positioned; LISTEN is up before the first scan
+		_, err := writer.Store.Delete(ctx, "p", "t-1")
 		require.NoError(t, err)
-		prompt, cancel := context.WithTimeout(ctx, waitLimit) // far below the hour
+		prompt, cancel := context.WithTimeout(ctx, testkit.WaitLimit) // far below the hour
 		defer cancel()
-		obs.rec.waitCount(t, prompt, 1)
+		obs.Rec.WaitCount(t, prompt, 1)
 	})
 
 	t.Run("with the LISTEN connection killed, polling still delivers everything", func(t *testing.T) {
-		cfg := fastConfig()
+		cfg := testkit.FastConfig()
 		cfg.PollInterval = 100 * time.Millisecond
-		obs := startProcess(t, db.URL, processOpts{id: "poller", projects: []string{"p"}, cfg: cfg})
-		waitCursor(t, ctx, obs.pool, "p", "poller", 1)
+		obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "poller", Projects: []string{"p"}, Config: cfg})
+		testkit.WaitCursor(t, ctx, obs.Pool, "p", "poller", 1)
 		admin := pgtest.Pool(t, db.URL)
 		var killed int
 		require.NoError(t, admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 			WHERE datname = current_database() AND query ILIKE 'LISTEN%'`).Scan(&killed))
 		require.GreaterOrEqual(t, killed, 1)
 		for i := 2; i <= 20; i++ {
-			_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+			_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 			require.NoError(t, err)
 		}
-		evs := obs.rec.waitCount(t, ctx, 20)
+		evs := obs.Rec.WaitCount(t, ctx, 20)
 		require.Len(t, evs, 20, "the first deletion and the 19 made while LISTEN was down")
-		waitCursor(t, ctx, obs.pool, "p", "poller", 20)
+		testkit.WaitCursor(t, ctx, obs.Pool, "p", "poller", 20)
 	})
 
 	t.Run("a separate LISTEN DSN, and payloads that are not ours, are handled", func(t *testing.T) {
-		_, err := writer.store.CreateMany(ctx, "p", "u", 3)
+		_, err := writer.Store.CreateMany(ctx, "p", "u", 3)
 		require.NoError(t, err)
-		cfg := fastConfig()
+		cfg := testkit.FastConfig()
 		cfg.PollInterval = time.Hour
 		cfg.ListenDSN = db.URL
-		obs := startProcess(t, db.URL, processOpts{id: "own-listen", projects: []string{"p"}, cfg: cfg})
-		waitCursor(t, ctx, obs.pool, "p", "own-listen", 20)
+		obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "own-listen", Projects: []string{"p"}, Config: cfg})
+		testkit.WaitCursor(t, ctx, obs.Pool, "p", "own-listen", 20)
 		// Garbage on our channel: skipped with a log line, nothing lost or stuck.
 		for _, payload := range []string{"", "not ours!", `{"project":"p"}`, strings.Repeat("x", 300), "other-project"} {
-			_, err := writer.pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', $1)`, payload)
+			_, err := writer.Pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', $1)`, payload)
 			require.NoError(t, err)
 		}
 		for i := 1; i <= 3; i++ {
-			_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("u-%d", i))
+			_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("u-%d", i))
 			require.NoError(t, err)
 		}
-		prompt, cancel := context.WithTimeout(ctx, waitLimit) // far below the hour
+		prompt, cancel := context.WithTimeout(ctx, testkit.WaitLimit) // far below the hour
 		defer cancel()
-		evs := obs.rec.waitCount(t, prompt, 23) // the 20 it replayed from the oldest, then the new ones
+		evs := obs.Rec.WaitCount(t, prompt, 23) // the 20 it replayed from the oldest, then the new ones
 		require.Len(t, evs, 23)
 		require.Equal(t, []int64{21, 22, 23}, []int64{evs[20].Sequence, evs[21].Sequence, evs[22].Sequence})
 	})
@@ -276,7 +277,7 @@ func TestNotificationWakesConsumerAndPollingCoversLostOnes(t *testing.T) {
 // state outside its LISTEN connection.
 func TestConsumerWithoutPreparedStatementCache(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	cfg, err := pgxpool.ParseConfig(db.URL)
 	require.NoError(t, err)
@@ -286,39 +287,39 @@ func TestConsumerWithoutPreparedStatementCache(t *testing.T) {
 
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	defer closeWriter(t, w)
+	defer testkit.CloseWriter(t, w)
 	store := testhost.New(pool, testhost.Options{Writer: w})
 	_, err = store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
-	rec := newRecorder()
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "proxied", Pool: pool, Config: fastConfig(), Projects: outbox.StaticProjects{"p"},
+	rec := testkit.NewRecorder()
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "proxied", Pool: pool, Config: testkit.FastConfig(), Projects: outbox.StaticProjects{"p"},
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true}), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	defer func() { require.NoError(t, c.Stop(context.Background())) }()
-	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
+	other := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}})
 	for i := 1; i <= 5; i++ {
-		_, err := other.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		_, err := other.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
-	rec.waitCount(t, ctx, 5)
-	waitCursor(t, ctx, pool, "p", "proxied", 5)
+	rec.WaitCount(t, ctx, 5)
+	testkit.WaitCursor(t, ctx, pool, "p", "proxied", 5)
 }
 
 func TestReconciliation(t *testing.T) {
 	t.Parallel()
-	// Each subtest takes its own deadline once it runs (ctxT), and hands it to these helpers:
-	// parallel subtests wait for a free slot after this function returns, and a deadline taken
-	// here could pass while they wait.
-	setup := func(t *testing.T, ctx context.Context) (pgtest.DB, *process) {
+	// Each subtest takes its own deadline once it runs (testkit.Ctx), and hands it to these
+	// helpers: parallel subtests wait for a free slot after this function returns, and a
+	// deadline taken here could pass while they wait.
+	setup := func(t *testing.T, ctx context.Context) (pgtest.DB, *testkit.Process) {
 		db := pgtest.NewDB(t)
-		w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
-		_, err := w.store.CreateMany(ctx, "p", "t", 10)
+		w := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: testkit.FastConfig()})
+		_, err := w.Store.CreateMany(ctx, "p", "t", 10)
 		require.NoError(t, err)
 		for i := range 4 {
-			_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+			_, err := w.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
 			require.NoError(t, err)
-			_, err = outbox.Sequence(ctx, w.pool, nil, 100) // a tick each, so that one can be pruned whole
+			_, err = outbox.Sequence(ctx, w.Pool, nil, 100) // a tick each, so that one can be pruned whole
 			require.NoError(t, err)
 		}
 		return db, w
@@ -331,71 +332,71 @@ func TestReconciliation(t *testing.T) {
 
 	t.Run("missing cursor", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		db, w := setup(t, ctx)
-		cfg := fastConfig()
+		cfg := testkit.FastConfig()
 		cfg.NewCursor = outbox.NewCursorReconcile
-		obs := startProcess(t, db.URL, processOpts{id: "fresh", projects: []string{"p"}, cfg: cfg, noStart: true})
-		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", []string{"t-1", "stale-id"}))
-		obs.start(t)
-		waitCursor(t, ctx, w.pool, "p", "fresh", 4)
-		require.Equal(t, string(outbox.ReasonMissingCursor), reasonOf(t, ctx, w.pool, "fresh"))
-		require.Len(t, obs.store.Cache().Live("p"), 6, "the live set replaced the cache; stale IDs dropped")
-		require.False(t, obs.store.Cache().Has("p", "stale-id"))
-		require.Empty(t, obs.rec.snapshot(), "history before the head is not replayed")
+		obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "fresh", Projects: []string{"p"}, Config: cfg, NoStart: true})
+		require.NoError(t, obs.Store.Cache().ReplaceLive(ctx, "p", []string{"t-1", "stale-id"}))
+		obs.Start(t)
+		testkit.WaitCursor(t, ctx, w.Pool, "p", "fresh", 4)
+		require.Equal(t, string(outbox.ReasonMissingCursor), reasonOf(t, ctx, w.Pool, "fresh"))
+		require.Len(t, obs.Store.Cache().Live("p"), 6, "the live set replaced the cache; stale IDs dropped")
+		require.False(t, obs.Store.Cache().Has("p", "stale-id"))
+		require.Empty(t, obs.Rec.Snapshot(), "history before the head is not replayed")
 	})
 
 	t.Run("cursor ahead of head", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		db, w := setup(t, ctx)
-		_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'ahead', 99)`)
+		_, err := w.Pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'ahead', 99)`)
 		require.NoError(t, err)
-		startProcess(t, db.URL, processOpts{id: "ahead", projects: []string{"p"}, cfg: fastConfig()})
-		waitCursor(t, ctx, w.pool, "p", "ahead", 4)
-		require.Equal(t, string(outbox.ReasonCursorAheadOfHead), reasonOf(t, ctx, w.pool, "ahead"))
+		testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "ahead", Projects: []string{"p"}, Config: testkit.FastConfig()})
+		testkit.WaitCursor(t, ctx, w.Pool, "p", "ahead", 4)
+		require.Equal(t, string(outbox.ReasonCursorAheadOfHead), reasonOf(t, ctx, w.Pool, "ahead"))
 	})
 
 	t.Run("cursor below the pruned floor", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		db, w := setup(t, ctx)
-		_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'behind', 1)`)
+		_, err := w.Pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'behind', 1)`)
 		require.NoError(t, err)
-		tag, err := w.pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id IN ('t-1', 't-2', 't-3')`)
+		tag, err := w.Pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id IN ('t-1', 't-2', 't-3')`)
 		require.NoError(t, err)
 		require.Equal(t, int64(3), tag.RowsAffected())
-		_, err = w.pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 3, last_sequence = GREATEST(last_sequence, 3) WHERE project_id = 'p'`)
+		_, err = w.Pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 3, last_sequence = GREATEST(last_sequence, 3) WHERE project_id = 'p'`)
 		require.NoError(t, err)
-		obs := startProcess(t, db.URL, processOpts{id: "behind", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
+		obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "behind", Projects: []string{"p"}, Config: testkit.FastConfig(), NoStart: true})
 		all := make([]string, 10)
 		for i := range all {
 			all[i] = fmt.Sprintf("t-%d", i+1)
 		}
-		require.NoError(t, obs.store.Cache().ReplaceLive(ctx, "p", all)) // a cache that missed the deletions
-		obs.start(t)
-		waitCursor(t, ctx, w.pool, "p", "behind", 4)
-		require.Equal(t, string(outbox.ReasonCursorBelowPrunedFloor), reasonOf(t, ctx, w.pool, "behind"))
-		require.False(t, obs.store.Cache().Has("p", "t-2"), "the pruned deletion is reflected by the rebuilt cache")
+		require.NoError(t, obs.Store.Cache().ReplaceLive(ctx, "p", all)) // a cache that missed the deletions
+		obs.Start(t)
+		testkit.WaitCursor(t, ctx, w.Pool, "p", "behind", 4)
+		require.Equal(t, string(outbox.ReasonCursorBelowPrunedFloor), reasonOf(t, ctx, w.Pool, "behind"))
+		require.False(t, obs.Store.Cache().Has("p", "t-2"), "the pruned deletion is reflected by the rebuilt cache")
 	})
 
 	t.Run("a delete committed while reconciling is not lost", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		db, w := setup(t, ctx)
-		cfg := fastConfig()
+		cfg := testkit.FastConfig()
 		cfg.NewCursor = outbox.NewCursorReconcile
 		deleted := make(chan error, 1)
-		racing := &racingLiveTasks{inner: w.store, during: func() {
-			_, err := w.store.Delete(ctx, "p", "t-9")
+		racing := &racingLiveTasks{inner: w.Store, during: func() {
+			_, err := w.Store.Delete(ctx, "p", "t-9")
 			deleted <- err
 		}}
-		obs := startProcess(t, db.URL, processOpts{id: "racer", projects: []string{"p"}, cfg: cfg, live: racing})
+		obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "racer", Projects: []string{"p"}, Config: cfg, Live: racing})
 		require.NoError(t, <-deleted)
-		evs := obs.rec.waitCount(t, ctx, 1)
+		evs := obs.Rec.WaitCount(t, ctx, 1)
 		require.Equal(t, "t-9", evs[0].TaskID)
-		require.False(t, obs.store.Cache().Has("p", "t-9"))
-		waitCursor(t, ctx, w.pool, "p", "racer", 5)
+		require.False(t, obs.Store.Cache().Has("p", "t-9"))
+		testkit.WaitCursor(t, ctx, w.Pool, "p", "racer", 5)
 	})
 }
 
@@ -414,40 +415,40 @@ func (r *racingLiveTasks) LiveTaskIDsTx(ctx context.Context, tx pgx.Tx, project 
 
 func TestObservedListenerCannotPerformWriterOwnedEffects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
-	_, err := writer.store.CreateMany(ctx, "p", "t", 3)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: testkit.FastConfig()})
+	_, err := writer.Store.CreateMany(ctx, "p", "t", 3)
 	require.NoError(t, err)
 
 	var mu sync.Mutex
 	var errs []error
-	obs := startProcess(t, db.URL, processOpts{id: "sneaky", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
+	obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "sneaky", Projects: []string{"p"}, Config: testkit.FastConfig(), NoStart: true})
 	sneaky := outbox.ListenerFunc("sneaky", func(ctx context.Context, ev outbox.ObservedEvent) error {
 		task := testhost.Task{ProjectID: ev.ProjectID, ID: ev.TaskID, Column: ev.PriorColumn}
 		record := func(err error) { mu.Lock(); errs = append(errs, err); mu.Unlock() }
-		record(obs.store.SendDeleteNotice(ctx, task))
-		tx, err := obs.pool.Begin(ctx)
+		record(obs.Store.SendDeleteNotice(ctx, task))
+		tx, err := obs.Pool.Begin(ctx)
 		if err != nil {
 			return err
 		}
-		record(obs.store.WriteDeleteAuditTx(ctx, tx, task))
-		_, _, err = obs.writer.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: ev.ProjectID, TaskID: "t-3", DeletedAt: ev.DeletedAt})
+		record(obs.Store.WriteDeleteAuditTx(ctx, tx, task))
+		_, _, err = obs.Writer.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: ev.ProjectID, TaskID: "t-3", DeletedAt: ev.DeletedAt})
 		record(err)
 		if err := tx.Commit(ctx); err != nil {
 			return err
 		}
-		_, err = obs.store.Delete(ctx, ev.ProjectID, "t-3")
+		_, err = obs.Store.Delete(ctx, ev.ProjectID, "t-3")
 		record(err)
 		return nil
 	})
 	// The sneaky listener joins the observer's dispatcher; built here so it can use obs.
-	obs.consumer = newConsumerWith(t, obs, "sneaky", []string{"p"}, fastConfig(), sneaky)
-	obs.start(t)
-	_, err = writer.store.Delete(ctx, "p", "t-1")
+	obs.Consumer = newConsumerWith(t, obs, "sneaky", []string{"p"}, testkit.FastConfig(), sneaky)
+	obs.Start(t)
+	_, err = writer.Store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
-	obs.rec.waitCount(t, ctx, 1)
-	waitCursor(t, ctx, obs.pool, "p", "sneaky", 1)
+	obs.Rec.WaitCount(t, ctx, 1)
+	testkit.WaitCursor(t, ctx, obs.Pool, "p", "sneaky", 1)
 
 	mu.Lock()
 	defer mu.Unlock()
@@ -457,17 +458,17 @@ func TestObservedListenerCannotPerformWriterOwnedEffects(t *testing.T) {
 		require.ErrorAs(t, err, &fence)
 		require.True(t, errors.Is(err, outbox.ErrObservedContext))
 	}
-	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM mailbox_notices`))
-	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM run_audit`))
-	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM lifecycle_event_log`))
-	task, err := writer.store.Get(ctx, "p", "t-3")
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.Pool, `SELECT count(*) FROM mailbox_notices`))
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.Pool, `SELECT count(*) FROM run_audit`))
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.Pool, `SELECT count(*) FROM lifecycle_event_log`))
+	task, err := writer.Store.Get(ctx, "p", "t-3")
 	require.NoError(t, err)
 	require.Nil(t, task.DeletedAt, "the observer's delete was refused")
 }
 
 func TestIdentityFromPersistedSetting(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	settings := testhost.NewSettings(pool, "node-1")
 

@@ -14,6 +14,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // TestCursorWritesLockInProjectOrder: a consumer's acknowledgement and its lease heartbeat
@@ -27,7 +28,7 @@ import (
 // first project's, whatever plan the server picks.
 func TestCursorWritesLockInProjectOrder(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	url := pgtest.NewDB(t).URL
 	const id, owner = "c1", "c1@0123456789abcdef"
 	var projects []string
@@ -103,7 +104,7 @@ func TestCursorWritesLockInProjectOrder(t *testing.T) {
 				var waiting bool
 				err := probe.QueryRow(ctx, `SELECT $2::int = ANY (pg_catalog.pg_blocking_pids($1))`, writerPID, holderPID).Scan(&waiting)
 				return err == nil && waiting
-			}, waitLimit, 5*time.Millisecond, "the statement never waited for the held row")
+			}, testkit.WaitLimit, 5*time.Millisecond, "the statement never waited for the held row")
 
 			_, err = probe.Exec(ctx, `SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = $1 AND project_id = 'p00' FOR NO KEY UPDATE NOWAIT`, id)
 			var pgErr *pgconn.PgError

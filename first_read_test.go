@@ -16,6 +16,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -141,7 +142,7 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 	for _, batch := range []int{1000, 4} {
 		t.Run(fmt.Sprintf("batch size %d", batch), func(t *testing.T) {
 			t.Parallel()
-			ctx := ctxT(t)
+			ctx := testkit.Ctx(t)
 			db := pgtest.NewDB(t)
 			seeder := pgtest.Pool(t, db.URL)
 			want := map[string][]int64{}
@@ -150,7 +151,7 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 			for i := range 8 {
 				p := fmt.Sprintf("proj-%d", i)
 				n := i + 3
-				seedEvents(t, seeder, p, n)
+				testkit.SeedEvents(t, seeder, p, n)
 				projects = append(projects, p)
 				want[p] = upTo(int64(n))
 				total += n
@@ -163,13 +164,13 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 				}
 			}
 			tr := &scanTracer{}
-			cfg := fastConfig()
+			cfg := testkit.FastConfig()
 			cfg.BatchSize = batch
 			_, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil)
 
-			waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+			waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 			defer cancel()
-			evs := rec.waitCount(t, waitCtx, total)
+			evs := rec.WaitCount(t, waitCtx, total)
 			for i, sc := range tr.snapshot() {
 				if sc.combined+sc.single > 0 {
 					t.Logf("scan %d: %d statements, of which %d combined and %d single-project reads of events", i, sc.all, sc.combined, sc.single)
@@ -183,7 +184,7 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 			_, _, rows := tr.readsFrom(0)
 			require.Equal(t, firstRows, rows, "the combined read returned the events of the projects it served")
 			for _, p := range projects {
-				waitCursor(t, waitCtx, seeder, p, "c1", want[p][len(want[p])-1])
+				testkit.WaitCursor(t, waitCtx, seeder, p, "c1", want[p][len(want[p])-1])
 			}
 		})
 	}
@@ -196,7 +197,7 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 // a project whose next event is in the frozen stream reads alone, in one statement.
 func TestUndecodableRowInACombinedRead(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	seeder := pgtest.Pool(t, db.URL)
 	var projects []string
@@ -204,10 +205,10 @@ func TestUndecodableRowInACombinedRead(t *testing.T) {
 	for i := range 8 {
 		p := fmt.Sprintf("proj-%d", i)
 		if p == "proj-3" {
-			seedUndecodableAt4(t, seeder, p) // 1 to 3, then 4 cannot be decoded; 5 and 6 follow it
+			testkit.SeedUndecodableAt4(t, seeder, p) // 1 to 3, then 4 cannot be decoded; 5 and 6 follow it
 			want[p] = []int64{1, 2, 3, 5, 6}
 		} else {
-			seedEvents(t, seeder, p, 3)
+			testkit.SeedEvents(t, seeder, p, 3)
 			want[p] = upTo(3)
 		}
 		projects = append(projects, p)
@@ -216,25 +217,25 @@ func TestUndecodableRowInACombinedRead(t *testing.T) {
 	tr := &scanTracer{}
 	var mu sync.Mutex
 	scanOf := map[string]int{} // project/sequence: the scan that delivered it
-	rec := newRecorder()
-	rec.setFail(func(ev outbox.ObservedEvent) error {
+	rec := testkit.NewRecorder()
+	rec.SetFail(func(ev outbox.ObservedEvent) error {
 		mu.Lock()
 		defer mu.Unlock()
 		scanOf[fmt.Sprintf("%s/%d", ev.ProjectID, ev.Sequence)] = tr.scan()
 		return nil
 	})
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: fastConfig(),
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: testkit.FastConfig(),
 		Projects: outbox.StaticProjects(projects), Dispatcher: d, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, c) })
-	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
-	evs := rec.waitCount(t, waitCtx, 8*3+2)
+	evs := rec.WaitCount(t, waitCtx, 8*3+2)
 	require.Equal(t, want, sequencesByProject(evs), "every event but the undecodable one, once and in order")
-	waitCursor(t, waitCtx, seeder, "proj-3", "c1", 6)
-	require.Equal(t, deliveryRow{State: "dead", Attempts: 1, Class: "undecodable_event"}, deliveryOf(t, seeder, "c1", 4))
+	testkit.WaitCursor(t, waitCtx, seeder, "proj-3", "c1", 6)
+	require.Equal(t, testkit.DeliveryRow{State: "dead", Attempts: 1, Class: "undecodable_event"}, testkit.DeliveryOf(t, seeder, "c1", 4))
 	require.Equal(t, int64(1), c.Stats().Parked)
 
 	mu.Lock()
@@ -257,7 +258,7 @@ func TestUndecodableRowInACombinedRead(t *testing.T) {
 // are delivered, and the failing project only is held back.
 func TestCombinedReadFailureIsolatesProjects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	projects := []string{"proj-a", "proj-b", "proj-c"}
 	writer, _ := lp.component(t, "writer", writerGrant(projects...))
@@ -280,15 +281,15 @@ END $$`,
 	}
 
 	tr := &scanTracer{}
-	_, rec := startConsumer(t, tracedPool(t, lp.url(role), tr), "c1", projects, fastConfig(), nil)
-	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	_, rec := startConsumer(t, tracedPool(t, lp.url(role), tr), "c1", projects, testkit.FastConfig(), nil)
+	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
-	rec.waitFor(t, waitCtx, "projects A and C in full", func(evs []outbox.ObservedEvent) bool {
+	rec.WaitFor(t, waitCtx, "projects A and C in full", func(evs []outbox.ObservedEvent) bool {
 		return inProject("proj-a")(evs) == 3 && inProject("proj-c")(evs) == 3
 	})
-	waitCursor(t, waitCtx, lp.owner, "proj-a", "c1", 3)
-	waitCursor(t, waitCtx, lp.owner, "proj-c", "c1", 3)
-	require.Zero(t, inProject("proj-b")(rec.snapshot()), "B's rows cannot be read")
+	testkit.WaitCursor(t, waitCtx, lp.owner, "proj-a", "c1", 3)
+	testkit.WaitCursor(t, waitCtx, lp.owner, "proj-c", "c1", 3)
+	require.Zero(t, inProject("proj-b")(rec.Snapshot()), "B's rows cannot be read")
 	combined, single, _ := tr.totals()
 	require.GreaterOrEqual(t, combined, 1, "the projects were read together first")
 	require.GreaterOrEqual(t, single, 3, "then each alone")
@@ -299,7 +300,7 @@ END $$`,
 	for _, p := range []string{"proj-a", "proj-c"} {
 		deletePrefixedTasksAs(t, lp, writer, p, "u", 2)
 	}
-	rec.waitFor(t, waitCtx, "the later events of A and C", func(evs []outbox.ObservedEvent) bool {
+	rec.WaitFor(t, waitCtx, "the later events of A and C", func(evs []outbox.ObservedEvent) bool {
 		return inProject("proj-a")(evs) == 5 && inProject("proj-c")(evs) == 5
 	})
 	failedSince := 0
@@ -307,7 +308,7 @@ END $$`,
 		failedSince += sc.failed
 	}
 	require.Zero(t, failedSince, "a combined read failed on B's rows again")
-	require.Zero(t, inProject("proj-b")(rec.snapshot()))
+	require.Zero(t, inProject("proj-b")(rec.Snapshot()))
 }
 
 // TestRetryHoldsOnlyItsProjectInACombinedRead: projects whose next event waits on a retry are
@@ -316,12 +317,12 @@ END $$`,
 // together again, from the failing event, and go on in order.
 func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	seeder := pgtest.Pool(t, db.URL)
 	projects := []string{"p1", "p2", "p3", "p4"}
 	for _, p := range projects {
-		seedEvents(t, seeder, p, 3)
+		testkit.SeedEvents(t, seeder, p, 3)
 	}
 	clock := outboxtest.NewFakeClock()
 	cfg := retryConfig(clock)
@@ -332,10 +333,10 @@ func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
 	cfg.PollInterval, cfg.RetrySchedule = 50*time.Millisecond, []time.Duration{time.Hour}
 	cfg.NotifyDisabled = true
 	tr := &scanTracer{}
-	rec := newRecorder()
-	rec.setFail(func(ev outbox.ObservedEvent) error {
+	rec := testkit.NewRecorder()
+	rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if (ev.ProjectID == "p2" || ev.ProjectID == "p3") && ev.Sequence == 2 && ev.Attempt == 1 {
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
@@ -345,7 +346,7 @@ func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, c) })
-	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	delivered := func(want map[string][]int64) func([]outbox.ObservedEvent) bool {
 		return func(evs []outbox.ObservedEvent) bool {
@@ -362,8 +363,8 @@ func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
 	// The first scan: p2 and p3 stop at their event 2.
 	wait, err := clock.WaitForTimer(waitCtx, time.Minute) // a retry an hour ahead, less the real time spent
 	require.NoError(t, err)
-	rec.waitFor(t, waitCtx, "p1 and p4 in full", delivered(map[string][]int64{"p1": upTo(3), "p4": upTo(3)}))
-	require.Equal(t, map[string][]int64{"p1": upTo(3), "p2": {1}, "p3": {1}, "p4": upTo(3)}, sequencesByProject(rec.snapshot()))
+	rec.WaitFor(t, waitCtx, "p1 and p4 in full", delivered(map[string][]int64{"p1": upTo(3), "p4": upTo(3)}))
+	require.Equal(t, map[string][]int64{"p1": upTo(3), "p2": {1}, "p3": {1}, "p4": upTo(3)}, sequencesByProject(rec.Snapshot()))
 
 	// Two more events in every project, committed together and numbered by the consumer's ticker.
 	from := tr.scan() + 1
@@ -372,9 +373,9 @@ INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, ar
 SELECT p, 'more-' || g, timestamptz '2032-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
 FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects)
 	require.NoError(t, err)
-	rec.waitFor(t, waitCtx, "the new events of p1 and p4", delivered(map[string][]int64{"p1": upTo(5), "p4": upTo(5)}))
+	rec.WaitFor(t, waitCtx, "the new events of p1 and p4", delivered(map[string][]int64{"p1": upTo(5), "p4": upTo(5)}))
 	// p2 and p3 come between p1 and p4 in a scan: they were scanned and held back.
-	require.Equal(t, map[string][]int64{"p1": upTo(5), "p2": {1}, "p3": {1}, "p4": upTo(5)}, sequencesByProject(rec.snapshot()),
+	require.Equal(t, map[string][]int64{"p1": upTo(5), "p2": {1}, "p3": {1}, "p4": upTo(5)}, sequencesByProject(rec.Snapshot()),
 		"nothing past a waiting event is handed over")
 	combined, single, rows := tr.readsFrom(from)
 	require.Equal(t, 1, combined, "p1 and p4 read together")
@@ -384,7 +385,7 @@ FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects)
 	// The retries fall due: p2 and p3 are read together from their event 2.
 	from = tr.scan() + 1
 	clock.Advance(wait)
-	evs := rec.waitFor(t, waitCtx, "p2 and p3 in full", delivered(map[string][]int64{"p2": upTo(5), "p3": upTo(5)}))
+	evs := rec.WaitFor(t, waitCtx, "p2 and p3 in full", delivered(map[string][]int64{"p2": upTo(5), "p3": upTo(5)}))
 	for _, ev := range evs {
 		if (ev.ProjectID == "p2" || ev.ProjectID == "p3") && ev.Sequence == 2 {
 			require.Equal(t, 2, ev.Attempt, "%s: the retried event comes first, as its second attempt", ev.ProjectID)
@@ -397,7 +398,7 @@ FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects)
 	require.Positive(t, combined+single, "p2 and p3 were read")
 	require.LessOrEqual(t, combined+single, 2, "one read at most per project for events 2 to 5")
 	for _, p := range projects {
-		waitCursor(t, waitCtx, seeder, p, "c1", 5)
+		testkit.WaitCursor(t, waitCtx, seeder, p, "c1", 5)
 	}
 	for _, p := range []string{"p2", "p3"} {
 		require.Equal(t, "resolved", deliveryOfProject(t, seeder, p, "c1", 2), "%s: the retry is closed", p)
@@ -420,27 +421,27 @@ func deliveryOfProject(t *testing.T, pool *pgxpool.Pool, project, consumer strin
 // afterwards is read in one statement for all of them.
 func TestReconcilingProjectsAreNotReadAhead(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	seeder := pgtest.Pool(t, db.URL)
 	projects := []string{"p1", "p2", "p3"}
 	for _, p := range projects {
-		seedEvents(t, seeder, p, 3)
+		testkit.SeedEvents(t, seeder, p, 3)
 	}
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.NewCursor = outbox.NewCursorReconcile
 	// Full scans only (every 50ms): a tick's wake-ups for three projects could reach the loop
 	// in two scans (the full suite once read one project alone: "Should be zero, but was 1").
 	cfg.NotifyDisabled = true
 	tr := &scanTracer{}
 	c, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil)
-	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	for _, p := range projects {
-		waitCursor(t, waitCtx, seeder, p, "c1", 3)
+		testkit.WaitCursor(t, waitCtx, seeder, p, "c1", 3)
 	}
 	// The counter moves just after the cursor commits, so it may lag the cursor a moment.
-	require.Eventually(t, func() bool { return c.Stats().Reconciliations == 3 }, waitLimit, time.Millisecond)
+	require.Eventually(t, func() bool { return c.Stats().Reconciliations == 3 }, testkit.WaitLimit, time.Millisecond)
 	combined, single, _ := tr.readsFrom(0)
 	require.Zero(t, combined, "history that reconciliation skips is not read ahead")
 	require.Zero(t, single)
@@ -450,7 +451,7 @@ INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, ar
 SELECT p, 'more-' || g, timestamptz '2032-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
 FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects)
 	require.NoError(t, err)
-	evs := rec.waitCount(t, waitCtx, 6)
+	evs := rec.WaitCount(t, waitCtx, 6)
 	require.Equal(t, map[string][]int64{"p1": {4, 5}, "p2": {4, 5}, "p3": {4, 5}}, sequencesByProject(evs))
 	combined, single, rows := tr.readsFrom(0)
 	require.Equal(t, 1, combined)
@@ -462,12 +463,12 @@ FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects)
 // handed over once Stop is called while the first project's listener is in flight.
 func TestStopHandsOverNothingReadAhead(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	seeder := pgtest.Pool(t, db.URL)
 	projects := []string{"p1", "p2", "p3", "p4"}
 	for _, p := range projects {
-		seedEvents(t, seeder, p, 5)
+		testkit.SeedEvents(t, seeder, p, 5)
 	}
 	var calls atomic.Int64
 	entered := make(chan struct{})
@@ -480,7 +481,7 @@ func TestStopHandsOverNothingReadAhead(t *testing.T) {
 	})
 	tr := &scanTracer{}
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{l}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: fastConfig(),
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: testkit.FastConfig(),
 		Projects: outbox.StaticProjects(projects), Dispatcher: d, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
@@ -493,8 +494,8 @@ func TestStopHandsOverNothingReadAhead(t *testing.T) {
 	require.Equal(t, int64(1), calls.Load(), "no event was handed to the listener after Stop")
 	_, _, rows := tr.readsFrom(0)
 	require.Equal(t, 4*5, rows, "every project's batch had been read")
-	require.Equal(t, int64(1), cursorOf(t, seeder, "p1", "c1"), "the event in flight finished and was acknowledged")
+	require.Equal(t, int64(1), testkit.CursorOf(t, seeder, "p1", "c1"), "the event in flight finished and was acknowledged")
 	for _, p := range projects[1:] {
-		require.LessOrEqual(t, cursorOf(t, seeder, p, "c1"), int64(0), p)
+		require.LessOrEqual(t, testkit.CursorOf(t, seeder, p, "c1"), int64(0), p)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -26,14 +27,14 @@ import (
 // scans can find them.
 func TestFollowUpScansFindUnannouncedEvents(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	holdTickerElection(t, ctx, db.URL)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.PollInterval, cfg.FollowUpInterval, cfg.FollowUpWindow = time.Hour, 2*time.Millisecond, time.Minute
 	c, rec := startConsumer(t, pool, "c1", []string{"p"}, cfg, nil)
-	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, waitLimit, time.Millisecond, "the first scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, testkit.WaitLimit, time.Millisecond, "the first scan")
 
 	_, err := pool.Exec(ctx, insertLogRow, "p", "t0")
 	require.NoError(t, err)
@@ -41,7 +42,7 @@ func TestFollowUpScansFindUnannouncedEvents(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox_tick', 'p')`)
 	require.NoError(t, err)
-	rec.waitCount(t, ctx, 1)
+	rec.WaitCount(t, ctx, 1)
 	ticks := c.Stats().Ticks
 	for i := 1; i <= 4; i++ {
 		_, err := pool.Exec(ctx, insertLogRow, "p", fmt.Sprintf("t%d", i))
@@ -49,7 +50,7 @@ func TestFollowUpScansFindUnannouncedEvents(t *testing.T) {
 		res, err := outbox.Tick(ctx, pool) // no notification
 		require.NoError(t, err)
 		require.Equal(t, int64(1), res.Events)
-		rec.waitCount(t, ctx, i+1)
+		rec.WaitCount(t, ctx, i+1)
 	}
 	require.Equal(t, ticks, c.Stats().Ticks, "the consumer's own ticker numbered none of them")
 }
@@ -59,14 +60,14 @@ func TestFollowUpScansFindUnannouncedEvents(t *testing.T) {
 // not scan it every FollowUpInterval until the retry falls due.
 func TestNoFollowUpScansWhileWaitingOnARetry(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	clock := outboxtest.NewFakeClock()
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.PollInterval, cfg.Clock = time.Hour, clock
 	cfg.FollowUpInterval, cfg.FollowUpWindow = time.Millisecond, 20*time.Millisecond
 	c, rec := startConsumer(t, pool, "c1", []string{"p"}, cfg, nil)
-	rec.setFail(func(outbox.ObservedEvent) error { return errors.New("listener down") })
+	rec.SetFail(func(outbox.ObservedEvent) error { return errors.New("listener down") })
 	_, err := pool.Exec(ctx, insertLogRow, "p", "t0")
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `SELECT pg_notify('lifecycle_outbox', 'p')`) // the writer's hint: the ticker ticks and announces
@@ -85,7 +86,7 @@ func TestNoFollowUpScansWhileWaitingOnARetry(t *testing.T) {
 // most once per NotifyGap, not once per commit.
 func TestWriterStaysQuietWithinTheGap(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	const gap = 200 * time.Millisecond

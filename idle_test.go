@@ -10,6 +10,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // What an idle consumer costs: one scan per poll and nothing between polls. A scan of an idle
@@ -26,7 +27,7 @@ import (
 func TestIdleConsumerScansOncePerPoll(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.NewPool(t)
-	c, atRest := startPolledConsumer(t, pool, "idle", fastConfig())
+	c, atRest := startPolledConsumer(t, pool, "idle", testkit.FastConfig())
 	atRest("after its first scan")
 	require.Equal(t, int64(1), c.Stats().Scans, "the first scan of an idle consumer: scans until the loop rests")
 	for poll := 1; poll <= 5; poll++ {
@@ -42,20 +43,20 @@ func TestIdleConsumerScansOncePerPoll(t *testing.T) {
 // backlog of several batches is delivered by the scan that found it, not one batch per poll.
 func TestOneScanDrainsAProjectPastBatchSize(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	_, err := pool.Exec(ctx, insertPendingRows, "p", "t", 35)
 	require.NoError(t, err)
 	_, err = outbox.Tick(ctx, pool) // numbered before the consumer's first scan
 	require.NoError(t, err)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.BatchSize, cfg.NotifyDisabled, cfg.PollInterval = 10, true, time.Hour
 	cfg.FollowUpInterval, cfg.FollowUpWindow = time.Hour, time.Hour // no follow-up scan within the test
 	cfg.LeaseTTL, cfg.HeartbeatInterval = time.Hour, 20*time.Minute
 	c, rec := startConsumer(t, pool, "drain", []string{"p"}, cfg, nil)
-	rec.waitCount(t, ctx, 35)
+	rec.WaitCount(t, ctx, 35)
 	require.Equal(t, int64(1), c.Stats().Scans, "four batches of 10, one scan")
-	waitCursor(t, ctx, pool, "p", "drain", 35)
+	testkit.WaitCursor(t, ctx, pool, "p", "drain", 35)
 }
 
 // TestAScanThatFoundEventsArmsNoFollowUp: by default a consumer scans a project only when woken
@@ -65,10 +66,10 @@ func TestOneScanDrainsAProjectPastBatchSize(t *testing.T) {
 // the project was scanned again every FollowUpInterval for FollowUpWindow.)
 func TestAScanThatFoundEventsArmsNoFollowUp(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
-	require.Zero(t, fastConfig().WithDefaults().FollowUpWindow, "follow-up scans are off by default")
-	c, atRest := startPolledConsumer(t, pool, "busy", fastConfig())
+	require.Zero(t, testkit.FastConfig().WithDefaults().FollowUpWindow, "follow-up scans are off by default")
+	c, atRest := startPolledConsumer(t, pool, "busy", testkit.FastConfig())
 	atRest("after its first scan")
 	_, err := pool.Exec(ctx, insertPendingRows, "p", "t", 5)
 	require.NoError(t, err)
@@ -86,7 +87,7 @@ func TestAScanThatFoundEventsArmsNoFollowUp(t *testing.T) {
 // until the loop rests with nothing armed but the poll interval.
 func startPolledConsumer(t *testing.T, pool *pgxpool.Pool, id string, cfg outbox.Config) (c *outbox.Consumer, atRest func(what string)) {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	cfg.NotifyDisabled, cfg.PollInterval = true, time.Hour
 	cfg.LeaseTTL, cfg.HeartbeatInterval = max(cfg.LeaseTTL, time.Hour), 20*time.Minute // no heartbeat asks for a scan
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: outbox.ConsumerID(id), Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},

@@ -16,6 +16,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -27,7 +28,7 @@ import (
 // at most a day instead of spinning.
 func TestRetryWaitFarInTheFutureIsClamped(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{through: 3})
 	for _, stmt := range []string{
 		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
@@ -45,7 +46,7 @@ func TestRetryWaitFarInTheFutureIsClamped(t *testing.T) {
 	clock := outboxtest.NewFakeClock()
 	startConsumer(t, consumer, "c1", []string{"p"}, retryConfig(clock), nil)
 
-	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	wait, err := clock.WaitForTimer(waitCtx, time.Hour)
 	require.NoError(t, err, "the consumer never waited for the retry: it spins")
@@ -56,7 +57,7 @@ func TestRetryWaitFarInTheFutureIsClamped(t *testing.T) {
 // Migrate gives up waiting, its error says which session holds it.
 func TestMigrationLockTimeoutNamesTheHolder(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	squatterPool, squatter := lp.component(t, "squatter", writerGrant("p"))
 	cfg := squatterPool.Config().ConnConfig.Copy()
@@ -82,7 +83,7 @@ func TestMigrationLockTimeoutNamesTheHolder(t *testing.T) {
 // notification; a notification for another project is still acted on at once.
 func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writer, _ := lp.component(t, "writer", writerGrant("p", "q"))
 	consumer, _ := lp.component(t, "consumer", consumerGrant("c1", "p", "q"))
@@ -91,7 +92,7 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	cfg := outbox.Config{PollInterval: time.Hour, WakeInterval: time.Hour, LeaseTTL: time.Hour, HeartbeatInterval: 20 * time.Minute,
 		NewCursor: outbox.NewCursorOldest}
 	c, rec := startConsumer(t, consumer, "c1", []string{"p", "q"}, cfg, nil)
-	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, waitLimit, 5*time.Millisecond, "the first scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "the first scan")
 	before := c.Stats().Scans
 
 	for range 200 { // on the channel consumers listen to (the ticker's announcements)
@@ -103,7 +104,7 @@ func TestNotifyFloodCostsOneScanPerWakeInterval(t *testing.T) {
 	defer func() { _ = w.Close(ctx) }()
 	_, err = testhost.New(writer, testhost.Options{Writer: w}).Delete(ctx, "q", "t-1") // notifies q after the flood
 	require.NoError(t, err)
-	rec.waitCount(t, ctx, 1)
+	rec.WaitCount(t, ctx, 1)
 	require.LessOrEqual(t, c.Stats().Scans-before, int64(2), "one scan for the flood of p, one for q")
 }
 
@@ -126,7 +127,7 @@ func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 	} {
 		t.Run(c.says, func(t *testing.T) {
 			t.Parallel()
-			ctx := ctxT(t) // its own: a parallel subtest waits for a slot, a deadline taken above could pass meanwhile
+			ctx := testkit.Ctx(t) // its own: a parallel subtest waits for a slot, a deadline taken above could pass meanwhile
 			pool := pgtest.NewPool(t)
 			require.NoError(t, outbox.VerifySchema(ctx, pool))
 			_, err := pool.Exec(ctx, c.tamper)
@@ -143,7 +144,7 @@ func TestVerifySchemaChecksIsolationObjects(t *testing.T) {
 // neither number events nor move older writers' rows into the log.
 func TestTickerIsNotExecutableByPublic(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	reader, _ := lp.component(t, "reader", func(ctx context.Context, db outbox.DBTX, role string) error {
 		_, err := db.Exec(ctx, `GRANT SELECT ON lifecycle_outbox, lifecycle_outbox_pending, lifecycle_event_log, lifecycle_tick,
@@ -203,7 +204,7 @@ func TestConfigValidatesListenDSNWithoutEchoingIt(t *testing.T) {
 // refuse the same values: up to 128 characters from the class, starting with a letter or digit.
 func TestIdentifierChecksRefuseWhatTheyRefusedBefore(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	longest := "a" + strings.Repeat("b._:-", 25) + "cd" // 128 characters
 	require.Len(t, longest, 128)
@@ -233,7 +234,7 @@ func TestIdentifierChecksRefuseWhatTheyRefusedBefore(t *testing.T) {
 // accepted.
 func TestCursorChecksLiveInTheColumnTypes(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	rows, err := pool.Query(ctx, `SELECT conname FROM pg_catalog.pg_constraint
 		WHERE conrelid = 'lifecycle_consumer_cursors'::regclass AND contype = 'c' ORDER BY conname`)
@@ -260,7 +261,7 @@ func TestCursorChecksLiveInTheColumnTypes(t *testing.T) {
 // columns take their types.
 func TestCursorTypesWaitForRowsTheChecksRefuse(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{through: 4})
 	_, err := lp.owner.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_expires_at)
 		VALUES ('p', 'c1', 0, 'infinity')`)

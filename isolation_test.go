@@ -18,6 +18,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // The isolation tests: every role, row and client may be hostile or broken, and none may hurt
@@ -52,7 +53,7 @@ func deleteTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool, project
 // deletePrefixedTasksAs is deleteTasksAs for the tasks prefix-1 .. prefix-n.
 func deletePrefixedTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool, project, prefix string, n int) {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	_, err := testhost.New(lp.owner, testhost.Options{}).CreateMany(ctx, project, prefix, n)
 	require.NoError(t, err)
 	w, err := outbox.NewWriter(pool, outbox.Config{}, zaptest.NewLogger(t))
@@ -67,14 +68,14 @@ func deletePrefixedTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool,
 
 // startConsumer runs consumer id over projects on pool (a consumer role's) and returns its
 // recorder.
-func startConsumer(t *testing.T, pool *pgxpool.Pool, id outbox.ConsumerID, projects []string, cfg outbox.Config, m *outbox.Metrics) (*outbox.Consumer, *recorder) {
+func startConsumer(t *testing.T, pool *pgxpool.Pool, id outbox.ConsumerID, projects []string, cfg outbox.Config, m *outbox.Metrics) (*outbox.Consumer, *testkit.Recorder) {
 	t.Helper()
-	rec := newRecorder()
+	rec := testkit.NewRecorder()
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: id, Pool: pool, Config: cfg, Projects: outbox.StaticProjects(projects),
 		Dispatcher: d, Metrics: m, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
-	require.NoError(t, c.Start(ctxT(t)))
+	require.NoError(t, c.Start(testkit.Ctx(t)))
 	t.Cleanup(func() { stopConsumer(t, c) })
 	return c, rec
 }
@@ -131,7 +132,7 @@ func pgQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + 
 // them, and the attacker never gains another project.
 func TestSearchPathHijackIsRefused(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{publicCreate: true})
 	attacker, attackerRole := lp.component(t, "attacker", writerGrant("proj-a"))
 	for _, stmt := range hijackSQL(attackerRole) {
@@ -147,8 +148,8 @@ func TestSearchPathHijackIsRefused(t *testing.T) {
 	deleteTasksAs(t, lp, writer, "proj-a", 2)
 	deleteTasksAs(t, lp, writer, "proj-b", 2)
 	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "*"))
-	_, rec := startConsumer(t, consumer, "dash", []string{"proj-a", "proj-b"}, fastConfig(), nil)
-	rec.waitCount(t, ctx, 4)
+	_, rec := startConsumer(t, consumer, "dash", []string{"proj-a", "proj-b"}, testkit.FastConfig(), nil)
+	rec.WaitCount(t, ctx, 4)
 	// The operator reads status and dead letters, and runs retention.
 	operator, _ := lp.component(t, "operator", operatorGrant("*"))
 	admin := outbox.NewAdmin(operator, outbox.AdminOptions{})
@@ -156,7 +157,7 @@ func TestSearchPathHijackIsRefused(t *testing.T) {
 	require.NoError(t, err)
 	_, err = admin.DeadLetters(ctx, outbox.StatusFilter{})
 	require.NoError(t, err)
-	ret := newRetention(t, operator, outbox.Config{})
+	ret := testkit.NewRetention(t, operator, outbox.Config{})
 	_, err = ret.Plan(ctx)
 	require.NoError(t, err)
 	_, err = ret.Sweep(ctx)
@@ -180,7 +181,7 @@ func TestSearchPathHijackIsRefused(t *testing.T) {
 // VerifySchema passes for each role.
 func TestModuleInADedicatedSchema(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{schema: "lifecycle"})
 	var schemaOf string
 	require.NoError(t, lp.owner.QueryRow(ctx, `SELECT relnamespace::regnamespace::text FROM pg_class WHERE oid = 'lifecycle_outbox'::regclass`).Scan(&schemaOf))
@@ -200,12 +201,12 @@ func TestModuleInADedicatedSchema(t *testing.T) {
 		require.NoError(t, outbox.VerifySchema(ctx, pool))
 	}
 	deleteTasksAs(t, lp, writer, "proj-a", 3)
-	_, rec := startConsumer(t, consumer, "dash", []string{"proj-a"}, fastConfig(), nil)
-	rec.waitCount(t, ctx, 3)
+	_, rec := startConsumer(t, consumer, "dash", []string{"proj-a"}, testkit.FastConfig(), nil)
+	rec.WaitCount(t, ctx, 3)
 	require.Eventually(t, func() bool {
 		rows, err := outbox.NewAdmin(operator, outbox.AdminOptions{}).Status(ctx, outbox.StatusFilter{ConsumerID: "dash"})
 		return err == nil && len(rows) == 1 && rows[0].Cursor != nil && *rows[0].Cursor == 3
-	}, waitLimit, 10*time.Millisecond)
+	}, testkit.WaitLimit, 10*time.Millisecond)
 }
 
 var moduleTables = []string{"lifecycle_outbox", "lifecycle_event_log", "lifecycle_tick", "lifecycle_tick_project", "lifecycle_outbox_heads",
@@ -218,7 +219,7 @@ var moduleTables = []string{"lifecycle_outbox", "lifecycle_event_log", "lifecycl
 // run the ticker.
 func TestComponentRolesHoldOnlyWhatTheyUse(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
@@ -286,7 +287,7 @@ func TestComponentRolesHoldOnlyWhatTheyUse(t *testing.T) {
 // but writes only its own identity's cursor and deliveries, and cannot ask for a replay.
 func TestConsumerRoleMovesOnlyItsOwnCursor(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	dash, _ := lp.component(t, "dash", consumerGrant("dash", "proj-a"))
@@ -330,7 +331,7 @@ func TestConsumerRoleMovesOnlyItsOwnCursor(t *testing.T) {
 		_, err := dash.Exec(ctx, stmt)
 		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
-	require.Equal(t, int64(1), cursorOf(t, lp.owner, "proj-a", "engine"))
+	require.Equal(t, int64(1), testkit.CursorOf(t, lp.owner, "proj-a", "engine"))
 
 	// A consumer cannot replay its own dead letter, nor name who asked.
 	_, err = engine.Exec(ctx, `UPDATE lifecycle_consumer_deliveries SET replay_requested_by = 'oncall', replay_reason = 'FN-1' WHERE sequence = 1`)
@@ -353,7 +354,7 @@ func TestConsumerRoleMovesOnlyItsOwnCursor(t *testing.T) {
 // transaction fails with a lock timeout instead of waiting as long as the caller's context.
 func TestModuleTransactionsBoundTheirLockWaits(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	consumer, _ := lp.component(t, "consumer", consumerGrant("c1", "p"))
 	operator, _ := lp.component(t, "operator", operatorGrant("p"))
@@ -366,7 +367,7 @@ func TestModuleTransactionsBoundTheirLockWaits(t *testing.T) {
 	_, err = stuck.Exec(ctx, `SELECT 1 FROM lifecycle_consumer_cursors WHERE consumer_id = 'c1' FOR UPDATE`)
 	require.NoError(t, err)
 
-	callCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	callCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	admin := outbox.NewAdmin(operator, outbox.AdminOptions{LockTimeout: 100 * time.Millisecond})
 	_, err = admin.RetireConsumer(callCtx, outbox.RetireRequest{ConsumerID: "c1", Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
@@ -381,7 +382,7 @@ func TestModuleTransactionsBoundTheirLockWaits(t *testing.T) {
 // report B (and C) while A is left out and counted.
 func TestPoisonedProjectDoesNotStopAnother(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{through: 3})
 	for _, stmt := range []string{
 		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, sequence, event_type, archived, payload_version, occurred_at, writer_process_id)
@@ -406,13 +407,13 @@ func TestPoisonedProjectDoesNotStopAnother(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
 	require.NoError(t, err)
-	_, rec := startConsumer(t, consumer, "dash", []string{"proj-a", "proj-b", "proj-c"}, fastConfig(), m)
+	_, rec := startConsumer(t, consumer, "dash", []string{"proj-a", "proj-b", "proj-c"}, testkit.FastConfig(), m)
 
-	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
-	rec.waitFor(t, waitCtx, "project B in full", func(evs []outbox.ObservedEvent) bool { return inProject("proj-b")(evs) == 5 })
-	waitCursor(t, waitCtx, lp.owner, "proj-b", "dash", 5)
-	evs := rec.waitFor(t, waitCtx, "project A in full", func(evs []outbox.ObservedEvent) bool { return inProject("proj-a")(evs) == 4 })
+	rec.WaitFor(t, waitCtx, "project B in full", func(evs []outbox.ObservedEvent) bool { return inProject("proj-b")(evs) == 5 })
+	testkit.WaitCursor(t, waitCtx, lp.owner, "proj-b", "dash", 5)
+	evs := rec.WaitFor(t, waitCtx, "project A in full", func(evs []outbox.ObservedEvent) bool { return inProject("proj-a")(evs) == 4 })
 	var aTasks []string
 	for _, ev := range evs {
 		if ev.ProjectID == "proj-a" {
@@ -420,7 +421,7 @@ func TestPoisonedProjectDoesNotStopAnother(t *testing.T) {
 		}
 	}
 	require.Equal(t, []string{"1=preset", "2=t-1", "3=t-2", "4=t-3"}, aTasks, "the row numbered by hand hid none of A's events")
-	require.Zero(t, inProject("proj-c")(rec.snapshot()), "C waits for its retry")
+	require.Zero(t, inProject("proj-c")(rec.Snapshot()), "C waits for its retry")
 
 	operator, _ := lp.component(t, "operator", operatorGrant("*"))
 	rows, err := outbox.NewAdmin(operator, outbox.AdminOptions{}).Status(ctx, outbox.StatusFilter{})
@@ -447,7 +448,7 @@ func TestPoisonedProjectDoesNotStopAnother(t *testing.T) {
 // identifiers and times the module never writes.
 func TestDatabaseRefusesMalformedRows(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	_, err := lp.owner.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id) VALUES ('p', 'c1')`)
 	require.NoError(t, err)
@@ -517,7 +518,7 @@ func TestDatabaseRefusesMalformedRows(t *testing.T) {
 // adopted into the log.
 func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{through: 3})
 	for _, stmt := range []string{
 		`INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
@@ -533,13 +534,13 @@ func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	writer, _ := lp.component(t, "writer", writerGrant("p"))
 	deleteTasksAs(t, lp, writer, "p", 3)
 	consumer, _ := lp.component(t, "consumer", consumerGrant("c1", "p"))
-	_, rec := startConsumer(t, consumer, "c1", []string{"p"}, fastConfig(), nil)
-	waitCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	_, rec := startConsumer(t, consumer, "c1", []string{"p"}, testkit.FastConfig(), nil)
+	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
-	evs := rec.waitCount(t, waitCtx, 3)
+	evs := rec.WaitCount(t, waitCtx, 3)
 	require.Equal(t, []int64{2, 3, 4}, []int64{evs[0].Sequence, evs[1].Sequence, evs[2].Sequence})
-	waitCursor(t, waitCtx, lp.owner, "p", "c1", 4)
-	require.Equal(t, deliveryRow{State: "dead", Attempts: 1, Class: "undecodable_event"}, deliveryOf(t, lp.owner, "c1", 1))
+	testkit.WaitCursor(t, waitCtx, lp.owner, "p", "c1", 4)
+	require.Equal(t, testkit.DeliveryRow{State: "dead", Attempts: 1, Class: "undecodable_event"}, testkit.DeliveryOf(t, lp.owner, "c1", 1))
 	var eventID string
 	require.NoError(t, lp.owner.QueryRow(ctx, `SELECT event_id FROM lifecycle_audit WHERE action = $1 AND sequence = 1`,
 		outbox.AuditConsumerPoisoned).Scan(&eventID))
@@ -548,7 +549,7 @@ func TestUndecodableEventBecomesDeadLetter(t *testing.T) {
 	// A writer of schema 16 still inserts pending rows during a rolling deploy: adopted and delivered.
 	_, err := lp.owner.Exec(ctx, insertPendingRow, "p", "t-legacy")
 	require.NoError(t, err)
-	evs = rec.waitCount(t, waitCtx, 4)
+	evs = rec.WaitCount(t, waitCtx, 4)
 	require.Equal(t, "t-legacy", evs[3].TaskID)
 	require.Equal(t, int64(5), evs[3].Sequence)
 

@@ -13,6 +13,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // stubbornListener blocks in its first call until release is closed, ignoring its context
@@ -36,9 +37,9 @@ func (l *stubbornListener) HandleObserved(ctx context.Context, ev outbox.Observe
 
 // backlogConsumer seeds n deletions and builds (without starting) a consumer whose only
 // listener is l.
-func backlogConsumer(t *testing.T, n int, cfg outbox.Config, l outbox.Listener) (*outbox.Consumer, *process) {
+func backlogConsumer(t *testing.T, n int, cfg outbox.Config, l outbox.Listener) (*outbox.Consumer, *testkit.Process) {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	w := seedDeletes(t, ctx, db.URL, "p", n)
 	pool := pgtest.Pool(t, db.URL)
@@ -53,7 +54,7 @@ func backlogConsumer(t *testing.T, n int, cfg outbox.Config, l outbox.Listener) 
 // to a listener.
 func TestStopHandsNoFurtherEventToListeners(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	var calls atomic.Int64
 	entered := make(chan struct{})
 	// The first call returns once Stop has cancelled its context: a listener that finishes the
@@ -65,23 +66,23 @@ func TestStopHandsNoFurtherEventToListeners(t *testing.T) {
 		}
 		return nil
 	})
-	c, w := backlogConsumer(t, 60, fastConfig(), l)
+	c, w := backlogConsumer(t, 60, testkit.FastConfig(), l)
 	require.NoError(t, c.Start(ctx))
 	<-entered
 	require.NoError(t, c.Stop(ctx))
 	require.Equal(t, int64(1), calls.Load(), "no event was handed to the listener after Stop")
-	require.Equal(t, int64(1), cursorOf(t, w.pool, "p", "dash"), "the event in flight finished and was acknowledged")
+	require.Equal(t, int64(1), testkit.CursorOf(t, w.Pool, "p", "dash"), "the event in flight finished and was acknowledged")
 }
 
 // TestStartAfterStopRefuses: a consumer stopped before it started cannot then be started
 // (nothing could stop it), and neither can one that ran and stopped.
 func TestStartAfterStopRefuses(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	newConsumer := func() *outbox.Consumer {
-		c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: pool, Config: fastConfig(), Projects: outbox.StaticProjects{"p"},
+		c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: pool, Config: testkit.FastConfig(), Projects: outbox.StaticProjects{"p"},
 			Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{}), Logger: zaptest.NewLogger(t)})
 		require.NoError(t, err)
 		return c
@@ -114,17 +115,17 @@ func (b blockingProjects) ObservedProjects(ctx context.Context) ([]string, error
 // database returns within its own context and makes Start give up.
 func TestStopDuringStartIsBoundedByItsContext(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	projects := blockingProjects{entered: make(chan struct{})}
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: pool, Config: fastConfig(), Projects: projects,
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: pool, Config: testkit.FastConfig(), Projects: projects,
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{}), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	started := make(chan error, 1)
 	go func() { started <- c.Start(context.Background()) }()
 	<-projects.entered
 
-	stopCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	stopCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	stopped := make(chan error, 1)
 	go func() { stopped <- c.Stop(stopCtx) }()
@@ -147,11 +148,11 @@ func TestStopDuringStartIsBoundedByItsContext(t *testing.T) {
 // without waiting for the listener timeout; the unfinished event is not acknowledged.
 func TestStopIsBoundedByItsContext(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	release := make(chan struct{})
 	defer close(release)
 	l := &stubbornListener{entered: make(chan struct{}), release: release}
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.ListenerTimeout = time.Hour
 	c, w := backlogConsumer(t, 5, cfg, l)
 	require.NoError(t, c.Start(ctx))
@@ -161,7 +162,7 @@ func TestStopIsBoundedByItsContext(t *testing.T) {
 	defer cancel()
 	err := c.Stop(stopCtx)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	done, cancelWait := context.WithTimeout(ctx, waitLimit) // far below the hour
+	done, cancelWait := context.WithTimeout(ctx, testkit.WaitLimit) // far below the hour
 	defer cancelWait()
 	select {
 	case <-c.Done():
@@ -169,7 +170,7 @@ func TestStopIsBoundedByItsContext(t *testing.T) {
 		t.Fatal("the consumer kept running after its stop context ended")
 	}
 	require.Equal(t, int64(1), l.calls.Load())
-	require.Less(t, cursorOf(t, w.pool, "p", "dash"), int64(1), "the unfinished event was not acknowledged")
+	require.Less(t, testkit.CursorOf(t, w.Pool, "p", "dash"), int64(1), "the unfinished event was not acknowledged")
 	require.NoError(t, c.Stop(ctx), "a second Stop finds it stopped")
 }
 
@@ -192,7 +193,7 @@ func (s *stuckDB) Exec(ctx context.Context, _ string, _ ...any) (pgconn.CommandT
 // its context allows, and then abandons it.
 func TestWriterCloseIsBoundedByItsContext(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := &stuckDB{entered: make(chan struct{}, 1), left: make(chan error, 1)}
 	w, err := outbox.NewWriter(db, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)

@@ -17,16 +17,17 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // metricsConsumer builds, in a process of its own, a consumer that reports to m. Its
 // recorder can be told to fail.
-func metricsConsumer(t *testing.T, url string, id outbox.ConsumerID, cfg outbox.Config, m *outbox.Metrics) (*outbox.Consumer, *recorder) {
+func metricsConsumer(t *testing.T, url string, id outbox.ConsumerID, cfg outbox.Config, m *outbox.Metrics) (*outbox.Consumer, *testkit.Recorder) {
 	t.Helper()
 	pool := pgtest.Pool(t, url)
 	store := testhost.New(pool, testhost.Options{})
-	require.NoError(t, store.LoadCache(ctxT(t), "p"))
-	rec := newRecorder()
+	require.NoError(t, store.LoadCache(testkit.Ctx(t), "p"))
+	rec := testkit.NewRecorder()
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache(),
 		NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: id, Pool: pool, Config: cfg, Projects: outbox.StaticProjects{"p"},
@@ -35,17 +36,17 @@ func metricsConsumer(t *testing.T, url string, id outbox.ConsumerID, cfg outbox.
 	return c, rec
 }
 
-// metricsConfig is fastConfig with a lease long enough that a slow machine never loses one,
-// which would add lease acquisitions to the counts below.
+// metricsConfig is testkit.FastConfig with a lease long enough that a slow machine never loses
+// one, which would add lease acquisitions to the counts below.
 func metricsConfig() outbox.Config {
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.LeaseTTL = 30 * time.Second
 	return cfg
 }
 
 func stopConsumer(t *testing.T, c *outbox.Consumer) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	ctx, cancel := context.WithTimeout(context.Background(), testkit.WaitLimit)
 	defer cancel()
 	require.NoError(t, c.Stop(ctx))
 }
@@ -105,18 +106,18 @@ func requireSample(t *testing.T, fams map[string]*dto.MetricFamily, want float64
 // the second event as a dead letter and delivers the rest; then an operator replays it.
 func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
 	require.NoError(t, err)
 
-	w := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: fastConfig()})
-	_, err = w.store.CreateMany(ctx, "p", "t", 5)
+	w := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: testkit.FastConfig()})
+	_, err = w.Store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
 	deleteTasks := func(ids ...int) {
 		for _, i := range ids {
-			_, err := w.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+			_, err := w.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 			require.NoError(t, err)
 		}
 	}
@@ -124,7 +125,7 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 	deleteTasks(1, 2)
 	laggard, _ := metricsConsumer(t, db.URL, "laggard", metricsConfig(), m)
 	require.NoError(t, laggard.Start(ctx))
-	waitCursor(t, ctx, w.pool, "p", "laggard", 2)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "laggard", 2)
 	stopConsumer(t, laggard)
 
 	deleteTasks(3, 4, 5)
@@ -133,16 +134,16 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 	engine, rec := metricsConsumer(t, db.URL, "engine", cfg, m)
 	broken := func(ev outbox.ObservedEvent) error {
 		if ev.Sequence == 2 {
-			return errListener // its text must reach no label
+			return testkit.ErrListener // its text must reach no label
 		}
 		return nil
 	}
-	rec.setFail(broken)
+	rec.SetFail(broken)
 	require.NoError(t, engine.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, engine) })
-	waitCursor(t, ctx, w.pool, "p", "engine", 5)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "engine", 5)
 	// The oldest event laggard has not read becomes ten minutes old.
-	tag, err := w.pool.Exec(ctx, `UPDATE lifecycle_event_log e SET occurred_at = e.occurred_at - interval '10 minutes'
+	tag, err := w.Pool.Exec(ctx, `UPDATE lifecycle_event_log e SET occurred_at = e.occurred_at - interval '10 minutes'
 		FROM lifecycle_outbox_read('p', 2, 1, NULL, NULL, NULL) r
 		WHERE e.project_id = 'p' AND e.task_id = r.task_id AND e.deleted_at = r.deleted_at`)
 	require.NoError(t, err)
@@ -181,7 +182,7 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 
 	// Labels stay bounded: identifiers of projects and consumers and fixed codes, never an
 	// event ID (nor error text).
-	rows, err := w.pool.Query(ctx, `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox_read('p', 0, 100, NULL, NULL, NULL)`)
+	rows, err := w.Pool.Query(ctx, `SELECT lifecycle_event_id(task_id, deleted_at) FROM lifecycle_outbox_read('p', 0, 100, NULL, NULL, NULL)`)
 	require.NoError(t, err)
 	eventIDs := map[string]bool{}
 	for rows.Next() {
@@ -204,13 +205,13 @@ func TestMetricsReportLagDeadLettersAndCounters(t *testing.T) {
 	}
 
 	// After a fix, the replayed dead letter leaves the outstanding gauge and counts as replayed.
-	rec.setFail(nil)
-	_, err = outbox.NewAdmin(w.pool, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p", ConsumerID: "engine",
+	rec.SetFail(nil)
+	_, err = outbox.NewAdmin(w.Pool, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p", ConsumerID: "engine",
 		Sequence: 2, Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
 	require.NoError(t, err)
-	deadline, cancel := context.WithTimeout(ctx, waitLimit)
+	deadline, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
-	for deliveryOf(t, w.pool, "engine", 2).State != "resolved" {
+	for testkit.DeliveryOf(t, w.Pool, "engine", 2).State != "resolved" {
 		select {
 		case <-deadline.Done():
 			t.Fatalf("the replay was never resolved: %v", deadline.Err())

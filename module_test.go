@@ -17,6 +17,7 @@ import (
 	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // engineApp builds an app the way an engine binary does: the outbox module plus the host's
@@ -46,12 +47,12 @@ func engineApp(t *testing.T, host testhost.HostConfig, extra ...fx.Option) (*fxt
 
 func TestModuleInEngineApp(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	seed := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
-	_, err := seed.store.CreateMany(ctx, "p", "t", 10)
+	seed := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}})
+	_, err := seed.Store.CreateMany(ctx, "p", "t", 10)
 	require.NoError(t, err)
-	require.NoError(t, testhost.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "dashboard"))
+	require.NoError(t, testhost.NewSettings(seed.Pool, "observer").Set(ctx, "outbox.consumer_id", "dashboard"))
 	fast := outbox.Config{PollInterval: 50 * time.Millisecond}
 
 	t.Run("with an identity it observes through the bus bridge", func(t *testing.T) {
@@ -63,17 +64,17 @@ func TestModuleInEngineApp(t *testing.T) {
 		require.Equal(t, outbox.StateRunning, ob.State())
 		require.Len(t, store.Cache().Live("p"), 10, "the store loaded its cache at open")
 		// A new identity reconciles first; deletions after that are delivered as events.
-		waitCursor(t, ctx, seed.pool, "p", "dashboard", 0)
+		testkit.WaitCursor(t, ctx, seed.Pool, "p", "dashboard", 0)
 
-		_, err := seed.store.Delete(ctx, "p", "t-1")
+		_, err := seed.Store.Delete(ctx, "p", "t-1")
 		require.NoError(t, err)
-		require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(heard) == 1 }, waitLimit, 10*time.Millisecond)
+		require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(heard) == 1 }, testkit.WaitLimit, 10*time.Millisecond)
 		mu.Lock()
 		got := heard[0]
 		mu.Unlock()
 		require.True(t, got.Observed, "the bridge marks the event observed")
 		require.Equal(t, "t-1", got.TaskID)
-		require.Equal(t, seed.writer.ProcessID(), got.OriginProcessID)
+		require.Equal(t, seed.Writer.ProcessID(), got.OriginProcessID)
 		require.False(t, store.Cache().Has("p", "t-1"))
 		app.RequireStop()
 		require.Equal(t, outbox.StateStopped, ob.State())
@@ -103,7 +104,7 @@ func TestModuleInEngineApp(t *testing.T) {
 		require.False(t, res.EventRecorded)
 		app.RequireStop()
 		require.Len(t, logs.FilterMessageSnippet("outbox disabled").All(), 1)
-		require.Zero(t, pgtest.QueryInt(t, seed.pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't-3'`))
+		require.Zero(t, pgtest.QueryInt(t, seed.Pool, `SELECT count(*) FROM lifecycle_event_log WHERE task_id = 't-3'`))
 	})
 
 	t.Run("the retention task joins the host's sweep", func(t *testing.T) {
@@ -123,8 +124,8 @@ func TestModuleRefusesABehindSchema(t *testing.T) {
 	t.Parallel()
 	db := pgtest.NewEmptyDB(t)
 	pool := pgtest.Pool(t, db.URL)
-	require.NoError(t, schema.Migrate(ctxT(t), pool)) // the host's own tables are current
-	_, err := outbox.MigrateThrough(ctxT(t), pool, 1)
+	require.NoError(t, schema.Migrate(testkit.Ctx(t), pool)) // the host's own tables are current
+	_, err := outbox.MigrateThrough(testkit.Ctx(t), pool, 1)
 	require.NoError(t, err)
 	app := fx.New(outbox.Module, testhost.Module,
 		fx.Supply(testhost.HostConfig{DSN: db.URL, Projects: []string{"p"}}, zap.NewNop()), fx.NopLogger)

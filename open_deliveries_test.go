@@ -12,6 +12,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -95,17 +96,17 @@ func TestIdlePollIsOneStatement(t *testing.T) {
 	db := pgtest.NewDB(t)
 	ctr := newStmtCounter()
 	clock := outboxtest.NewFakeClock()
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.Clock, cfg.TickFallbackInterval, cfg.LeaseTTL = clock, 2*time.Hour, 24*time.Hour
 	pool := countedPool(t, db.URL, ctr)
 	c, atRest := startPolledConsumer(t, pool, "idle", cfg)
 	atRest("after its first scan")
 	// The new cursor is positioned by an acknowledgement AckInterval after the first scan,
 	// written in the background: it is not a poll's.
-	waitCursor(t, ctxT(t), pool, "p", "idle", 0)
+	testkit.WaitCursor(t, testkit.Ctx(t), pool, "p", "idle", 0)
 	// Without notifications every consumer ticks once per PollInterval (an hour here), the
 	// first time at its start: that tick is not a poll's.
-	require.Eventually(t, func() bool { return ctr.counts()["tickSQL"] == 1 }, waitLimit, time.Millisecond)
+	require.Eventually(t, func() bool { return ctr.counts()["tickSQL"] == 1 }, testkit.WaitLimit, time.Millisecond)
 	poll := func(what string) map[string]int {
 		t.Helper()
 		before := ctr.counts()
@@ -144,10 +145,10 @@ func TestIdleConsumerStatementsPerPollInterval(t *testing.T) {
 	}
 	c, _ := startConsumer(t, countedPool(t, db.URL, ctr), "idle", projects, cfg, nil)
 	require.Eventually(t, func() bool { return outbox.TickerElected(c) && c.WakeupsWorking() && c.Stats().Scans >= 3 },
-		waitLimit, 5*time.Millisecond, "elected, listening and past its first polls")
+		testkit.WaitLimit, 5*time.Millisecond, "elected, listening and past its first polls")
 
 	before, scans, started := ctr.counts(), c.Stats().Scans, time.Now()
-	require.Eventually(t, func() bool { return c.Stats().Scans >= scans+30 }, waitLimit, time.Millisecond, "30 polls")
+	require.Eventually(t, func() bool { return c.Stats().Scans >= scans+30 }, testkit.WaitLimit, time.Millisecond, "30 polls")
 	elapsed := time.Since(started)
 	got := ctr.since(before)
 	intervals := float64(elapsed) / float64(cfg.PollInterval)
@@ -160,23 +161,23 @@ func TestIdleConsumerStatementsPerPollInterval(t *testing.T) {
 // reads its open deliveries once and replays the dead letter.
 func TestReplayHintWakesAnIdleConsumer(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	w := seedDeletes(t, ctx, db.URL, "p", 1)
 	clock := outboxtest.NewFakeClock()
 	cfg := retryConfig(clock) // PollInterval an hour
 	cfg.MaxAttempts = 1
 	broken, fix := brokenObserver(t, db.URL, cfg)
-	rested := restsOf(broken.consumer)
-	broken.start(t)
-	require.Eventually(t, func() bool { return deliveryOfProject(t, w.pool, "p", "broken", 1) == "dead" }, waitLimit, 5*time.Millisecond)
+	rested := restsOf(broken.Consumer)
+	broken.Start(t)
+	require.Eventually(t, func() bool { return deliveryOfProject(t, w.Pool, "p", "broken", 1) == "dead" }, testkit.WaitLimit, 5*time.Millisecond)
 	rested(t, ctx)
-	reads := broken.consumer.Stats().OpenReads
+	reads := broken.Consumer.Stats().OpenReads
 
 	fix()
 	requestReplay(t, ctx, w, "broken", 1)
 	requireReplayed(t, ctx, w, broken)
-	require.Equal(t, reads+1, broken.consumer.Stats().OpenReads, "one read of the open deliveries, for the hint")
+	require.Equal(t, reads+1, broken.Consumer.Stats().OpenReads, "one read of the open deliveries, for the hint")
 	require.Zero(t, clock.Offset(), "the consumer's clock did not move: no periodic read")
 }
 
@@ -185,7 +186,7 @@ func TestReplayHintWakesAnIdleConsumer(t *testing.T) {
 // TickFallbackInterval has passed on its clock, and then replays the dead letter.
 func TestLostReplayHintIsReadWithinTickFallbackInterval(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	w := seedDeletes(t, ctx, db.URL, "p", 1)
 	clock := outboxtest.NewFakeClock()
@@ -193,15 +194,15 @@ func TestLostReplayHintIsReadWithinTickFallbackInterval(t *testing.T) {
 	cfg.MaxAttempts, cfg.NotifyDisabled = 1, true
 	cfg.PollInterval, cfg.TickFallbackInterval = 50*time.Millisecond, time.Hour
 	broken, fix := brokenObserver(t, db.URL, cfg)
-	broken.start(t)
-	require.Eventually(t, func() bool { return deliveryOfProject(t, w.pool, "p", "broken", 1) == "dead" }, waitLimit, 5*time.Millisecond)
+	broken.Start(t)
+	require.Eventually(t, func() bool { return deliveryOfProject(t, w.Pool, "p", "broken", 1) == "dead" }, testkit.WaitLimit, 5*time.Millisecond)
 
 	fix()
 	requestReplay(t, ctx, w, "broken", 1)
-	scans := broken.consumer.Stats().Scans
-	require.Eventually(t, func() bool { return broken.consumer.Stats().Scans >= scans+3 }, waitLimit, time.Millisecond, "three polls")
-	require.Equal(t, "replay_requested", deliveryOf(t, w.pool, "broken", 1).State, "the polls use what the consumer knows")
-	require.Empty(t, replays(broken.rec.snapshot()))
+	scans := broken.Consumer.Stats().Scans
+	require.Eventually(t, func() bool { return broken.Consumer.Stats().Scans >= scans+3 }, testkit.WaitLimit, time.Millisecond, "three polls")
+	require.Equal(t, "replay_requested", testkit.DeliveryOf(t, w.Pool, "broken", 1).State, "the polls use what the consumer knows")
+	require.Empty(t, replays(broken.Rec.Snapshot()))
 
 	clock.Advance(time.Hour)
 	requireReplayed(t, ctx, w, broken)
@@ -214,36 +215,36 @@ func TestLostReplayHintIsReadWithinTickFallbackInterval(t *testing.T) {
 // attempt, rather than at once as a first.
 func TestRetryOfAnotherProcessIsHonouredAfterTakeover(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
 	cfg := retryConfig(clock) // a day's lease; polls and heartbeats once an hour
 	cfg.RetrySchedule = []time.Duration{time.Hour}
-	w := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
-	_, err := w.store.CreateMany(ctx, "p", "t", 1)
+	w := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}})
+	_, err := w.Store.CreateMany(ctx, "p", "t", 1)
 	require.NoError(t, err)
 
-	b := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg})
-	require.Eventually(t, func() bool { return b.consumer.Stats().OpenReads >= 1 }, waitLimit, 5*time.Millisecond, "B read its open deliveries")
-	outbox.PauseHeartbeat(b.consumer, true)
+	b := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: cfg})
+	require.Eventually(t, func() bool { return b.Consumer.Stats().OpenReads >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "B read its open deliveries")
+	outbox.PauseHeartbeat(b.Consumer, true)
 	clock.Advance(25 * time.Hour) // B's lease runs out
 
-	a := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg, noStart: true})
-	a.rec.setFail(func(outbox.ObservedEvent) error { return errListener })
-	a.start(t)
-	require.Equal(t, a.consumer.LeaseOwner(), leaseOwnerOf(t, w.pool, "p", "engine"), "A took the project over")
-	_, err = w.store.Delete(ctx, "p", "t-1")
+	a := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: cfg, NoStart: true})
+	a.Rec.SetFail(func(outbox.ObservedEvent) error { return testkit.ErrListener })
+	a.Start(t)
+	require.Equal(t, a.Consumer.LeaseOwner(), leaseOwnerOf(t, w.Pool, "p", "engine"), "A took the project over")
+	_, err = w.Store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return deliveryOfProject(t, w.pool, "p", "engine", 1) == "retrying" }, waitLimit, 5*time.Millisecond)
-	a.stop(t) // releases the lease
+	require.Eventually(t, func() bool { return deliveryOfProject(t, w.Pool, "p", "engine", 1) == "retrying" }, testkit.WaitLimit, 5*time.Millisecond)
+	a.Stop(t) // releases the lease
 	require.Empty(t, clock.Waiters(), "A left no timer")
 
-	reads := b.consumer.Stats().OpenReads
-	outbox.HeartbeatNow(ctx, b.consumer) // B's renewal finds the lease gone; it takes it again
-	require.Equal(t, b.consumer.LeaseOwner(), leaseOwnerOf(t, w.pool, "p", "engine"), "B took the project back")
+	reads := b.Consumer.Stats().OpenReads
+	outbox.HeartbeatNow(ctx, b.Consumer) // B's renewal finds the lease gone; it takes it again
+	require.Equal(t, b.Consumer.LeaseOwner(), leaseOwnerOf(t, w.Pool, "p", "engine"), "B took the project back")
 	var wait time.Duration
 	for wait == 0 {
-		require.Empty(t, b.rec.snapshot(), "B delivered the event before its retry fell due")
+		require.Empty(t, b.Rec.Snapshot(), "B delivered the event before its retry fell due")
 		if ws := clock.Waiters(); len(ws) > 0 {
 			wait = ws[0] - clock.Offset()
 			break
@@ -254,13 +255,13 @@ func TestRetryOfAnotherProcessIsHonouredAfterTakeover(t *testing.T) {
 		case <-time.After(time.Millisecond):
 		}
 	}
-	require.Greater(t, b.consumer.Stats().OpenReads, reads, "B read its open deliveries on taking the lease")
+	require.Greater(t, b.Consumer.Stats().OpenReads, reads, "B read its open deliveries on taking the lease")
 	require.LessOrEqual(t, wait, time.Hour, "what is left of A's backoff (an hour after its first attempt)")
 	clock.Advance(wait)
-	evs := b.rec.waitCount(t, ctx, 1)
+	evs := b.Rec.WaitCount(t, ctx, 1)
 	require.Equal(t, 2, evs[0].Attempt, "A's attempt counted")
-	waitCursor(t, ctx, w.pool, "p", "engine", 1)
-	require.Eventually(t, func() bool { return deliveryOfProject(t, w.pool, "p", "engine", 1) == "resolved" }, waitLimit, 5*time.Millisecond)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "engine", 1)
+	require.Eventually(t, func() bool { return deliveryOfProject(t, w.Pool, "p", "engine", 1) == "resolved" }, testkit.WaitLimit, 5*time.Millisecond)
 }
 
 // TestEventWithoutAHintIsTickedByAPoll: an event committed without a hint to the ticker (its
@@ -270,32 +271,32 @@ func TestRetryOfAnotherProcessIsHonouredAfterTakeover(t *testing.T) {
 // on its own. Before, it ticked once per PollInterval for this.
 func TestEventWithoutAHintIsTickedByAPoll(t *testing.T) {
 	t.Parallel()
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.TickFallbackInterval = time.Hour
 	t.Run("of its own project", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		db := pgtest.NewDB(t)
 		c, rec := startConsumer(t, pgtest.Pool(t, db.URL), "c", []string{"p"}, cfg, nil)
-		require.Eventually(t, func() bool { return outbox.TickerElected(c) && c.Stats().Scans >= 2 }, waitLimit, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return outbox.TickerElected(c) && c.Stats().Scans >= 2 }, testkit.WaitLimit, 5*time.Millisecond)
 		_, err := pgtest.Pool(t, db.URL).Exec(ctx, insertLogRow, "p", "t0")
 		require.NoError(t, err)
-		rec.waitCount(t, ctx, 1)
+		rec.WaitCount(t, ctx, 1)
 		require.Positive(t, c.Stats().TickHints)
 	})
 	t.Run("of a project another consumer observes", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		lp := newLeastPrivilege(t)
 		leaderPool, _ := lp.component(t, "leader", consumerGrant("leader", "other"))
 		leader, _ := startConsumer(t, leaderPool, "leader", []string{"other"}, cfg, nil)
-		require.Eventually(t, func() bool { return outbox.TickerElected(leader) }, waitLimit, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return outbox.TickerElected(leader) }, testkit.WaitLimit, 5*time.Millisecond)
 		pool, _ := lp.component(t, "c", consumerGrant("c", "p"))
 		c, rec := startConsumer(t, pool, "c", []string{"p"}, cfg, nil)
-		require.Eventually(t, func() bool { return c.Stats().Scans >= 2 }, waitLimit, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return c.Stats().Scans >= 2 }, testkit.WaitLimit, 5*time.Millisecond)
 		_, err := lp.owner.Exec(ctx, insertLogRow, "p", "t0")
 		require.NoError(t, err)
-		rec.waitCount(t, ctx, 1)
+		rec.WaitCount(t, ctx, 1)
 		require.False(t, outbox.TickerElected(c))
 		require.Zero(t, c.Stats().TickHints, "only the elected ticker's consumer asks")
 		require.Positive(t, leader.Stats().TickHints, "the leader's role cannot read project p's events, and its question covers them")
@@ -304,16 +305,16 @@ func TestEventWithoutAHintIsTickedByAPoll(t *testing.T) {
 
 // brokenObserver builds (without starting) consumer "broken" of project "p", whose listener
 // fails until fix is called.
-func brokenObserver(t *testing.T, url string, cfg outbox.Config) (p *process, fix func()) {
+func brokenObserver(t *testing.T, url string, cfg outbox.Config) (p *testkit.Process, fix func()) {
 	t.Helper()
-	p = startProcess(t, url, processOpts{id: "broken", projects: []string{"p"}, cfg: cfg, noStart: true})
+	p = testkit.StartProcess(t, url, testkit.ProcessOpts{ID: "broken", Projects: []string{"p"}, Config: cfg, NoStart: true})
 	var mu sync.Mutex
 	fixed := false
-	p.rec.setFail(func(ev outbox.ObservedEvent) error {
+	p.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if !fixed {
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
@@ -344,9 +345,9 @@ func restsOf(c *outbox.Consumer) func(t *testing.T, ctx context.Context) {
 	}
 }
 
-func requestReplay(t *testing.T, ctx context.Context, w *process, consumer string, seq int64) {
+func requestReplay(t *testing.T, ctx context.Context, w *testkit.Process, consumer string, seq int64) {
 	t.Helper()
-	admin := outbox.NewAdmin(w.pool, outbox.AdminOptions{Audit: w.store})
+	admin := outbox.NewAdmin(w.Pool, outbox.AdminOptions{Audit: w.Store})
 	_, err := admin.RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p", ConsumerID: consumer, Sequence: seq,
 		Operator: outbox.Operator{Actor: "oncall@example.com", Reason: "FN-1"}})
 	require.NoError(t, err)
@@ -363,11 +364,11 @@ func replays(evs []outbox.ObservedEvent) []outbox.ObservedEvent {
 }
 
 // requireReplayed waits until obs replayed event 1 and resolved its dead letter.
-func requireReplayed(t *testing.T, ctx context.Context, w, obs *process) {
+func requireReplayed(t *testing.T, ctx context.Context, w, obs *testkit.Process) {
 	t.Helper()
-	obs.rec.waitFor(t, ctx, "the replay", func(evs []outbox.ObservedEvent) bool { return len(replays(evs)) > 0 })
-	require.Eventually(t, func() bool { return deliveryOfProject(t, w.pool, "p", "broken", 1) == "resolved" }, waitLimit, 5*time.Millisecond)
-	require.EqualValues(t, 1, obs.consumer.Stats().Replayed)
+	obs.Rec.WaitFor(t, ctx, "the replay", func(evs []outbox.ObservedEvent) bool { return len(replays(evs)) > 0 })
+	require.Eventually(t, func() bool { return deliveryOfProject(t, w.Pool, "p", "broken", 1) == "resolved" }, testkit.WaitLimit, 5*time.Millisecond)
+	require.EqualValues(t, 1, obs.Consumer.Stats().Replayed)
 }
 
 func leaseOwnerOf(t *testing.T, pool *pgxpool.Pool, project, consumer string) string {

@@ -13,6 +13,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 type fixedSettings map[string]string
@@ -27,7 +28,7 @@ func (m fixedSettings) Setting(_ context.Context, name string) (string, bool, er
 // starting a consumer that nothing would stop.
 func TestOutboxStartAfterStopRefuses(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	var ob *outbox.Outbox
 	app := fxtest.New(t, outbox.Module,
@@ -52,11 +53,11 @@ func TestOutboxStartAfterStopRefuses(t *testing.T) {
 
 // outboxWithHeldStart builds an Outbox whose Start holds in hold just before it starts
 // the consumer; the recorder is its listener.
-func outboxWithHeldStart(t *testing.T, hold func(ctx context.Context)) (*outbox.Outbox, *recorder, *pgxpool.Pool) {
+func outboxWithHeldStart(t *testing.T, hold func(ctx context.Context)) (*outbox.Outbox, *testkit.Recorder, *pgxpool.Pool) {
 	t.Helper()
 	pool := pgtest.NewPool(t)
-	rec := newRecorder()
-	ob, err := outbox.New(pool, fastConfig(), outbox.Deps{Logger: zaptest.NewLogger(t),
+	rec := testkit.NewRecorder()
+	ob, err := outbox.New(pool, testkit.FastConfig(), outbox.Deps{Logger: zaptest.NewLogger(t),
 		Settings: fixedSettings{"outbox.consumer_id": "c1"}, Projects: outbox.StaticProjects{"p"}, Listeners: []outbox.Listener{rec}})
 	require.NoError(t, err)
 	outbox.HoldConsumerStart(ob, hold)
@@ -68,7 +69,7 @@ func outboxWithHeldStart(t *testing.T, hold func(ctx context.Context)) (*outbox.
 // and no lease held: nothing Start began can reach a listener or the pool after Stop.
 func TestOutboxStopWaitsForAStartInFlight(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	held, let := make(chan struct{}), make(chan struct{})
 	ob, rec, pool := outboxWithHeldStart(t, func(ctx context.Context) {
 		close(held)
@@ -81,7 +82,7 @@ func TestOutboxStopWaitsForAStartInFlight(t *testing.T) {
 	go func() { started <- ob.Start(startCtx) }()
 	<-held
 
-	stopCtx, cancel := context.WithTimeout(ctx, waitLimit)
+	stopCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	require.NoError(t, ob.Stop(stopCtx))
 	// Stop returns only after Start has: the step Start was held in has ended by then. (The
@@ -94,7 +95,7 @@ func TestOutboxStopWaitsForAStartInFlight(t *testing.T) {
 	select {
 	case err := <-started:
 		require.ErrorIs(t, err, outbox.ErrConsumerStopped)
-	case <-time.After(waitLimit):
+	case <-time.After(testkit.WaitLimit):
 		t.Fatal("Start never returned after Stop")
 	}
 	require.Nil(t, ob.Consumer(), "no consumer runs")
@@ -104,7 +105,7 @@ func TestOutboxStopWaitsForAStartInFlight(t *testing.T) {
 	// consumer to run it, and the recorder stays empty.
 	_, err := pool.Exec(ctx, insertLogRow, "p", "t0")
 	require.NoError(t, err)
-	require.Empty(t, rec.snapshot())
+	require.Empty(t, rec.Snapshot())
 	require.ErrorIs(t, ob.Start(ctx), outbox.ErrConsumerStopped, "and Start after Stop refuses")
 }
 
@@ -112,7 +113,7 @@ func TestOutboxStopWaitsForAStartInFlight(t *testing.T) {
 // Stop returns its context's error in time; the Start, once let go, starts no consumer.
 func TestOutboxStopBoundedWhileStartIgnoresIt(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	held, release := make(chan struct{}), make(chan struct{})
 	ob, _, pool := outboxWithHeldStart(t, func(context.Context) {
 		close(held)

@@ -14,6 +14,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // Tests of the composition root, outbox.New: what it refuses, what Start decides, and that the
@@ -37,7 +38,7 @@ func TestNewRefusesWhatCannotRun(t *testing.T) {
 // State says observation is off; Stop is idempotent and Start after Stop refuses.
 func TestNewStartsWithoutAnIdentity(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	o, err := outbox.New(pool, outbox.Config{IdentityField: "outbox.consumer_id"},
 		outbox.Deps{Settings: mapSettings{}, Projects: outbox.StaticProjects{"p"}})
@@ -68,7 +69,7 @@ func (m mapSettings) Setting(_ context.Context, name string) (string, bool, erro
 // the process spans go to Config.TracerProvider, and the consumer runs on Deps.ConsumerPool.
 func TestNewAppliesTheConfigToEveryPart(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	consumerCfg, err := pgxpool.ParseConfig(db.URL + "&application_name=outbox_consumer_pool")

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/testkit"
 )
 
 // grantTables are the tables every row-level security policy consults.
@@ -21,7 +22,7 @@ var grantTables = []string{"lifecycle_project_access", "lifecycle_consumer_acces
 // init plans and sub plans included, its actual rows times its loops.
 func grantRowsRead(t *testing.T, pool *pgxpool.Pool, stmt string, args ...any) map[string]int {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
@@ -66,7 +67,7 @@ func manyNames(prefix string, n int) []string {
 // writer hook's insert, on every delete, read every project its role was granted.
 func TestPolicyChecksDoNotGrowWithGrants(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	const many = 2000
 	projects := manyNames("proj", many)

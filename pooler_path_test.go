@@ -5,7 +5,6 @@ import (
 	"go/ast"
 	"go/parser"
 	"go/token"
-	"os"
 	"regexp"
 	"slices"
 	"strings"
@@ -18,6 +17,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -30,7 +30,7 @@ import (
 // prepared statement, no LISTEN, no advisory lock, no temporary table, no session setting.
 func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	projects := []string{"alpha", "beta"}
 	cfg := outbox.Config{PollInterval: 50 * time.Millisecond, LeaseTTL: 3 * time.Second, HeartbeatInterval: time.Second,
@@ -39,55 +39,55 @@ func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
 		// The self-test's NOTIFY goes through a bouncer whose two server connections everything
 		// shares: a loaded machine must not turn a slow notification into polling-only.
 		ListenCheckTimeout: 10 * time.Second}
-	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: projects, cfg: cfg})
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{Projects: projects, Config: cfg})
 	for _, p := range projects {
-		_, err := writer.store.CreateMany(ctx, p, "t", 20)
+		_, err := writer.Store.CreateMany(ctx, p, "t", 20)
 		require.NoError(t, err)
 	}
 
-	engine := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "engine", projects: projects, cfg: cfg, noStart: true})
+	engine := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{ID: "engine", Projects: projects, Config: cfg, NoStart: true})
 	var mu sync.Mutex
 	failures := map[string]int{}
 	fixed := false
-	engine.rec.setFail(func(ev outbox.ObservedEvent) error {
+	engine.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		mu.Lock()
 		defer mu.Unlock()
 		switch {
 		case ev.TaskID == "t-2" && failures[ev.EventID] < 2: // retried twice, then delivered
 			failures[ev.EventID]++
-			return errListener
+			return testkit.ErrListener
 		case ev.ProjectID == "alpha" && ev.TaskID == "t-4" && !fixed: // parked after three attempts
 			failures[ev.EventID]++
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
-	engine.start(t)
-	waitWakeups(t, ctx, engine.consumer, outbox.WakeupsWorking)
+	engine.Start(t)
+	waitWakeups(t, ctx, engine.Consumer, outbox.WakeupsWorking)
 	for i := 1; i <= 10; i++ {
 		for _, p := range projects {
-			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
+			_, err := writer.Store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
 			require.NoError(t, err)
 		}
 	}
 	for _, p := range projects {
-		waitCursor(t, ctx, writer.pool, p, "engine", 10)
+		testkit.WaitCursor(t, ctx, writer.Pool, p, "engine", 10)
 	}
-	require.Equal(t, "dead", deliveryOf(t, writer.pool, "engine", 4).State)
-	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerPoisoned))
+	require.Equal(t, "dead", testkit.DeliveryOf(t, writer.Pool, "engine", 4).State)
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.Pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerPoisoned))
 
 	// A consumer that starts late reconciles from the live tasks instead of replaying.
 	late := cfg
 	late.NewCursor = outbox.NewCursorReconcile
-	dashboard := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "dashboard", projects: projects, cfg: late})
+	dashboard := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{ID: "dashboard", Projects: projects, Config: late})
 	for _, p := range projects {
-		waitCursor(t, ctx, writer.pool, p, "dashboard", 10)
-		require.Len(t, dashboard.store.Cache().Live(p), 10, "the live set came from the reconciliation")
+		testkit.WaitCursor(t, ctx, writer.Pool, p, "dashboard", 10)
+		require.Len(t, dashboard.Store.Cache().Live(p), 10, "the live set came from the reconciliation")
 	}
-	require.Equal(t, 2, pgtest.QueryInt(t, writer.pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE reconcile_reason IS NOT NULL`))
+	require.Equal(t, 2, pgtest.QueryInt(t, writer.Pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE reconcile_reason IS NOT NULL`))
 	for i := 11; i <= 20; i++ {
 		for _, p := range projects {
-			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
+			_, err := writer.Store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
 			require.NoError(t, err)
 		}
 	}
@@ -96,23 +96,23 @@ func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
 	mu.Lock()
 	fixed = true
 	mu.Unlock()
-	admin := outbox.NewAdmin(writer.pool, outbox.AdminOptions{Audit: writer.store})
+	admin := outbox.NewAdmin(writer.Pool, outbox.AdminOptions{Audit: writer.Store})
 	_, err := admin.RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "alpha", ConsumerID: "engine", Sequence: 4,
 		Operator: outbox.Operator{Actor: "oncall", Reason: "FN-17"}})
 	require.NoError(t, err)
 	for _, c := range []string{"engine", "dashboard"} {
 		for _, p := range projects {
-			waitCursor(t, ctx, writer.pool, p, c, 20)
+			testkit.WaitCursor(t, ctx, writer.Pool, p, c, 20)
 		}
 	}
-	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "engine", 4).State == "resolved" }, waitLimit, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return testkit.DeliveryOf(t, writer.Pool, "engine", 4).State == "resolved" }, testkit.WaitLimit, 10*time.Millisecond)
 	status, err := admin.Status(ctx, outbox.StatusFilter{})
 	require.NoError(t, err)
 	require.Len(t, status, 4)
 
 	got := map[string]int{}
 	attempts := map[string]int{}
-	for _, ev := range engine.rec.snapshot() {
+	for _, ev := range engine.Rec.Snapshot() {
 		got[ev.EventID]++
 		attempts[ev.EventID] = max(attempts[ev.EventID], ev.Attempt)
 	}
@@ -129,22 +129,22 @@ func TestWholePathThroughPgBouncerLeavesNoSessionState(t *testing.T) {
 	}
 	require.Equal(t, 2, retried)
 	require.Equal(t, 1, replayed)
-	require.Len(t, dashboard.rec.snapshot(), 20, "the late consumer got what came after its reconciliation")
+	require.Len(t, dashboard.Rec.Snapshot(), 20, "the late consumer got what came after its reconciliation")
 
 	// Retention, with a clock a year ahead so that every acknowledged row is old enough.
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(365 * 24 * time.Hour)
 	rcfg := cfg
 	rcfg.Clock = clock
-	retention, err := outbox.NewRetention(writer.pool, rcfg, nil, nil)
+	retention, err := outbox.NewRetention(writer.Pool, rcfg, nil, nil)
 	require.NoError(t, err)
 	res, err := retention.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(40), res.Pruned())
 
-	engine.stop(t)
-	dashboard.stop(t)
-	require.NoError(t, writer.writer.Close(ctx))
+	engine.Stop(t)
+	dashboard.Stop(t)
+	require.NoError(t, writer.Writer.Close(ctx))
 	requireNoSessionState(t, db)
 }
 
@@ -180,7 +180,7 @@ const directListen = "direct-listen"
 // bouncer stays on the server connection, and the check names it.
 func TestSessionStateCheckSeesALeak(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.NewPooledPool(t, db)
 	_, err := pool.Exec(ctx, `SET statement_timeout = '1234s'`)
@@ -214,7 +214,7 @@ SELECT pg_backend_pid(),
 // It also checks that the connections it inspected are all the server connections there are.
 func sessionState(t *testing.T, db pgtest.DB) []string {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	url := pgtest.PooledURL(t, db)
 	var leaks []string
 	var pids []int32
@@ -262,48 +262,20 @@ func sessionState(t *testing.T, db pgtest.DB) []string {
 // the consumer's dedicated connection, which never goes back to the pool.
 func TestNoSessionStateInTheSource(t *testing.T) {
 	t.Parallel()
-	forbidden := []struct {
-		what string
-		re   *regexp.Regexp
-	}{
-		{"a session-level SET (use set_config(name, value, true) or SET LOCAL)", regexp.MustCompile(`(?is)^\s*(SET|RESET)\s+(SESSION\s+)?[a-z_.]+\s*(=|TO\b)`)},
-		{"set_config at session level", regexp.MustCompile(`(?i)set_config\([^)]*,\s*false\s*\)`)},
-		{"a session advisory lock (use pg_advisory_xact_lock)", regexp.MustCompile(`(?i)pg_(try_)?advisory_lock(_shared)?\s*\(`)},
-		{"a temporary table", regexp.MustCompile(`(?i)CREATE\s+(GLOBAL\s+|LOCAL\s+)?TEMP(ORARY)?\s`)},
-		{"a named prepared statement", regexp.MustCompile(`(?i)\bPREPARE\s+[a-z_]`)},
-		{"LISTEN", regexp.MustCompile(`(?i)\bLISTEN\s+`)},
-	}
-	for name, sql := range outbox.Statements {
-		for _, f := range forbidden {
-			if name == "tickerLockSQL" && f.what == forbidden[2].what {
-				continue // the election's lock: the exception above
-			}
-			require.False(t, f.re.MatchString(sql), "%s contains %s", name, f.what)
-		}
-	}
-	require.Regexp(t, forbidden[2].re, outbox.Statements["tickerLockSQL"], "the election takes a session lock")
+	testkit.RequireNoSessionState(t, outbox.Statements, func(name string, s testkit.SessionState) bool {
+		return name == "tickerLockSQL" && s == testkit.SessionLock // the election's lock: the exception above
+	})
+	require.Regexp(t, testkit.SessionLock.Re, outbox.Statements["tickerLockSQL"], "the election takes a session lock")
 	// Outside the SQL constants: LISTEN only in the listen files, and no .Prepare call.
-	files, err := os.ReadDir(".")
-	require.NoError(t, err)
-	for _, f := range files {
-		name := f.Name()
-		if !strings.HasSuffix(name, ".go") || strings.HasSuffix(name, "_test.go") {
-			continue
-		}
-		b, err := os.ReadFile(name)
-		require.NoError(t, err)
-		src := string(b)
-		require.NotContains(t, src, ".Prepare(", "%s: named prepared statements do not survive a transaction pooler", name)
+	for _, name := range testkit.GoFiles(t) {
+		listens := name == "listen.go" || name == "listen_selftest.go"
 		if name == "ticker.go" {
-			requireSessionStateOnDedicatedConn(t, name, src)
+			requireSessionStateOnDedicatedConn(t, name, testkit.RequireNoSessionStateInSource(t, name, true, true))
 			continue
 		}
-		if name != "listen.go" && name != "listen_selftest.go" {
-			require.NotRegexp(t, `"(UN)?LISTEN `, src, "%s: LISTEN belongs to the dedicated connection in listen.go", name)
-		}
-		require.NotRegexp(t, `(?i)pg_(try_)?advisory_lock(_shared)?\(`, src, "%s: session advisory lock", name)
+		testkit.RequireNoSessionStateInSource(t, name, listens, false)
 	}
 	for _, m := range outbox.Migrations() {
-		require.NotRegexp(t, `(?i)pg_(try_)?advisory_lock(_shared)?\s*\(`, m.SQL, "migration %d", m.Version)
+		require.NotRegexp(t, testkit.SessionLock.Re, m.SQL, "migration %d", m.Version)
 	}
 }

@@ -24,6 +24,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // The module behind a real PgBouncer in transaction pooling mode (pgtest.Bouncer).
@@ -31,47 +32,47 @@ import (
 // pooledProcess is a simulated process whose pool goes through the bouncer: its writer, its
 // store and (with an identity) its consumer. logs holds its warnings and errors.
 type pooledProcess struct {
-	process
+	testkit.Process
 	logs *observer.ObservedLogs
 }
 
-func startPooledProcess(t *testing.T, pool *pgxpool.Pool, o processOpts, metrics ...*outbox.Metrics) *pooledProcess {
+func startPooledProcess(t *testing.T, pool *pgxpool.Pool, o testkit.ProcessOpts, metrics ...*outbox.Metrics) *pooledProcess {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	core, logs := observer.New(zap.WarnLevel)
 	log := zap.New(zapcore.NewTee(zaptest.NewLogger(t).Core(), core))
-	p := &pooledProcess{process: process{pool: pool, rec: newRecorder()}, logs: logs}
+	p := &pooledProcess{Process: testkit.Process{Pool: pool, Rec: testkit.NewRecorder()}, logs: logs}
 	bouncer := pgtest.Bouncer(t)
-	p.stalled = func() string {
+	p.Stalled = func() string {
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		return bouncer.State(sctx)
 	}
-	w, err := outbox.NewWriter(pool, o.cfg, log)
+	w, err := outbox.NewWriter(pool, o.Config, log)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = w.Close(context.Background()) })
-	p.writer = w
-	p.store = testhost.New(pool, testhost.Options{Writer: w, Logger: log})
-	require.NoError(t, p.store.LoadCache(ctx, o.projects...))
-	if o.id == "" {
+	p.Writer = w
+	p.Store = testhost.New(pool, testhost.Options{Writer: w, Logger: log})
+	require.NoError(t, p.Store.LoadCache(ctx, o.Projects...))
+	if o.ID == "" {
 		return p
 	}
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{
-		Listeners: append([]outbox.Listener{p.rec}, o.listeners...), Cache: p.store.Cache(),
-		SelfWriterID: w.ProcessID(), Timeout: o.cfg.WithDefaults().ListenerTimeout, Logger: log,
+		Listeners: append([]outbox.Listener{p.Rec}, o.Listeners...), Cache: p.Store.Cache(),
+		SelfWriterID: w.ProcessID(), Timeout: o.Config.WithDefaults().ListenerTimeout, Logger: log,
 	})
 	opts := outbox.ConsumerOptions{
-		ID: o.id, Pool: pool, Config: o.cfg, Projects: outbox.StaticProjects(o.projects), Dispatcher: d,
-		LiveTasks: p.store, Cache: p.store.Cache(), Audit: p.store, Logger: log,
+		ID: o.ID, Pool: pool, Config: o.Config, Projects: outbox.StaticProjects(o.Projects), Dispatcher: d,
+		LiveTasks: p.Store, Cache: p.Store.Cache(), Audit: p.Store, Logger: log,
 	}
 	if len(metrics) > 0 {
 		opts.Metrics = metrics[0]
 	}
 	c, err := outbox.NewConsumer(opts)
 	require.NoError(t, err)
-	p.consumer = c
-	if !o.noStart {
-		p.start(t)
+	p.Consumer = c
+	if !o.NoStart {
+		p.Start(t)
 	}
 	return p
 }
@@ -132,7 +133,7 @@ func TestTransactionPoolerRefusesAnUnsafePool(t *testing.T) {
 // same sequence in exec and simple_protocol mode works.
 func TestNamedStatementsBreakBehindPgBouncer(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	base := pgtest.Bouncer(t).URL("postgres", db.Name)
 	// run plays one client's statement, then another client holds the only idle server
@@ -185,7 +186,7 @@ func TestNamedStatementsBreakBehindPgBouncer(t *testing.T) {
 // PgBouncer hand out replies to the wrong statements (the runbook's pooler section); it no
 // longer does, but the test keeps the bouncer to itself until full runs have shown that.
 func TestPooledListenFallsBackToPollingAndSaysSo(t *testing.T) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
@@ -194,14 +195,14 @@ func TestPooledListenFallsBackToPollingAndSaysSo(t *testing.T) {
 	// (seen once in a full CI run, cause not found) is then taken back within seconds.
 	cfg := outbox.Config{PollInterval: 100 * time.Millisecond, ListenCheckTimeout: 500 * time.Millisecond,
 		NewCursor: outbox.NewCursorOldest, TransactionPooler: true, LeaseTTL: 3 * time.Second, HeartbeatInterval: time.Second}
-	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}, cfg: cfg})
-	_, err = writer.store.CreateMany(ctx, "p", "t", 5)
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{Projects: []string{"p"}, Config: cfg})
+	_, err = writer.Store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
-	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "pooled", projects: []string{"p"}, cfg: cfg}, m)
-	obs.serverURL = db.URL
+	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{ID: "pooled", Projects: []string{"p"}, Config: cfg}, m)
+	obs.ServerURL = db.URL
 
-	waitWakeups(t, ctx, obs.consumer, outbox.WakeupsPollingOnly)
-	require.False(t, obs.consumer.WakeupsWorking())
+	waitWakeups(t, ctx, obs.Consumer, outbox.WakeupsPollingOnly)
+	require.False(t, obs.Consumer.WakeupsWorking())
 	entries := obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All()
 	require.Len(t, entries, 1, "said once")
 	fields := entries[0].ContextMap()
@@ -214,17 +215,17 @@ func TestPooledListenFallsBackToPollingAndSaysSo(t *testing.T) {
 	// consumer stops: cleanups run last first).
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("consumer stats: %+v", obs.consumer.Stats())
-			t.Logf("the bouncer: %s", obs.stalled())
-			logServerState(t, db.URL)
+			t.Logf("consumer stats: %+v", obs.Consumer.Stats())
+			t.Logf("the bouncer: %s", obs.Stalled())
+			testkit.LogServerState(t, db.URL)
 		}
 	})
 	for i := 1; i <= 5; i++ {
-		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
-	obs.rec.waitCount(t, ctx, 5)
-	waitCursor(t, ctx, obs.pool, "p", "pooled", 5)
+	obs.Rec.WaitCount(t, ctx, 5)
+	testkit.WaitCursor(t, ctx, obs.Pool, "p", "pooled", 5)
 	require.Len(t, obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All(), 1, "still said once")
 }
 
@@ -234,27 +235,27 @@ func TestPooledListenFallsBackToPollingAndSaysSo(t *testing.T) {
 // interval is an hour, so only a wake-up can deliver the deletions made after start.
 func TestListenDSNWakesAConsumerWhosePoolIsPooled(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
 	require.NoError(t, err)
 	cfg := outbox.Config{PollInterval: time.Hour, ListenCheckTimeout: 10 * time.Second, NewCursor: outbox.NewCursorOldest,
 		TransactionPooler: true, ListenDSN: db.URL}
-	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}, cfg: cfg})
-	_, err = writer.store.CreateMany(ctx, "p", "t", 5)
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{Projects: []string{"p"}, Config: cfg})
+	_, err = writer.Store.CreateMany(ctx, "p", "t", 5)
 	require.NoError(t, err)
-	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "direct-listen", projects: []string{"p"}, cfg: cfg}, m)
+	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{ID: "direct-listen", Projects: []string{"p"}, Config: cfg}, m)
 
-	waitWakeups(t, ctx, obs.consumer, outbox.WakeupsWorking)
-	require.True(t, obs.consumer.WakeupsWorking())
+	waitWakeups(t, ctx, obs.Consumer, outbox.WakeupsWorking)
+	require.True(t, obs.Consumer.WakeupsWorking())
 	requireSample(t, scrape(t, reg), 1, "outbox_listen_wakeups_working", "consumer", "direct-listen")
 	for i := 1; i <= 5; i++ {
-		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
-		obs.rec.waitCount(t, ctx, i) // woken by the notification, not by the hourly poll
+		obs.Rec.WaitCount(t, ctx, i) // woken by the notification, not by the hourly poll
 	}
-	waitCursor(t, ctx, obs.pool, "p", "direct-listen", 5)
+	testkit.WaitCursor(t, ctx, obs.Pool, "p", "direct-listen", 5)
 	require.Empty(t, obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All())
 }
 
@@ -276,12 +277,12 @@ func waitWakeups(t *testing.T, ctx context.Context, c *outbox.Consumer, want out
 // and a TracerProvider in the graph turns tracing on.
 func TestEngineAppBehindPgBouncer(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	seed := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}})
-	_, err := seed.store.CreateMany(ctx, "p", "t", 3)
+	seed := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{Projects: []string{"p"}})
+	_, err := seed.Store.CreateMany(ctx, "p", "t", 3)
 	require.NoError(t, err)
-	require.NoError(t, testhost.NewSettings(seed.pool, "observer").Set(ctx, "outbox.consumer_id", "engine"))
+	require.NoError(t, testhost.NewSettings(seed.Pool, "observer").Set(ctx, "outbox.consumer_id", "engine"))
 	cfg := outbox.Config{TransactionPooler: true, PollInterval: 50 * time.Millisecond, ListenCheckTimeout: 300 * time.Millisecond}
 
 	unsafe := fx.New(outbox.Module, testhost.Module, fx.NopLogger,
@@ -303,10 +304,10 @@ func TestEngineAppBehindPgBouncer(t *testing.T) {
 	require.Len(t, logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All(), 1)
 	// Reconciled first, so that the deletion is an event the consumer processes (and traces),
 	// not part of what its reconciliation finds.
-	waitCursor(t, ctx, seed.pool, "p", "engine", 0)
-	_, err = seed.store.Delete(ctx, "p", "t-1")
+	testkit.WaitCursor(t, ctx, seed.Pool, "p", "engine", 0)
+	_, err = seed.Store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
-	waitCursor(t, ctx, seed.pool, "p", "engine", 1)
+	testkit.WaitCursor(t, ctx, seed.Pool, "p", "engine", 1)
 	app.RequireStop()
 	require.Len(t, tp.spans("process p"), 1, "the graph's tracer provider traces the consumer")
 	require.Equal(t, outbox.WakeupState(""), (&outbox.Outbox{}).Wakeups(), "no consumer, no state")
@@ -315,11 +316,11 @@ func TestEngineAppBehindPgBouncer(t *testing.T) {
 func TestWakeupsDisabled(t *testing.T) {
 	t.Parallel()
 	db := pgtest.NewDB(t)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.NotifyDisabled = true
-	p := startProcess(t, db.URL, processOpts{id: "poller", projects: []string{"p"}, cfg: cfg})
-	require.Equal(t, outbox.WakeupsDisabled, p.consumer.Wakeups())
-	require.False(t, p.consumer.WakeupsWorking())
+	p := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "poller", Projects: []string{"p"}, Config: cfg})
+	require.Equal(t, outbox.WakeupsDisabled, p.Consumer.Wakeups())
+	require.False(t, p.Consumer.WakeupsWorking())
 }
 
 // TestPooledListenIsNotSilent is the regression test of the silent failure: with only the
@@ -327,7 +328,7 @@ func TestWakeupsDisabled(t *testing.T) {
 // log a warning that names ListenDSN. On the code before the self-test it logged nothing.
 func TestPooledListenIsNotSilent(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.NewPooledPool(t, db)
 	core, logs := observer.New(zap.WarnLevel)
@@ -345,40 +346,7 @@ func TestPooledListenIsNotSilent(t *testing.T) {
 			}
 		}
 		return false
-	}, waitLimit, 50*time.Millisecond, "no warning that LISTEN through the pooler hears nothing (logged: %d entries)", logs.Len())
-}
-
-// logServerState logs, for a failed test, the sessions of the database at url (straight to
-// PostgreSQL), the locks they wait for, and the outbox's rows.
-func logServerState(t *testing.T, url string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		t.Logf("server state: %v", err)
-		return
-	}
-	defer conn.Close(ctx)
-	for _, q := range []string{
-		`SELECT pid, usename, application_name, state, now() - state_change AS in_state, backend_xid, now() - xact_start AS xact_age, wait_event_type, wait_event, left(query, 160) AS query
-		 FROM pg_catalog.pg_stat_activity WHERE datname = current_database() AND pid <> pg_catalog.pg_backend_pid()`,
-		`SELECT pid, locktype, mode, relation::regclass::text, granted FROM pg_catalog.pg_locks WHERE NOT granted`,
-		`SELECT project_id, last_sequence, sequencer_owner, sequencer_until - now() AS hold_left FROM lifecycle_outbox_heads`,
-		`SELECT project_id, task_id FROM lifecycle_outbox_pending`,
-		`SELECT project_id, sequence, task_id FROM lifecycle_outbox ORDER BY project_id, sequence`,
-		`SELECT project_id, task_id, txid FROM lifecycle_event_log ORDER BY txid, project_id`,
-		`SELECT tick_id, project_id, first_sequence, events FROM lifecycle_tick_project ORDER BY tick_id, project_id`,
-		`SELECT project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at - now() AS lease_left FROM lifecycle_consumer_cursors`,
-		`SELECT project_id, consumer_id, sequence, state, attempts FROM lifecycle_consumer_deliveries`,
-	} {
-		rows, err := conn.Query(ctx, q)
-		if err != nil {
-			t.Logf("%s: %v", q, err)
-			continue
-		}
-		all, err := pgx.CollectRows(rows, pgx.RowToMap)
-		t.Logf("%s:\n%v (%v)", q, all, err)
-	}
+	}, testkit.WaitLimit, 50*time.Millisecond, "no warning that LISTEN through the pooler hears nothing (logged: %d entries)", logs.Len())
 }
 
 // TestTransactionPoolerConsumerLeavesNoListen: a consumer told that its pool goes through a
@@ -388,24 +356,24 @@ func logServerState(t *testing.T, url string) {
 // (internal/pgbouncer's TestServerCheckIsEndedByAStrayNotification).
 func TestTransactionPoolerConsumerLeavesNoListen(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	cfg := outbox.Config{PollInterval: 100 * time.Millisecond, ListenCheckTimeout: 300 * time.Millisecond,
 		NewCursor: outbox.NewCursorOldest, TransactionPooler: true}
-	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{projects: []string{"p"}, cfg: cfg})
-	_, err := writer.store.CreateMany(ctx, "p", "t", 3)
+	writer := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{Projects: []string{"p"}, Config: cfg})
+	_, err := writer.Store.CreateMany(ctx, "p", "t", 3)
 	require.NoError(t, err)
-	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), processOpts{id: "pooled", projects: []string{"p"}, cfg: cfg})
-	waitWakeups(t, ctx, obs.consumer, outbox.WakeupsPollingOnly)
+	obs := startPooledProcess(t, pgtest.NewPooledPool(t, db), testkit.ProcessOpts{ID: "pooled", Projects: []string{"p"}, Config: cfg})
+	waitWakeups(t, ctx, obs.Consumer, outbox.WakeupsPollingOnly)
 	for i := 1; i <= 3; i++ {
-		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
-	obs.rec.waitCount(t, ctx, 3) // by polling
+	obs.Rec.WaitCount(t, ctx, 3) // by polling
 	entries := obs.logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").All()
 	require.Len(t, entries, 1, "said once")
 	require.Contains(t, entries[0].ContextMap()["fix"], "ListenDSN (listen_dsn)")
-	obs.stop(t)
-	require.NoError(t, writer.writer.Close(ctx))
+	obs.Stop(t)
+	require.NoError(t, writer.Writer.Close(ctx))
 	requireNoSessionState(t, db)
 }

@@ -17,6 +17,7 @@ import (
 	"fusion/outbox/example/taskstore/schema"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // leastPrivilege sets up a database the way a careful deployment does: an owner role that
@@ -40,7 +41,7 @@ func newLeastPrivilege(t *testing.T) *leastPrivilege { return newLeastPrivilegeW
 
 func newLeastPrivilegeWith(t *testing.T, o lpOptions) *leastPrivilege {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewEmptyDB(t)
 	admin := pgtest.Pool(t, db.URL)
 	lp := &leastPrivilege{db: db, name: fmt.Sprintf("%s_%d", db.Name, roleCounter.Add(1)), schema: o.schema}
@@ -88,7 +89,7 @@ func (lp *leastPrivilege) url(role string) string {
 // finishMigration applies the migrations newLeastPrivilegeWith left out.
 func (lp *leastPrivilege) finishMigration(t *testing.T) {
 	t.Helper()
-	_, err := outbox.Migrate(ctxT(t), lp.owner)
+	_, err := outbox.Migrate(testkit.Ctx(t), lp.owner)
 	require.NoError(t, err)
 }
 
@@ -97,7 +98,7 @@ func (lp *leastPrivilege) finishMigration(t *testing.T) {
 // it and its name.
 func (lp *leastPrivilege) component(t *testing.T, suffix string, grant func(ctx context.Context, db outbox.DBTX, role string) error) (*pgxpool.Pool, string) {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	role := lp.name + "_" + suffix
 	admin := pgtest.Pool(t, lp.db.URL)
 	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
@@ -119,7 +120,7 @@ func dropRole(admin *pgxpool.Pool, role string) {
 // projects, as a host running every component on one pool, and returns a pool logged in as it.
 func (lp *leastPrivilege) runtime(t *testing.T, suffix string, projects ...string) *pgxpool.Pool {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	role := lp.name + "_" + suffix
 	admin := pgtest.Pool(t, lp.db.URL)
 	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
@@ -134,7 +135,7 @@ func (lp *leastPrivilege) runtime(t *testing.T, suffix string, projects ...strin
 
 func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	// Tasks exist in both projects (created by the owner, say by an import job).
 	seed := testhost.New(lp.owner, testhost.Options{})
@@ -159,7 +160,7 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 	// Writer, consumer and retention, all as the project-A runtime role.
 	w, err := outbox.NewWriter(rtA, outbox.Config{}, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	defer closeWriter(t, w)
+	defer testkit.CloseWriter(t, w)
 	store := testhost.New(rtA, testhost.Options{Writer: w})
 	require.NoError(t, store.LoadCache(ctx, "proj-a"))
 	for _, id := range []string{"t-1", "t-2"} {
@@ -175,15 +176,15 @@ func TestRuntimeRoleWorksScopedToItsProjects(t *testing.T) {
 		require.Nil(t, task.DeletedAt, "the task delete rolled back with its event")
 	})
 
-	cfg := fastConfig()
-	rec := newRecorder()
+	cfg := testkit.FastConfig()
+	rec := testkit.NewRecorder()
 	// The consumer stands for another process of the same role: it observes the writes above.
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, Cache: store.Cache(), NoLocalWriter: true})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: rtA, Config: cfg, Projects: outbox.StaticProjects{"proj-a"},
 		Dispatcher: d, LiveTasks: store, Cache: store.Cache(), Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
-	rec.waitCount(t, ctx, 2)
+	rec.WaitCount(t, ctx, 2)
 	require.NoError(t, c.Stop(ctx))
 
 	r, err := outbox.NewRetention(rtA, outbox.Config{RetentionWindow: time.Hour}, zaptest.NewLogger(t), nil)

@@ -3,12 +3,7 @@ package outbox_test
 import (
 	"context"
 	"fmt"
-	"go/ast"
-	"go/parser"
-	"go/token"
-	"path/filepath"
 	"regexp"
-	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -18,64 +13,18 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
-	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
-// sqlConstants lists the package's constants whose names end in SQL, read from its source.
-func sqlConstants(t *testing.T) []string {
-	t.Helper()
-	files, err := filepath.Glob("*.go")
-	require.NoError(t, err)
-	var names []string
-	fset := token.NewFileSet()
-	for _, f := range files {
-		if strings.HasSuffix(f, "_test.go") {
-			continue
-		}
-		file, err := parser.ParseFile(fset, f, nil, 0)
-		require.NoError(t, err)
-		for _, decl := range file.Decls {
-			gen, ok := decl.(*ast.GenDecl)
-			if !ok || gen.Tok != token.CONST {
-				continue
-			}
-			for _, spec := range gen.Specs {
-				for _, n := range spec.(*ast.ValueSpec).Names {
-					if strings.HasSuffix(n.Name, "SQL") {
-						names = append(names, n.Name)
-					}
-				}
-			}
-		}
-	}
-	sort.Strings(names)
-	return names
-}
-
 // TestEveryStatementPrepares prepares every statement the package runs against the migrated
-// schema, so a typo, a renamed column or a type mismatch fails here rather than in production.
-// A statement with @name parameters is prepared as pgx sends it: rewritten by pgx.NamedArgs
-// to $n. Statements that one function scans, or that repeat another, must agree.
+// schema (testkit.PrepareEveryStatement), so a typo, a renamed column or a type mismatch fails
+// here rather than in production. A statement with @name parameters is prepared as pgx sends
+// it: rewritten by pgx.NamedArgs to $n. Statements that one function scans, or that repeat
+// another, must agree.
 func TestEveryStatementPrepares(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
-	names := sqlConstants(t)
-	var listed []string
-	for name := range outbox.Statements {
-		listed = append(listed, name)
-	}
-	sort.Strings(listed)
-	require.Equal(t, names, listed, "export_test.go's Statements must list every SQL constant")
-
-	conn, err := pgx.Connect(ctx, pgtest.NewDB(t).URL)
-	require.NoError(t, err)
-	defer conn.Close(ctx)
-	described := map[string]*pgconn.StatementDescription{}
-	for _, name := range names {
-		sd, err := conn.Prepare(ctx, name, sentText(t, outbox.Statements[name]))
-		require.NoError(t, err, name)
-		described[name] = sd
-	}
+	ctx := testkit.Ctx(t)
+	described := testkit.PrepareEveryStatement(t, ctx, outbox.Statements)
 
 	// Statements whose rows one function scans return the same columns.
 	for _, group := range [][]string{
@@ -90,15 +39,6 @@ func TestEveryStatementPrepares(t *testing.T) {
 	// openWithTickSQL repeats openDeliveriesSQL whole.
 	require.Contains(t, strings.Join(strings.Fields(outbox.Statements["openWithTickSQL"]), " "),
 		strings.Join(strings.Fields(outbox.Statements["openDeliveriesSQL"]), " "), "openWithTickSQL must read openDeliveriesSQL word for word")
-}
-
-// sentText is the text pgx sends for sql: its @name parameters rewritten to $n, numbered in
-// the order of their first use, as pgx.NamedArgs does at a call site.
-func sentText(t *testing.T, sql string) string {
-	t.Helper()
-	sent, _, err := pgx.NamedArgs{}.RewriteQuery(context.Background(), nil, sql, nil)
-	require.NoError(t, err)
-	return sent
 }
 
 // resultColumns are a prepared statement's result columns: name and type.

@@ -10,6 +10,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // The combined read (lifecycle_outbox_read_parts, migration 0022) against the per-project
@@ -58,7 +59,7 @@ func readOne(t *testing.T, ctx context.Context, db outbox.DBTX, project string, 
 // than the limit; and it returns nothing for the frozen stream, the large part or the hole.
 func TestCombinedReadNumbersAsThePerProjectReader(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	tick := func() {
 		t.Helper()
@@ -193,7 +194,7 @@ FROM generate_series(1, 4) g`)
 
 func TestReadsAtTheHeadCostTheirOwnParts(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	pool, _ := lp.component(t, "consumer", consumerGrant("c1", "p")) // row-level security applies
 	const parts = 400

@@ -10,28 +10,21 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
-	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
 const month = 31 * 24 * time.Hour
 
-func newRetention(t *testing.T, pool *pgxpool.Pool, cfg outbox.Config) *outbox.Retention {
-	t.Helper()
-	r, err := outbox.NewRetention(pool, cfg, zaptest.NewLogger(t), nil)
-	require.NoError(t, err)
-	return r
-}
-
 // insertOldEvents writes events 1..n of project "p" into the frozen stream of before schema
 // 18, numbered and 40 days old (past the default retention window), and its head.
 func insertOldEvents(t *testing.T, pool *pgxpool.Pool, n int) {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox (project_id, sequence, event_type, task_id, deleted_at, archived, writer_process_id, payload_version, occurred_at)
 		SELECT 'p', i, 'task:deleted', 'old-' || i, '2026-01-01T00:00:00Z', false, 'w', 1, now() - interval '40 days'
 		FROM generate_series(1, $1) AS i`, n)
@@ -53,56 +46,41 @@ func outboxSequences(t *testing.T, pool *pgxpool.Pool, project string) []int64 {
 
 // seedTickedDeletes writes n deletions in project p through a writer process and ticks after
 // each, so that each is a part of its own tick (retention removes a tick's part whole).
-func seedTickedDeletes(t *testing.T, ctx context.Context, url, p string, n int) *process {
+func seedTickedDeletes(t *testing.T, ctx context.Context, url, p string, n int) *testkit.Process {
 	t.Helper()
-	w := startProcess(t, url, processOpts{projects: []string{p}})
-	_, err := w.store.CreateMany(ctx, p, "t", n)
+	w := testkit.StartProcess(t, url, testkit.ProcessOpts{Projects: []string{p}})
+	_, err := w.Store.CreateMany(ctx, p, "t", n)
 	require.NoError(t, err)
 	for i := range n {
-		_, err := w.store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
+		_, err := w.Store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
-		_, err = outbox.Tick(ctx, w.pool)
+		_, err = outbox.Tick(ctx, w.Pool)
 		require.NoError(t, err)
 	}
 	return w
 }
 
-func floorOf(t *testing.T, pool *pgxpool.Pool, project string) int64 {
-	t.Helper()
-	var f int64
-	require.NoError(t, pool.QueryRow(context.Background(), `SELECT pruned_through FROM lifecycle_outbox_heads WHERE project_id = $1`, project).Scan(&f))
-	return f
-}
-
-func seq(from, to int64) []int64 {
-	var out []int64
-	for i := from; i <= to; i++ {
-		out = append(out, i)
-	}
-	return out
-}
-
 func TestRetentionKeepsWhatAnyoneStillNeeds(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.Clock = clock
 	cfg.LeaseTTL = 24 * 365 * time.Hour // the fake clock jumps months; keep leases out of the way
 	cfg.HeartbeatInterval = time.Hour
 
 	w := seedTickedDeletes(t, ctx, db.URL, "p", 10)
-	_, err := w.store.CreateMany(ctx, "p", "live", 3)
+	_, err := w.Store.CreateMany(ctx, "p", "live", 3)
 	require.NoError(t, err)
-	fast := startProcess(t, db.URL, processOpts{id: "fast", projects: []string{"p"}, cfg: cfg})
-	waitCursor(t, ctx, w.pool, "p", "fast", 10)
-	fast.stop(t)
+	fast := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "fast", Projects: []string{"p"}, Config: cfg})
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "fast", 10)
+	fast.Stop(t)
 	// "slow" acknowledged 4 events and then went away.
-	_, err = w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'slow', 4)`)
+	_, err = w.Pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'slow', 4)`)
 	require.NoError(t, err)
 
-	r := newRetention(t, w.pool, cfg)
+	r := testkit.NewRetention(t, w.Pool, cfg)
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Zero(t, res.Pruned(), "rows newer than the window stay even when acknowledged")
@@ -114,52 +92,52 @@ func TestRetentionKeepsWhatAnyoneStillNeeds(t *testing.T) {
 	res, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"p": 4}, res.PrunedByProject)
-	require.Equal(t, seq(5, 10), outboxSequences(t, w.pool, "p"), "rows the slow consumer has not acknowledged stay")
-	require.Equal(t, int64(4), floorOf(t, w.pool, "p"))
+	require.Equal(t, testkit.Seq(5, 10), outboxSequences(t, w.Pool, "p"), "rows the slow consumer has not acknowledged stay")
+	require.Equal(t, int64(4), testkit.FloorOf(t, w.Pool, "p"))
 
-	admin := outbox.NewAdmin(w.pool, outbox.AdminOptions{Audit: w.store, Clock: clock})
+	admin := outbox.NewAdmin(w.Pool, outbox.AdminOptions{Audit: w.Store, Clock: clock})
 	retired, err := admin.RetireConsumer(ctx, outbox.RetireRequest{ConsumerID: "slow", Operator: outbox.Operator{Actor: "oncall", Reason: "FN-77"}})
 	require.NoError(t, err)
 	require.Equal(t, []string{"p"}, retired)
-	require.Equal(t, 1, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall'`, outbox.AuditConsumerRetired))
+	require.Equal(t, 1, pgtest.QueryInt(t, w.Pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall'`, outbox.AuditConsumerRetired))
 	res, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(6), res.Pruned(), "retiring the laggard lets its rows go")
-	require.Empty(t, outboxSequences(t, w.pool, "p"))
-	require.Equal(t, int64(10), floorOf(t, w.pool, "p"))
+	require.Empty(t, outboxSequences(t, w.Pool, "p"))
+	require.Equal(t, int64(10), testkit.FloorOf(t, w.Pool, "p"))
 
 	// A retired identity cannot start again silently.
-	slow := startProcess(t, db.URL, processOpts{id: "slow", projects: []string{"p"}, cfg: cfg, noStart: true})
-	require.ErrorIs(t, slow.consumer.Start(ctx), outbox.ErrConsumerRetired)
+	slow := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "slow", Projects: []string{"p"}, Config: cfg, NoStart: true})
+	require.ErrorIs(t, slow.Consumer.Start(ctx), outbox.ErrConsumerRetired)
 
 	// Reinstated (audited), it finds its cursor below the pruned floor and reconciles: its
 	// cache, which missed every deletion, ends up with exactly the live tasks.
 	_, err = admin.ReinstateConsumer(ctx, outbox.RetireRequest{ConsumerID: "slow", Operator: outbox.Operator{Actor: "oncall", Reason: "FN-78"}})
 	require.NoError(t, err)
-	slow = startProcess(t, db.URL, processOpts{id: "slow", projects: []string{"p"}, cfg: cfg, noStart: true})
+	slow = testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "slow", Projects: []string{"p"}, Config: cfg, NoStart: true})
 	stale := []string{"live-1", "live-2", "live-3"}
 	for i := range 10 {
 		stale = append(stale, fmt.Sprintf("t-%d", i+1))
 	}
-	require.NoError(t, slow.store.Cache().ReplaceLive(ctx, "p", stale))
-	slow.start(t)
-	waitCursor(t, ctx, w.pool, "p", "slow", 10)
-	require.Equal(t, []string{"live-1", "live-2", "live-3"}, slow.store.Cache().Live("p"), "no deletion lost across the pruned gap")
-	require.Equal(t, "cursor_below_pruned_floor", queryString(t, w.pool,
+	require.NoError(t, slow.Store.Cache().ReplaceLive(ctx, "p", stale))
+	slow.Start(t)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "slow", 10)
+	require.Equal(t, []string{"live-1", "live-2", "live-3"}, slow.Store.Cache().Live("p"), "no deletion lost across the pruned gap")
+	require.Equal(t, "cursor_below_pruned_floor", queryString(t, w.Pool,
 		`SELECT coalesce(reconcile_reason, '') FROM lifecycle_consumer_cursors WHERE project_id = 'p' AND consumer_id = 'slow'`),
 		"reconciled because its cursor was below the floor the sweep raised")
-	_, err = w.store.Delete(ctx, "p", "live-2")
+	_, err = w.Store.Delete(ctx, "p", "live-2")
 	require.NoError(t, err)
-	evs := slow.rec.waitCount(t, ctx, 1)
+	evs := slow.Rec.WaitCount(t, ctx, 1)
 	require.Equal(t, int64(11), evs[0].Sequence, "and it carries on with new events")
 }
 
 func TestRetentionOfDeadLetters(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.Clock = clock
 	cfg.MaxAttempts = 1
 	cfg.LeaseTTL = 24 * 365 * time.Hour
@@ -167,23 +145,23 @@ func TestRetentionOfDeadLetters(t *testing.T) {
 
 	w := seedTickedDeletes(t, ctx, db.URL, "p", 3)
 	var fixed atomic.Bool
-	broken := startProcess(t, db.URL, processOpts{id: "broken", projects: []string{"p"}, cfg: cfg, noStart: true})
-	broken.rec.setFail(func(ev outbox.ObservedEvent) error {
+	broken := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "broken", Projects: []string{"p"}, Config: cfg, NoStart: true})
+	broken.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence <= 2 && !(fixed.Load() && ev.Sequence == 1) {
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
-	broken.start(t)
-	waitCursor(t, ctx, w.pool, "p", "broken", 3)
+	broken.Start(t)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "broken", 3)
 	fixed.Store(true)
-	admin := outbox.NewAdmin(w.pool, outbox.AdminOptions{Audit: w.store, Clock: clock})
+	admin := outbox.NewAdmin(w.Pool, outbox.AdminOptions{Audit: w.Store, Clock: clock})
 	_, err := admin.RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p", ConsumerID: "broken", Sequence: 1, Operator: outbox.Operator{Actor: "oncall", Reason: "FN-1"}})
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, waitLimit, 10*time.Millisecond)
-	broken.stop(t)
+	require.Eventually(t, func() bool { return testkit.DeliveryOf(t, w.Pool, "broken", 1).State == "resolved" }, testkit.WaitLimit, 10*time.Millisecond)
+	broken.Stop(t)
 
-	r := newRetention(t, w.pool, cfg)
+	r := testkit.NewRetention(t, w.Pool, cfg)
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Zero(t, res.DeadLettersPruned, "a resolved dead letter is kept for the retention period")
@@ -192,20 +170,20 @@ func TestRetentionOfDeadLetters(t *testing.T) {
 	res, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), res.DeadLettersPruned, "the resolved one goes after 30 days")
-	require.Equal(t, "dead", deliveryOf(t, w.pool, "broken", 2).State, "the unresolved one stays")
-	require.Equal(t, []int64{2}, outboxSequences(t, w.pool, "p"), "and so does the event it points at, for a replay")
+	require.Equal(t, "dead", testkit.DeliveryOf(t, w.Pool, "broken", 2).State, "the unresolved one stays")
+	require.Equal(t, []int64{2}, outboxSequences(t, w.Pool, "p"), "and so does the event it points at, for a replay")
 
 	_, err = admin.RetireConsumer(ctx, outbox.RetireRequest{ConsumerID: "broken", Operator: outbox.Operator{Actor: "oncall", Reason: "decommissioned"}})
 	require.NoError(t, err)
 	res, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), res.DeadLettersPruned, "retiring its consumer releases an unresolved dead letter")
-	require.Empty(t, outboxSequences(t, w.pool, "p"))
+	require.Empty(t, outboxSequences(t, w.Pool, "p"))
 }
 
 func TestRetentionWorksInBoundedBatchesBesideWriters(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	const old = 50000
@@ -235,7 +213,7 @@ func TestRetentionWorksInBoundedBatchesBesideWriters(t *testing.T) {
 		writerDone <- nil
 	}()
 
-	r := newRetention(t, pool, outbox.Config{RetentionBatchSize: 2000, RetentionBudget: 30000})
+	r := testkit.NewRetention(t, pool, outbox.Config{RetentionBatchSize: 2000, RetentionBudget: 30000})
 	first, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(30000), first.Pruned())
@@ -253,12 +231,12 @@ func TestRetentionWorksInBoundedBatchesBesideWriters(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(old)+deleted.Load(), heads["p"].LastSequence, "the writers' events follow the pruned ones with no gap")
 	require.Equal(t, int64(old), heads["p"].PrunedThrough)
-	require.Equal(t, seq(old+1, old+deleted.Load()), outboxSequences(t, pool, "p"))
+	require.Equal(t, testkit.Seq(old+1, old+deleted.Load()), outboxSequences(t, pool, "p"))
 }
 
 func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	store := testhost.New(pool, testhost.Options{Writer: newWriter(t, pool, outbox.Config{NotifyDisabled: true})})
@@ -282,7 +260,7 @@ func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 	require.Equal(t, int64(10), maxSeq)
 
 	// A delete in the same project commits meanwhile.
-	deadline, cancel := context.WithTimeout(ctx, waitLimit)
+	deadline, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	for _, id := range ids[10:] {
 		_, err := store.Delete(deadline, "p", id)
@@ -296,33 +274,33 @@ func TestPruneBatchDoesNotBlockTheDeleteTransaction(t *testing.T) {
 // slowest live cursor inside its own transaction.
 func TestSweepRechecksCursorsInEachBatch(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
 	w := seedTickedDeletes(t, ctx, db.URL, "p", 12)
-	_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, retired_at, retired_by, retired_reason)
+	_, err := w.Pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, retired_at, retired_by, retired_reason)
 		VALUES ('p', 'fast', 12, NULL, NULL, NULL), ('p', 'gone', 2, now(), 'oncall', 'FN-1')`)
 	require.NoError(t, err)
 	clock.Advance(month)
 
-	r := newRetention(t, w.pool, outbox.Config{Clock: clock, RetentionBatchSize: 2})
+	r := testkit.NewRetention(t, w.Pool, outbox.Config{Clock: clock, RetentionBatchSize: 2})
 	batches := 0
 	outbox.BeforePruneBatch(r, func(project string) {
 		batches++
 		switch batches {
 		case 2: // after 1-2 went: a new consumer appears at 5
-			_, err := w.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'late', 5)`)
+			_, err := w.Pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('p', 'late', 5)`)
 			require.NoError(t, err)
 		case 3: // after 3-4 went: the retired one at 2 is reinstated
-			_, err := w.pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET retired_at = NULL, retired_by = NULL, retired_reason = NULL WHERE consumer_id = 'gone'`)
+			_, err := w.Pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET retired_at = NULL, retired_by = NULL, retired_reason = NULL WHERE consumer_id = 'gone'`)
 			require.NoError(t, err)
 		}
 	})
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
-	require.Equal(t, seq(5, 12), outboxSequences(t, w.pool, "p"), "nothing above a cursor that existed when its batch ran")
+	require.Equal(t, testkit.Seq(5, 12), outboxSequences(t, w.Pool, "p"), "nothing above a cursor that existed when its batch ran")
 	require.Equal(t, int64(4), res.Pruned())
-	require.Equal(t, int64(4), floorOf(t, w.pool, "p"))
+	require.Equal(t, int64(4), testkit.FloorOf(t, w.Pool, "p"))
 }
 
 // TestSweepPrunesOtherProjectsWhenOneFails: a project whose heads row another role holds
@@ -330,10 +308,10 @@ func TestSweepRechecksCursorsInEachBatch(t *testing.T) {
 // still prunes every other project and returns a *ProjectErrors naming the one it skipped.
 func TestSweepPrunesOtherProjectsWhenOneFails(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
-	seedEvents(t, pool, "a", 5)
-	seedEvents(t, pool, "b", 5)
+	testkit.SeedEvents(t, pool, "a", 5)
+	testkit.SeedEvents(t, pool, "b", 5)
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(2 * time.Hour)
 	holder, err := pool.Begin(ctx)
@@ -342,7 +320,7 @@ func TestSweepPrunesOtherProjectsWhenOneFails(t *testing.T) {
 	_, err = holder.Exec(ctx, `SELECT 1 FROM lifecycle_outbox_heads WHERE project_id = 'a' FOR UPDATE`)
 	require.NoError(t, err)
 
-	r := newRetention(t, pool, outbox.Config{RetentionWindow: time.Hour, LockTimeout: 100 * time.Millisecond, Clock: clock})
+	r := testkit.NewRetention(t, pool, outbox.Config{RetentionWindow: time.Hour, LockTimeout: 100 * time.Millisecond, Clock: clock})
 	res, err := r.Sweep(ctx)
 	var pe *outbox.ProjectErrors
 	require.ErrorAs(t, err, &pe)
@@ -359,7 +337,7 @@ func TestSweepPrunesOtherProjectsWhenOneFails(t *testing.T) {
 // the last row the one before it deleted.
 func TestSweepBatchesStartWhereTheLastOneEnded(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	admin := pgtest.Pool(t, db.URL)
 	const rows, batch = 400, 20
@@ -384,7 +362,7 @@ func TestSweepBatchesStartWhereTheLastOneEnded(t *testing.T) {
 		return pgtest.QueryInt(t, pool, `SELECT coalesce(idx_tup_read, 0)::int FROM pg_catalog.pg_stat_user_indexes WHERE indexrelname = 'lifecycle_outbox_project_sequence'`)
 	}
 	before := entriesRead()
-	res, err := newRetention(t, pool, outbox.Config{RetentionBatchSize: batch, RetentionBudget: rows}).Sweep(ctx)
+	res, err := testkit.NewRetention(t, pool, outbox.Config{RetentionBatchSize: batch, RetentionBudget: rows}).Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(rows), res.Pruned())
 	read := entriesRead() - before
@@ -399,7 +377,7 @@ func TestSweepBatchesStartWhereTheLastOneEnded(t *testing.T) {
 // prefix-1 .. prefix-n in that order.
 func logEvents(t *testing.T, db outbox.DBTX, project, prefix string, n int) {
 	t.Helper()
-	_, err := db.Exec(ctxT(t), `
+	_, err := db.Exec(testkit.Ctx(t), `
 INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
 SELECT $1, $2 || '-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
 FROM generate_series(1, $3) g`, project, prefix, n)
@@ -409,7 +387,7 @@ FROM generate_series(1, $3) g`, project, prefix, n)
 // tickNow takes one tick and returns its ID.
 func tickNow(t *testing.T, pool *pgxpool.Pool) int64 {
 	t.Helper()
-	res, err := outbox.Tick(ctxT(t), pool)
+	res, err := outbox.Tick(testkit.Ctx(t), pool)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Ticks)
 	return res.TickID
@@ -418,7 +396,7 @@ func tickNow(t *testing.T, pool *pgxpool.Pool) int64 {
 // tickIDs lists the stored ticks.
 func tickIDs(t *testing.T, pool *pgxpool.Pool) []int64 {
 	t.Helper()
-	rows, err := pool.Query(ctxT(t), `SELECT tick_id FROM lifecycle_tick ORDER BY tick_id`)
+	rows, err := pool.Query(testkit.Ctx(t), `SELECT tick_id FROM lifecycle_tick ORDER BY tick_id`)
 	require.NoError(t, err)
 	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	require.NoError(t, err)
@@ -442,7 +420,7 @@ func planOf(t *testing.T, plans []outbox.PrunePlan, project string) outbox.Prune
 // it: no event above a live cursor is ever removed.
 func TestRetentionKeepsAPartACursorIsInside(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for _, prefix := range []string{"a", "b", "c"} { // parts 1-3, 4-6 and 7-9
 		logEvents(t, pool, "p", prefix, 3)
@@ -452,7 +430,7 @@ func TestRetentionKeepsAPartACursorIsInside(t *testing.T) {
 	require.NoError(t, err)
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(month)
-	r := newRetention(t, pool, outbox.Config{Clock: clock})
+	r := testkit.NewRetention(t, pool, outbox.Config{Clock: clock})
 
 	plans, err := r.Plan(ctx)
 	require.NoError(t, err)
@@ -460,8 +438,8 @@ func TestRetentionKeepsAPartACursorIsInside(t *testing.T) {
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"p": 3}, res.PrunedByProject, "the plan and the sweep agree")
-	require.Equal(t, seq(4, 9), outboxSequences(t, pool, "p"), "the part holding the cursor stays whole, with 6 above the cursor")
-	require.Equal(t, int64(3), floorOf(t, pool, "p"))
+	require.Equal(t, testkit.Seq(4, 9), outboxSequences(t, pool, "p"), "the part holding the cursor stays whole, with 6 above the cursor")
+	require.Equal(t, int64(3), testkit.FloorOf(t, pool, "p"))
 
 	// Acknowledged to the end of the part, the part goes.
 	_, err = pool.Exec(ctx, `UPDATE lifecycle_consumer_cursors SET last_acked_sequence = 6 WHERE consumer_id = 'c'`)
@@ -472,8 +450,8 @@ func TestRetentionKeepsAPartACursorIsInside(t *testing.T) {
 	res, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"p": 3}, res.PrunedByProject)
-	require.Equal(t, seq(7, 9), outboxSequences(t, pool, "p"))
-	require.Equal(t, int64(6), floorOf(t, pool, "p"))
+	require.Equal(t, testkit.Seq(7, 9), outboxSequences(t, pool, "p"))
+	require.Equal(t, int64(6), testkit.FloorOf(t, pool, "p"))
 }
 
 // TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences: parts of several events, one of
@@ -484,7 +462,7 @@ func TestRetentionKeepsAPartACursorIsInside(t *testing.T) {
 // and every remaining event reads with the sequence it had before.
 func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 
 	late, err := pool.Begin(ctx) // open across tick 2; its event is numbered by tick 3
@@ -519,7 +497,7 @@ func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(month)
-	r := newRetention(t, pool, outbox.Config{Clock: clock, RetentionBatchSize: 2})
+	r := testkit.NewRetention(t, pool, outbox.Config{Clock: clock, RetentionBatchSize: 2})
 	plans, err := r.Plan(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(6), planOf(t, plans, "p").Prunable)
@@ -528,7 +506,7 @@ func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 	require.Equal(t, map[string]int64{"p": 6}, res.PrunedByProject, "parts of 2, 3 and 1 events in batches of 2: none split")
 	require.Equal(t, before[2:5], readStream(t, context.Background(), pool, "p"), "the held part keeps its events and their sequences")
 	require.Equal(t, beforeQ, readStream(t, context.Background(), pool, "q"), "the other project's events in the same ticks stay")
-	require.Equal(t, int64(9), floorOf(t, pool, "p"))
+	require.Equal(t, int64(9), testkit.FloorOf(t, pool, "p"))
 	storedMatchCounted := func(project string) int {
 		t.Helper()
 		stored := pgtest.QueryInt(t, pool, `SELECT count(*)::int FROM lifecycle_event_log WHERE project_id = $1`, project)
@@ -548,7 +526,7 @@ func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 	require.Empty(t, readStream(t, context.Background(), pool, "p"))
 	require.Zero(t, storedMatchCounted("p"))
 	require.Equal(t, beforeQ, readStream(t, context.Background(), pool, "q"))
-	require.Equal(t, int64(9), floorOf(t, pool, "p"), "the floor never goes back")
+	require.Equal(t, int64(9), testkit.FloorOf(t, pool, "p"), "the floor never goes back")
 }
 
 // TestRetentionDeletesTheTicksNoPartNeeds: reading a part needs its tick and the one before;
@@ -556,7 +534,7 @@ func TestRetentionRemovesAPartWholeAndTheRestKeepTheirSequences(t *testing.T) {
 // newest always stays, since the ticker takes the next batch from it.
 func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for i := range 5 { // p's parts at ticks 2 to 6, q's at tick 4
 		logEvents(t, pool, "p", fmt.Sprintf("p%d", i), 1)
@@ -565,17 +543,17 @@ func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
 		}
 		tickNow(t, pool)
 	}
-	require.Equal(t, seq(1, 6), tickIDs(t, pool))
+	require.Equal(t, testkit.Seq(1, 6), tickIDs(t, pool))
 	_, err := pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence) VALUES ('q', 'c', NULL)`)
 	require.NoError(t, err)
 
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(month)
-	r := newRetention(t, pool, outbox.Config{Clock: clock})
+	r := testkit.NewRetention(t, pool, outbox.Config{Clock: clock})
 	res, err := r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"p": 5}, res.PrunedByProject)
-	require.Equal(t, seq(3, 6), tickIDs(t, pool), "q's part at tick 4 keeps ticks 3 and 4; the newest stays")
+	require.Equal(t, testkit.Seq(3, 6), tickIDs(t, pool), "q's part at tick 4 keeps ticks 3 and 4; the newest stays")
 	require.Equal(t, []streamEvent{{1, "q-1"}}, readStream(t, context.Background(), pool, "q"))
 
 	// Its consumer retired, q's part goes; one call deletes at most its limit of ticks.
@@ -585,7 +563,7 @@ func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, outbox.PruneBatchSQL, pgx.StrictNamedArgs{"project": "q", "limit": 1, "after": 0,
 		"clock_offset": month, "window": 30 * 24 * time.Hour}).Scan(&n, &maxSeq))
 	require.Equal(t, []int64{1, 1}, []int64{n, maxSeq})
-	require.Equal(t, seq(4, 6), tickIDs(t, pool), "one tick for a limit of one")
+	require.Equal(t, testkit.Seq(4, 6), tickIDs(t, pool), "one tick for a limit of one")
 	_, err = r.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, []int64{6}, tickIDs(t, pool), "no part left: only the newest tick stays")
@@ -603,7 +581,7 @@ func TestRetentionDeletesTheTicksNoPartNeeds(t *testing.T) {
 // or deadlocking with a ticker that waits for the heads row the sweep updated).
 func TestRetentionDoesNotWaitForTheTicker(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for _, prefix := range []string{"a", "b"} {
 		logEvents(t, pool, "p", prefix, 1)
@@ -611,7 +589,7 @@ func TestRetentionDoesNotWaitForTheTicker(t *testing.T) {
 	}
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(month)
-	r := newRetention(t, pool, outbox.Config{Clock: clock, LockTimeout: time.Minute, StatementTimeout: time.Minute})
+	r := testkit.NewRetention(t, pool, outbox.Config{Clock: clock, LockTimeout: time.Minute, StatementTimeout: time.Minute})
 
 	ticker, err := pool.Begin(ctx)
 	require.NoError(t, err)
@@ -623,7 +601,7 @@ func TestRetentionDoesNotWaitForTheTicker(t *testing.T) {
 	res, err := r.Sweep(sweepCtx)
 	require.NoError(t, err, "the sweep waited for the ticker's lock")
 	require.Equal(t, map[string]int64{"p": 2}, res.PrunedByProject)
-	require.Equal(t, seq(1, 3), tickIDs(t, pool), "the ticks wait for a call that finds the table free")
+	require.Equal(t, testkit.Seq(1, 3), tickIDs(t, pool), "the ticks wait for a call that finds the table free")
 
 	require.NoError(t, ticker.Rollback(ctx))
 	_, err = r.Sweep(ctx)
@@ -636,7 +614,7 @@ func TestRetentionDoesNotWaitForTheTicker(t *testing.T) {
 // tool reads from 0) returns every stored event with its sequence, not just the first part.
 func TestStreamReadsFromBelowThePrunedFloor(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for _, prefix := range []string{"a", "b", "c", "d"} { // parts 1-2, 3-4, 5-6, 7-8
 		logEvents(t, pool, "p", prefix, 2)
@@ -646,14 +624,14 @@ func TestStreamReadsFromBelowThePrunedFloor(t *testing.T) {
 	require.NoError(t, err)
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(month)
-	_, err = newRetention(t, pool, outbox.Config{Clock: clock}).Sweep(ctx)
+	_, err = testkit.NewRetention(t, pool, outbox.Config{Clock: clock}).Sweep(ctx)
 	require.NoError(t, err)
-	require.Equal(t, int64(4), floorOf(t, pool, "p"))
+	require.Equal(t, int64(4), testkit.FloorOf(t, pool, "p"))
 	for _, after := range []int64{0, 2, 4} {
 		rows, err := pool.Query(ctx, `SELECT sequence FROM lifecycle_outbox_read('p', $1, 100, NULL, NULL, NULL)`, after)
 		require.NoError(t, err)
 		got, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 		require.NoError(t, err)
-		require.Equal(t, seq(5, 8), got, "read after %d", after)
+		require.Equal(t, testkit.Seq(5, 8), got, "read after %d", after)
 	}
 }

@@ -3,7 +3,6 @@ package outbox_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -14,6 +13,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -35,24 +35,6 @@ func (l *attemptLog) get() []time.Duration {
 	return append([]time.Duration(nil), l.calls...)
 }
 
-type deliveryRow struct {
-	State    string
-	Attempts int
-	Class    string
-	Wait     time.Duration // next_attempt_at - last_failed_at
-}
-
-func deliveryOf(t *testing.T, pool *pgxpool.Pool, consumer string, seq int64) deliveryRow {
-	t.Helper()
-	var r deliveryRow
-	var waitSeconds float64
-	require.NoError(t, pool.QueryRow(context.Background(), `SELECT state, attempts, coalesce(last_failure_class, ''),
-		coalesce(extract(epoch FROM next_attempt_at - last_failed_at), 0)::float8
-		FROM lifecycle_consumer_deliveries WHERE consumer_id = $1 AND sequence = $2`, consumer, seq).Scan(&r.State, &r.Attempts, &r.Class, &waitSeconds))
-	r.Wait = time.Duration(waitSeconds * float64(time.Second)).Round(time.Millisecond)
-	return r
-}
-
 // retryConfig polls rarely so that only the injected clock moves retries forward.
 func retryConfig(clock *outboxtest.FakeClock) outbox.Config {
 	// The lease outlasts every advance of the fake clock in these tests (the heartbeat runs on
@@ -62,106 +44,104 @@ func retryConfig(clock *outboxtest.FakeClock) outbox.Config {
 }
 
 // seedDeletes writes n deletions in project p through a writer process.
-func seedDeletes(t *testing.T, ctx context.Context, url, p string, n int) *process {
+func seedDeletes(t *testing.T, ctx context.Context, url, p string, n int) *testkit.Process {
 	t.Helper()
-	w := startProcess(t, url, processOpts{projects: []string{p}})
-	_, err := w.store.CreateMany(ctx, p, "t", n)
+	w := testkit.StartProcess(t, url, testkit.ProcessOpts{Projects: []string{p}})
+	_, err := w.Store.CreateMany(ctx, p, "t", n)
 	require.NoError(t, err)
 	for i := range n {
-		_, err := w.store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
+		_, err := w.Store.Delete(ctx, p, fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
 	}
 	return w
 }
 
-var errListener = errors.New("listener says no: secret-token-123 and some prose")
-
 func TestRetryBackoffThenSuccess(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
 	w := seedDeletes(t, ctx, db.URL, "p", 2)
 
 	var log attemptLog
-	obs := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: retryConfig(clock), noStart: true})
-	obs.rec.setFail(func(ev outbox.ObservedEvent) error {
+	obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: retryConfig(clock), NoStart: true})
+	obs.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence != 1 {
 			return nil
 		}
 		log.add(clock.Offset())
 		if len(log.get()) <= 3 {
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
-	since := dbNow(t, w.pool)
-	obs.start(t)
+	since := dbNow(t, w.Pool)
+	obs.Start(t)
 
 	windows := []attemptWindow{{}} // where on the clock each attempt may run; the first at once
 	for i, want := range []time.Duration{time.Second, 5 * time.Second, 30 * time.Second} {
-		d := armedRetry(t, ctx, w.pool, clock, "engine", 1, i+1, since)
-		row := deliveryOf(t, w.pool, "engine", 1)
-		require.Equal(t, deliveryRow{State: "retrying", Attempts: i + 1, Class: "listener_error", Wait: want}, row)
-		require.Equal(t, int64(0), cursorOf(t, w.pool, "p", "engine"), "no acknowledgement past a failing event")
-		require.Empty(t, obs.rec.snapshot(), "the stream waits: event 2 is not delivered before event 1")
-		since = dbNow(t, w.pool)
-		windows = append(windows, fireRetry(t, ctx, w.pool, clock, "engine", 1, i+1, d))
+		d := armedRetry(t, ctx, w.Pool, clock, "engine", 1, i+1, since)
+		row := testkit.DeliveryOf(t, w.Pool, "engine", 1)
+		require.Equal(t, testkit.DeliveryRow{State: "retrying", Attempts: i + 1, Class: "listener_error", Wait: want}, row)
+		require.Equal(t, int64(0), testkit.CursorOf(t, w.Pool, "p", "engine"), "no acknowledgement past a failing event")
+		require.Empty(t, obs.Rec.Snapshot(), "the stream waits: event 2 is not delivered before event 1")
+		since = dbNow(t, w.Pool)
+		windows = append(windows, fireRetry(t, ctx, w.Pool, clock, "engine", 1, i+1, d))
 	}
-	evs := obs.rec.waitCount(t, ctx, 2)
+	evs := obs.Rec.WaitCount(t, ctx, 2)
 	require.Equal(t, []int64{1, 2}, []int64{evs[0].Sequence, evs[1].Sequence})
 	require.Equal(t, 4, evs[0].Attempt)
-	waitCursor(t, ctx, w.pool, "p", "engine", 2)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "engine", 2)
 
 	// Each attempt ran when its timer fired, not before. (What each timer waited was checked
 	// against the persisted schedule above.)
 	requireAttemptsWithin(t, windows, log.get())
-	row := deliveryOf(t, w.pool, "engine", 1)
+	row := testkit.DeliveryOf(t, w.Pool, "engine", 1)
 	require.Equal(t, "resolved", row.State)
 	require.Equal(t, 4, row.Attempts)
 }
 
 func TestPoisonEventIsParkedAfterTenAttempts(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
 	w := seedDeletes(t, ctx, db.URL, "p", 2)
 
 	var log attemptLog
-	obs := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: retryConfig(clock), noStart: true})
-	obs.rec.setFail(func(ev outbox.ObservedEvent) error {
+	obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: retryConfig(clock), NoStart: true})
+	obs.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence == 1 {
 			log.add(clock.Offset())
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
-	since := dbNow(t, w.pool)
-	obs.start(t)
+	since := dbNow(t, w.Pool)
+	obs.Start(t)
 
 	schedule := []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 5 * time.Minute,
 		15 * time.Minute, 15 * time.Minute, 15 * time.Minute, 15 * time.Minute, 15 * time.Minute}
 	windows := []attemptWindow{{}} // where on the clock each attempt may run; the first at once
 	for i, want := range schedule {
-		d := armedRetry(t, ctx, w.pool, clock, "engine", 1, i+1, since)
-		row := deliveryOf(t, w.pool, "engine", 1)
-		require.Equal(t, deliveryRow{State: "retrying", Attempts: i + 1, Class: "listener_error", Wait: want}, row)
-		since = dbNow(t, w.pool)
-		windows = append(windows, fireRetry(t, ctx, w.pool, clock, "engine", 1, i+1, d))
+		d := armedRetry(t, ctx, w.Pool, clock, "engine", 1, i+1, since)
+		row := testkit.DeliveryOf(t, w.Pool, "engine", 1)
+		require.Equal(t, testkit.DeliveryRow{State: "retrying", Attempts: i + 1, Class: "listener_error", Wait: want}, row)
+		since = dbNow(t, w.Pool)
+		windows = append(windows, fireRetry(t, ctx, w.Pool, clock, "engine", 1, i+1, d))
 	}
-	evs := obs.rec.waitCount(t, ctx, 1)
+	evs := obs.Rec.WaitCount(t, ctx, 1)
 	require.Equal(t, int64(2), evs[0].Sequence, "the next event is delivered after the park")
-	waitCursor(t, ctx, w.pool, "p", "engine", 2)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "engine", 2)
 
 	require.Len(t, log.get(), 10, "exactly ten attempts")
 	// Each attempt ran when its timer fired, not before.
 	requireAttemptsWithin(t, windows, log.get())
-	row := deliveryOf(t, w.pool, "engine", 1)
+	row := testkit.DeliveryOf(t, w.Pool, "engine", 1)
 	require.Equal(t, "dead", row.State)
 	require.Equal(t, 10, row.Attempts)
 
-	rows, err := w.pool.Query(ctx, `SELECT project_id, task_id, actor, metadata FROM run_audit WHERE action = $1`, outbox.AuditConsumerPoisoned)
+	rows, err := w.Pool.Query(ctx, `SELECT project_id, task_id, actor, metadata FROM run_audit WHERE action = $1`, outbox.AuditConsumerPoisoned)
 	require.NoError(t, err)
 	type audit struct {
 		Project, Task, Actor string
@@ -177,12 +157,12 @@ func TestPoisonEventIsParkedAfterTenAttempts(t *testing.T) {
 	}
 	require.NoError(t, rows.Err())
 	require.Len(t, audits, 1, "one audit row")
-	eventID := outbox.TaskDeletedEventID("t-1", mustDeletedAt(t, w.pool, "t-1"))
+	eventID := outbox.TaskDeletedEventID("t-1", mustDeletedAt(t, w.Pool, "t-1"))
 	require.Equal(t, map[string]any{"consumerId": "engine", "eventId": eventID, "sequence": float64(1), "attempts": float64(10)}, audits[0].Meta,
 		"identifiers and counts only: no error text")
 	require.Equal(t, "t-1", audits[0].Task)
-	require.False(t, obs.store.Cache().Has("p", "t-1"), "the deletion still reached the cache")
-	require.Equal(t, int64(1), obs.consumer.Stats().Parked)
+	require.False(t, obs.Store.Cache().Has("p", "t-1"), "the deletion still reached the cache")
+	require.Equal(t, int64(1), obs.Consumer.Stats().Parked)
 }
 
 func mustDeletedAt(t *testing.T, pool *pgxpool.Pool, task string) time.Time {
@@ -194,25 +174,25 @@ func mustDeletedAt(t *testing.T, pool *pgxpool.Pool, task string) time.Time {
 
 func TestBackoffSurvivesRestart(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
 	w := seedDeletes(t, ctx, db.URL, "p", 1)
 
 	var log attemptLog
-	failing := func(ev outbox.ObservedEvent) error { log.add(clock.Offset()); return errListener }
-	first := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: retryConfig(clock), noStart: true})
-	first.rec.setFail(failing)
-	since := dbNow(t, w.pool)
-	first.start(t)
-	d := armedRetry(t, ctx, w.pool, clock, "engine", 1, 1, since)
-	since = dbNow(t, w.pool)
-	fireRetry(t, ctx, w.pool, clock, "engine", 1, 1, d)
-	armedRetry(t, ctx, w.pool, clock, "engine", 1, 2, since) // after attempt 2, waiting 5s
-	first.stop(t)
+	failing := func(ev outbox.ObservedEvent) error { log.add(clock.Offset()); return testkit.ErrListener }
+	first := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: retryConfig(clock), NoStart: true})
+	first.Rec.SetFail(failing)
+	since := dbNow(t, w.Pool)
+	first.Start(t)
+	d := armedRetry(t, ctx, w.Pool, clock, "engine", 1, 1, since)
+	since = dbNow(t, w.Pool)
+	fireRetry(t, ctx, w.Pool, clock, "engine", 1, 1, d)
+	armedRetry(t, ctx, w.Pool, clock, "engine", 1, 2, since) // after attempt 2, waiting 5s
+	first.Stop(t)
 	require.Empty(t, clock.Waiters(), "the stopped process left no timer behind")
-	before := deliveryOf(t, w.pool, "engine", 1)
-	require.Equal(t, deliveryRow{State: "retrying", Attempts: 2, Class: "listener_error", Wait: 5 * time.Second}, before)
+	before := testkit.DeliveryOf(t, w.Pool, "engine", 1)
+	require.Equal(t, testkit.DeliveryRow{State: "retrying", Attempts: 2, Class: "listener_error", Wait: 5 * time.Second}, before)
 	require.Len(t, log.get(), 2)
 
 	// Two seconds pass while no one runs; another process with the same identity takes over.
@@ -220,18 +200,18 @@ func TestBackoffSurvivesRestart(t *testing.T) {
 	// database clock, about 3s, less whatever real time the machine took meanwhile (armedRetry
 	// checks it against the row, so that a busy machine cannot fail it).
 	clock.Advance(2 * time.Second)
-	second := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: retryConfig(clock), noStart: true})
-	second.rec.setFail(failing)
-	since = dbNow(t, w.pool)
-	second.start(t)
-	d = armedRetry(t, ctx, w.pool, clock, "engine", 1, 2, since)
+	second := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: retryConfig(clock), NoStart: true})
+	second.Rec.SetFail(failing)
+	since = dbNow(t, w.Pool)
+	second.Start(t)
+	d = armedRetry(t, ctx, w.Pool, clock, "engine", 1, 2, since)
 	require.LessOrEqual(t, d, 3*time.Second, "the takeover does not restart the backoff")
 	require.Len(t, log.get(), 2, "no attempt was added by the restart")
-	since = dbNow(t, w.pool)
-	third := fireRetry(t, ctx, w.pool, clock, "engine", 1, 2, d)
-	armedRetry(t, ctx, w.pool, clock, "engine", 1, 3, since)
-	after := deliveryOf(t, w.pool, "engine", 1)
-	require.Equal(t, deliveryRow{State: "retrying", Attempts: 3, Class: "listener_error", Wait: 30 * time.Second}, after,
+	since = dbNow(t, w.Pool)
+	third := fireRetry(t, ctx, w.Pool, clock, "engine", 1, 2, d)
+	armedRetry(t, ctx, w.Pool, clock, "engine", 1, 3, since)
+	after := testkit.DeliveryOf(t, w.Pool, "engine", 1)
+	require.Equal(t, testkit.DeliveryRow{State: "retrying", Attempts: 3, Class: "listener_error", Wait: 30 * time.Second}, after,
 		"exactly one more attempt: none lost, none added")
 	calls := log.get()
 	require.Len(t, calls, 3)
@@ -240,18 +220,18 @@ func TestBackoffSurvivesRestart(t *testing.T) {
 
 func TestPanicAndTimeoutAreClassified(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	clock := outboxtest.NewFakeClock()
 	w := seedDeletes(t, ctx, db.URL, "p", 1)
 	cfg := retryConfig(clock)
 	cfg.ListenerTimeout = 50 * time.Millisecond
 
-	obs := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: cfg, noStart: true})
+	obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: cfg, NoStart: true})
 	var calls int
 	var mu sync.Mutex
 	stuck, finished := make(chan struct{}), make(chan struct{})
-	obs.rec.setFail(func(ev outbox.ObservedEvent) error {
+	obs.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		mu.Lock()
 		calls++
 		n := calls
@@ -263,47 +243,47 @@ func TestPanicAndTimeoutAreClassified(t *testing.T) {
 		close(finished)
 		return nil
 	})
-	since := dbNow(t, w.pool)
-	obs.start(t)
-	d := armedRetry(t, ctx, w.pool, clock, "engine", 1, 1, since)
-	require.Equal(t, "listener_panic", deliveryOf(t, w.pool, "engine", 1).Class)
-	since = dbNow(t, w.pool)
-	fireRetry(t, ctx, w.pool, clock, "engine", 1, 1, d)
-	armedRetry(t, ctx, w.pool, clock, "engine", 1, 2, since)
-	row := deliveryOf(t, w.pool, "engine", 1)
+	since := dbNow(t, w.Pool)
+	obs.Start(t)
+	d := armedRetry(t, ctx, w.Pool, clock, "engine", 1, 1, since)
+	require.Equal(t, "listener_panic", testkit.DeliveryOf(t, w.Pool, "engine", 1).Class)
+	since = dbNow(t, w.Pool)
+	fireRetry(t, ctx, w.Pool, clock, "engine", 1, 1, d)
+	armedRetry(t, ctx, w.Pool, clock, "engine", 1, 2, since)
+	row := testkit.DeliveryOf(t, w.Pool, "engine", 1)
 	require.Equal(t, "listener_timeout", row.Class)
 	require.Equal(t, 2, row.Attempts)
-	obs.stop(t)
+	obs.Stop(t)
 	close(stuck)
 	<-finished // the abandoned goroutine ends; the leak check at exit stays clean
 }
 
 func TestReplayReachesOnlyTheOwningConsumer(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	w := seedDeletes(t, ctx, db.URL, "p", 2)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.MaxAttempts = 1 // park at the first failure
 
-	broken := startProcess(t, db.URL, processOpts{id: "broken", projects: []string{"p"}, cfg: cfg, noStart: true})
+	broken := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "broken", Projects: []string{"p"}, Config: cfg, NoStart: true})
 	var fixed bool
 	var mu sync.Mutex
-	broken.rec.setFail(func(ev outbox.ObservedEvent) error {
+	broken.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if ev.Sequence == 1 && !fixed {
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
-	broken.start(t)
-	healthy := startProcess(t, db.URL, processOpts{id: "healthy", projects: []string{"p"}, cfg: cfg})
-	waitCursor(t, ctx, w.pool, "p", "broken", 2)
-	waitCursor(t, ctx, w.pool, "p", "healthy", 2)
-	require.Equal(t, "dead", deliveryOf(t, w.pool, "broken", 1).State)
+	broken.Start(t)
+	healthy := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "healthy", Projects: []string{"p"}, Config: cfg})
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "broken", 2)
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "healthy", 2)
+	require.Equal(t, "dead", testkit.DeliveryOf(t, w.Pool, "broken", 1).State)
 
-	admin := outbox.NewAdmin(w.pool, outbox.AdminOptions{Audit: w.store})
+	admin := outbox.NewAdmin(w.Pool, outbox.AdminOptions{Audit: w.Store})
 	_, err := admin.RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p", ConsumerID: "healthy", Sequence: 1,
 		Operator: outbox.Operator{Actor: "oncall@example.com", Reason: "FN-1"}})
 	require.ErrorIs(t, err, outbox.ErrNotDeadLetter)
@@ -322,7 +302,7 @@ func TestReplayReachesOnlyTheOwningConsumer(t *testing.T) {
 		Operator: outbox.Operator{Actor: "oncall@example.com", Reason: "FN-8690"}})
 	require.NoError(t, err)
 
-	evs := broken.rec.waitFor(t, ctx, "the replay", func(evs []outbox.ObservedEvent) bool {
+	evs := broken.Rec.WaitFor(t, ctx, "the replay", func(evs []outbox.ObservedEvent) bool {
 		for _, ev := range evs {
 			if ev.Replay {
 				return true
@@ -331,20 +311,20 @@ func TestReplayReachesOnlyTheOwningConsumer(t *testing.T) {
 		return false
 	})
 	require.Equal(t, eventID, evs[len(evs)-1].EventID)
-	require.Eventually(t, func() bool { return deliveryOf(t, w.pool, "broken", 1).State == "resolved" }, waitLimit, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return testkit.DeliveryOf(t, w.Pool, "broken", 1).State == "resolved" }, testkit.WaitLimit, 10*time.Millisecond)
 
 	var meta []byte
 	var actor string
-	require.NoError(t, w.pool.QueryRow(ctx, `SELECT actor, metadata FROM run_audit WHERE action = $1`, outbox.AuditConsumerReplayed).Scan(&actor, &meta))
+	require.NoError(t, w.Pool.QueryRow(ctx, `SELECT actor, metadata FROM run_audit WHERE action = $1`, outbox.AuditConsumerReplayed).Scan(&actor, &meta))
 	require.Equal(t, "oncall@example.com", actor)
 	var m map[string]any
 	require.NoError(t, json.Unmarshal(meta, &m))
 	require.Equal(t, map[string]any{"consumerId": "broken", "eventId": eventID, "sequence": float64(1), "attempts": float64(2), "reason": "FN-8690"}, m)
-	require.Equal(t, 1, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerReplayed))
+	require.Equal(t, 1, pgtest.QueryInt(t, w.Pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerReplayed))
 
-	h := healthy.rec.snapshot()
+	h := healthy.Rec.Snapshot()
 	require.Len(t, h, 2, "the other consumer saw each event once, and not the replay")
-	require.Equal(t, int64(2), cursorOf(t, w.pool, "p", "healthy"))
+	require.Equal(t, int64(2), testkit.CursorOf(t, w.Pool, "p", "healthy"))
 }
 
 // waitForRetry waits until the consumer arms a retry timer, and returns what it waits. The fake

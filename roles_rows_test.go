@@ -17,6 +17,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // The roles-and-rows tests: each role attempts, on a database migrated by an owner that is not
@@ -27,7 +28,7 @@ import (
 // head then delivers every event still stored instead of reconciling past them.
 func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp, dash, operator := deletedInProjectA(t, 7)
 	// The dashboard delivered 4 of the 7 events and stopped.
 	for _, stmt := range []string{
@@ -46,7 +47,7 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 		require.Error(t, err, "the operator moved the floor: %s", stmt)
 		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
-	require.Zero(t, floorOf(t, lp.owner, "proj-a"))
+	require.Zero(t, testkit.FloorOf(t, lp.owner, "proj-a"))
 	// Nor through the prune function: it deletes nothing above the slowest cursor or inside
 	// the window, and so raises the floor by nothing.
 	var n, maxSeq int64
@@ -56,12 +57,12 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 	var err error
 	require.NoError(t, operator.QueryRow(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 hour')`).Scan(&n, &maxSeq))
 	require.Equal(t, []int64{4, 4}, []int64{n, maxSeq}, "pruned through the slowest cursor only")
-	require.Equal(t, int64(4), floorOf(t, lp.owner, "proj-a"), "the floor follows what was deleted")
+	require.Equal(t, int64(4), testkit.FloorOf(t, lp.owner, "proj-a"), "the floor follows what was deleted")
 	_, err = operator.Exec(ctx, `SELECT * FROM lifecycle_outbox_prune('proj-a', 100, 0, interval '0', interval '1 minute')`)
 	requireSQLState(t, err, pgerrcode.InvalidParameterValue) // a window below the configuration's least
 
-	_, rec := startConsumer(t, dash, "dash", []string{"proj-a"}, fastConfig(), nil)
-	evs := rec.waitCount(t, ctx, 3)
+	_, rec := startConsumer(t, dash, "dash", []string{"proj-a"}, testkit.FastConfig(), nil)
+	evs := rec.WaitCount(t, ctx, 3)
 	require.Equal(t, []int64{5, 6, 7}, []int64{evs[0].Sequence, evs[1].Sequence, evs[2].Sequence}, "the unread events are delivered")
 }
 
@@ -69,7 +70,7 @@ func TestOperatorCannotRaiseThePrunedFloor(t *testing.T) {
 // projects granted to their caller, and only an operator role may call them.
 func TestPruneFunctionKeepsToTheCallersProjects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writer, _ := lp.component(t, "writer", writerGrant("*"))
 	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "*"))
@@ -90,11 +91,11 @@ func TestPruneFunctionKeepsToTheCallersProjects(t *testing.T) {
 		require.Error(t, err, name)
 		requireSQLState(t, err, pgerrcode.InsufficientPrivilege)
 	}
-	res, err := newRetention(t, operatorA, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
+	res, err := testkit.NewRetention(t, operatorA, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"proj-a": 2}, res.PrunedByProject)
 	require.Equal(t, []int64{1, 2}, outboxSequences(t, lp.owner, "proj-b"), "another project's events stay")
-	require.Zero(t, floorOf(t, lp.owner, "proj-b"))
+	require.Zero(t, testkit.FloorOf(t, lp.owner, "proj-b"))
 }
 
 // TestConsumerWritesOnlyItsOwnAuditActions: a consumer role writes the poisoned and replayed
@@ -103,7 +104,7 @@ func TestPruneFunctionKeepsToTheCallersProjects(t *testing.T) {
 // invented action.
 func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp, dash, operator := deletedInProjectA(t, 2)
 	// dash parked event 1, as the consumer does.
 	for _, stmt := range []string{
@@ -168,7 +169,7 @@ func TestConsumerWritesOnlyItsOwnAuditActions(t *testing.T) {
 // owner's functions.
 func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writer, writerRole := lp.component(t, "writer", writerGrant("proj-a"))
 	consumer, consumerRole := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
@@ -205,10 +206,10 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 	}
 
 	ageEvents(t, ctx, lp.owner, 2*time.Hour)
-	res, err := newRetention(t, operator, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
+	res, err := testkit.NewRetention(t, operator, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"proj-a": 3}, res.PrunedByProject, "the operator prunes through the owner's function")
-	require.Equal(t, int64(3), floorOf(t, lp.owner, "proj-a"))
+	require.Equal(t, int64(3), testkit.FloorOf(t, lp.owner, "proj-a"))
 }
 
 // TestWriterReadsOnlyWhatItsRepeatReads: the writer role reads of the log only which deletion
@@ -217,7 +218,7 @@ func TestNoRuntimeRoleHoldsATableLock(t *testing.T) {
 // cannot call the reader; its repeat still works.
 func TestWriterReadsOnlyWhatItsRepeatReads(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writer, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	consumer, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
@@ -252,7 +253,7 @@ func TestWriterReadsOnlyWhatItsRepeatReads(t *testing.T) {
 	// one recorded earlier in the same transaction.
 	w, err := outbox.NewWriter(writer, outbox.Config{NotifyDisabled: true}, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	defer closeWriter(t, w)
+	defer testkit.CloseWriter(t, w)
 	err = pgx.BeginFunc(ctx, writer, func(tx pgx.Tx) error {
 		stored, inserted, err := w.RecordTaskDeletedTx(ctx, tx, outbox.TaskDeletion{ProjectID: "proj-a", TaskID: "t-1", DeletedAt: deletedAt})
 		require.NoError(t, err)
@@ -293,16 +294,16 @@ func pgtestInt(v int64) string {
 // lifecycle_audit, still records the event it parked and the replay an operator asked for.
 func TestConsumerRoleAuditsItsPoisonAndReplay(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp, dash, operator := deletedInProjectA(t, 2)
 
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.MaxAttempts = 1 // park at the first failure
 	var fixed atomic.Bool
-	rec := newRecorder()
-	rec.setFail(func(ev outbox.ObservedEvent) error {
+	rec := testkit.NewRecorder()
+	rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence == 1 && !fixed.Load() {
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
@@ -312,14 +313,14 @@ func TestConsumerRoleAuditsItsPoisonAndReplay(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, c) })
-	waitCursor(t, ctx, lp.owner, "proj-a", "dash", 2)
-	require.Equal(t, "dead", deliveryOf(t, lp.owner, "dash", 1).State)
+	testkit.WaitCursor(t, ctx, lp.owner, "proj-a", "dash", 2)
+	require.Equal(t, "dead", testkit.DeliveryOf(t, lp.owner, "dash", 1).State)
 
 	fixed.Store(true)
 	_, err = outbox.NewAdmin(operator, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "proj-a",
 		ConsumerID: "dash", Sequence: 1, Operator: outbox.Operator{Actor: "oncall@corp", Reason: "FN-4"}})
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return deliveryOf(t, lp.owner, "dash", 1).State == "resolved" }, waitLimit, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return testkit.DeliveryOf(t, lp.owner, "dash", 1).State == "resolved" }, testkit.WaitLimit, 10*time.Millisecond)
 
 	rows, err := lp.owner.Query(ctx, `SELECT action || ' ' || coalesce(actor, '-') || ' ' || coalesce(reason, '-') FROM lifecycle_audit ORDER BY id`)
 	require.NoError(t, err)
@@ -336,7 +337,7 @@ func TestConsumerRoleAuditsItsPoisonAndReplay(t *testing.T) {
 // reads (the writer); the operator prunes through the functions from then on.
 func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilegeWith(t, lpOptions{through: 16})
 	grantAsSchema16 := func(statements ...string) func(context.Context, outbox.DBTX, string) error {
 		return func(ctx context.Context, db outbox.DBTX, role string) error {
@@ -395,7 +396,7 @@ func TestSchema17TakesBackWhatOldGrantsGave(t *testing.T) {
 
 	_, err = lp.owner.Exec(ctx, `UPDATE lifecycle_outbox SET occurred_at = occurred_at - interval '2 hours'`)
 	require.NoError(t, err)
-	res, err := newRetention(t, operator, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
+	res, err := testkit.NewRetention(t, operator, outbox.Config{RetentionWindow: time.Hour}).Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, map[string]int64{"proj-a": 3}, res.PrunedByProject, "the upgraded operator prunes through the functions")
 }
@@ -413,7 +414,7 @@ func deletedInProjectA(t *testing.T, n int) (*leastPrivilege, *pgxpool.Pool, *pg
 	operator, _ := lp.component(t, "operator", operatorGrant("proj-a"))
 	for i := 1; i <= n; i++ { // a tick each, so that retention can take any prefix of them whole
 		deletePrefixedTasksAs(t, lp, writer, "proj-a", fmt.Sprintf("t%d", i), 1)
-		_, err := outbox.Sequence(ctxT(t), dash, []string{"proj-a"}, 100)
+		_, err := outbox.Sequence(testkit.Ctx(t), dash, []string{"proj-a"}, 100)
 		require.NoError(t, err)
 	}
 	return lp, dash, operator

@@ -17,6 +17,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // Per-project runtimes (ProjectRuntimes) on a real consumer: a writer process deletes tasks in
@@ -35,7 +36,7 @@ func runtimesConfig() outbox.Config {
 
 // runtimesHost is the writer process and the observer.
 type runtimesHost struct {
-	writer *process
+	writer *testkit.Process
 	pool   *pgxpool.Pool // the observer's
 	ob     *outbox.Outbox
 	pr     *outbox.ProjectRuntimes
@@ -45,11 +46,11 @@ type runtimesHost struct {
 // through the fx Module and ProvideProjectRuntimes when withFx, else through outbox.New.
 func startRuntimesHost(t *testing.T, withFx bool) *runtimesHost {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	h := &runtimesHost{writer: startProcess(t, db.URL, processOpts{projects: []string{"a", "b"}, cfg: fastConfig()})}
+	h := &runtimesHost{writer: testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"a", "b"}, Config: testkit.FastConfig()})}
 	for _, p := range []string{"a", "b"} {
-		_, err := h.writer.store.CreateMany(ctx, p, "t", 20)
+		_, err := h.writer.Store.CreateMany(ctx, p, "t", 20)
 		require.NoError(t, err)
 	}
 	h.pool = pgtest.Pool(t, db.URL)
@@ -80,7 +81,7 @@ func startRuntimesHost(t *testing.T, withFx bool) *runtimesHost {
 }
 
 func stopWithin(t *testing.T, stop func(context.Context) error) {
-	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	ctx, cancel := context.WithTimeout(context.Background(), testkit.WaitLimit)
 	defer cancel()
 	require.NoError(t, stop(ctx))
 }
@@ -93,7 +94,7 @@ func (h *runtimesHost) stop(t *testing.T) { stopWithin(t, h.ob.Stop) }
 func (h *runtimesHost) del(t *testing.T, project string, from, to int) {
 	t.Helper()
 	for i := from; i <= to; i++ {
-		_, err := h.writer.store.Delete(ctxT(t), project, fmt.Sprintf("t-%d", i))
+		_, err := h.writer.Store.Delete(testkit.Ctx(t), project, fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
 }
@@ -137,9 +138,9 @@ func requireRun(t *testing.T, evs []outbox.ObservedEvent, project string, from, 
 // host's engine binary is.
 func TestRuntimeAddedMidStreamStartsAtItsCursor(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	h := startRuntimesHost(t, true)
-	ra, rb := newRecorder(), newRecorder()
+	ra, rb := testkit.NewRecorder(), testkit.NewRecorder()
 	require.NoError(t, h.pr.Add(ctx, "a", ra))
 	observed, err := h.pr.ObservedProjects(ctx)
 	require.NoError(t, err)
@@ -147,7 +148,7 @@ func TestRuntimeAddedMidStreamStartsAtItsCursor(t *testing.T) {
 
 	h.del(t, "a", 1, 5)
 	h.del(t, "b", 1, 5) // before b has a runtime
-	ra.waitCount(t, ctx, 5)
+	ra.WaitCount(t, ctx, 5)
 
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -158,13 +159,13 @@ func TestRuntimeAddedMidStreamStartsAtItsCursor(t *testing.T) {
 	require.NoError(t, h.pr.Add(ctx, "b", rb))
 	h.del(t, "b", 6, 10)
 	wg.Wait()
-	rb.waitCount(t, ctx, 10)
-	ra.waitCount(t, ctx, 10)
+	rb.WaitCount(t, ctx, 10)
+	ra.WaitCount(t, ctx, 10)
 
 	h.stop(t)
-	requireRun(t, ra.snapshot(), "a", 1, 10)
-	requireRun(t, rb.snapshot(), "b", 1, 10)
-	require.Equal(t, int64(10), cursorOf(t, h.pool, "b", runtimesConsumer), "the stop wrote b's cursor")
+	requireRun(t, ra.Snapshot(), "a", 1, 10)
+	requireRun(t, rb.Snapshot(), "b", 1, 10)
+	require.Equal(t, int64(10), testkit.CursorOf(t, h.pool, "b", runtimesConsumer), "the stop wrote b's cursor")
 }
 
 // TestRemoveStopsCleanlyAndAddResumesFromTheCursor: once Remove returns, the runtime gets
@@ -173,35 +174,35 @@ func TestRuntimeAddedMidStreamStartsAtItsCursor(t *testing.T) {
 // go to a runtime added later, from that cursor, with no gap and no duplicate.
 func TestRemoveStopsCleanlyAndAddResumesFromTheCursor(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	h := startRuntimesHost(t, false)
-	ra, first := newRecorder(), newRecorder()
+	ra, first := testkit.NewRecorder(), testkit.NewRecorder()
 	require.NoError(t, h.pr.Add(ctx, "a", ra))
 	require.NoError(t, h.pr.Add(ctx, "b", first))
 	h.del(t, "b", 1, 5)
-	first.waitCount(t, ctx, 5)
+	first.WaitCount(t, ctx, 5)
 
 	require.NoError(t, h.pr.Remove(ctx, "b"))
 	observed, err := h.pr.ObservedProjects(ctx)
 	require.NoError(t, err)
 	require.Equal(t, []string{"a"}, observed)
 	h.waitReleased(t, ctx, "b")
-	require.Equal(t, int64(5), cursorOf(t, h.pool, "b", runtimesConsumer), "written before the lease was released")
+	require.Equal(t, int64(5), testkit.CursorOf(t, h.pool, "b", runtimesConsumer), "written before the lease was released")
 	require.Equal(t, 1, h.leases(t, "a"), "a's lease is untouched")
 	require.ErrorIs(t, h.pr.Remove(ctx, "b"), outbox.ErrNoRuntime)
 
 	h.del(t, "b", 6, 8)
 	h.del(t, "a", 1, 3)
-	ra.waitCount(t, ctx, 3) // the consumer scans on: b's events would have been handed over by now
+	ra.WaitCount(t, ctx, 3) // the consumer scans on: b's events would have been handed over by now
 
-	second := newRecorder()
+	second := testkit.NewRecorder()
 	require.NoError(t, h.pr.Add(ctx, "b", second))
-	second.waitCount(t, ctx, 3)
+	second.WaitCount(t, ctx, 3)
 	h.stop(t)
-	requireRun(t, first.snapshot(), "b", 1, 5)
-	requireRun(t, second.snapshot(), "b", 6, 8)
-	requireRun(t, ra.snapshot(), "a", 1, 3)
-	require.Equal(t, int64(8), cursorOf(t, h.pool, "b", runtimesConsumer))
+	requireRun(t, first.Snapshot(), "b", 1, 5)
+	requireRun(t, second.Snapshot(), "b", 6, 8)
+	requireRun(t, ra.Snapshot(), "a", 1, 3)
+	require.Equal(t, int64(8), testkit.CursorOf(t, h.pool, "b", runtimesConsumer))
 }
 
 // TestRemoveWaitsForTheCallInFlight: a runtime blocked in HandleObserved holds Remove up until
@@ -210,7 +211,7 @@ func TestRemoveStopsCleanlyAndAddResumesFromTheCursor(t *testing.T) {
 // next runtime resumes after it.
 func TestRemoveWaitsForTheCallInFlight(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	h := startRuntimesHost(t, false)
 	refreshed := make(chan struct{}, 1)
 	h.pr.SetRefresher(func(ctx context.Context) error {
@@ -223,8 +224,8 @@ func TestRemoveWaitsForTheCallInFlight(t *testing.T) {
 	})
 	entered, release := make(chan struct{}), make(chan struct{})
 	var returned atomic.Bool
-	first := newRecorder()
-	first.setFail(func(ev outbox.ObservedEvent) error {
+	first := testkit.NewRecorder()
+	first.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence == 2 {
 			close(entered)
 			<-release // ignores its context
@@ -254,17 +255,17 @@ func TestRemoveWaitsForTheCallInFlight(t *testing.T) {
 	ended, cancel := context.WithCancel(ctx)
 	cancel()
 	require.ErrorIs(t, h.pr.Remove(ended, "b"), context.Canceled, "a Remove meanwhile waits for the same call, bounded by its context")
-	second := newRecorder()
+	second := testkit.NewRecorder()
 	added := make(chan error, 1)
 	go func() { added <- after(h.pr.Add(ctx, "b", second), "Add") }()
 
 	close(release)
 	require.NoError(t, <-removed)
 	require.NoError(t, <-added)
-	second.waitCount(t, ctx, 1)
+	second.WaitCount(t, ctx, 1)
 	h.stop(t)
-	requireRun(t, first.snapshot(), "b", 1, 2)
-	requireRun(t, second.snapshot(), "b", 3, 3)
+	requireRun(t, first.Snapshot(), "b", 1, 2)
+	requireRun(t, second.Snapshot(), "b", 3, 3)
 }
 
 // TestEventOfARemovedRuntimeSpendsNoAttempt: a runtime that fails its event because it is
@@ -273,7 +274,7 @@ func TestRemoveWaitsForTheCallInFlight(t *testing.T) {
 // first attempt.
 func TestEventOfARemovedRuntimeSpendsNoAttempt(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	h := startRuntimesHost(t, false)
 	refreshed := make(chan struct{}, 1)
 	h.pr.SetRefresher(func(ctx context.Context) error {
@@ -285,8 +286,8 @@ func TestEventOfARemovedRuntimeSpendsNoAttempt(t *testing.T) {
 		return err
 	})
 	removed := make(chan error, 1)
-	first := newRecorder()
-	first.setFail(func(ev outbox.ObservedEvent) error {
+	first := testkit.NewRecorder()
+	first.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.Sequence != 2 {
 			return nil
 		}
@@ -299,17 +300,17 @@ func TestEventOfARemovedRuntimeSpendsNoAttempt(t *testing.T) {
 	h.del(t, "b", 1, 3)
 	require.NoError(t, <-removed)
 	h.waitReleased(t, ctx, "b")
-	require.Equal(t, int64(1), cursorOf(t, h.pool, "b", runtimesConsumer))
+	require.Equal(t, int64(1), testkit.CursorOf(t, h.pool, "b", runtimesConsumer))
 	c := h.ob.Consumer()
 	require.Zero(t, c.Stats().Failures, "no failed attempt counted")
 	require.Zero(t, pgtest.QueryInt(t, h.pool, `SELECT count(*) FROM lifecycle_consumer_deliveries`), "no attempt recorded")
 
-	second := newRecorder()
+	second := testkit.NewRecorder()
 	require.NoError(t, h.pr.Add(ctx, "b", second))
-	second.waitCount(t, ctx, 2)
+	second.WaitCount(t, ctx, 2)
 	h.stop(t)
-	requireRun(t, first.snapshot(), "b", 1, 1)
-	requireRun(t, second.snapshot(), "b", 2, 3)
+	requireRun(t, first.Snapshot(), "b", 1, 1)
+	requireRun(t, second.Snapshot(), "b", 2, 3)
 	require.Zero(t, c.Stats().Failures)
 }
 
@@ -318,9 +319,9 @@ func TestEventOfARemovedRuntimeSpendsNoAttempt(t *testing.T) {
 // running consumer RefreshProjects does nothing and says nothing went wrong.
 func TestProjectRuntimesRefusals(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pr := outbox.NewProjectRuntimes(outbox.ProjectRuntimesOptions{})
-	rt := newRecorder()
+	rt := testkit.NewRecorder()
 	for _, bad := range []string{"", "has space", "-leading", "semi;colon", string(make([]byte, 129))} {
 		err := pr.Add(ctx, bad, rt)
 		var ve *outbox.ValidationError
@@ -329,9 +330,9 @@ func TestProjectRuntimesRefusals(t *testing.T) {
 	}
 	require.Error(t, pr.Add(ctx, "p", nil))
 	require.NoError(t, pr.Add(ctx, "p", rt)) // no refresher: the consumer takes it when it starts
-	require.ErrorIs(t, pr.Add(ctx, "p", newRecorder()), outbox.ErrRuntimeExists)
-	require.ErrorContains(t, pr.Add(ctx, "p", newRecorder()), "project p")
-	require.NoError(t, pr.Add(ctx, "o", newRecorder()))
+	require.ErrorIs(t, pr.Add(ctx, "p", testkit.NewRecorder()), outbox.ErrRuntimeExists)
+	require.ErrorContains(t, pr.Add(ctx, "p", testkit.NewRecorder()), "project p")
+	require.NoError(t, pr.Add(ctx, "o", testkit.NewRecorder()))
 	observed, err := pr.ObservedProjects(ctx)
 	require.NoError(t, err)
 	require.Equal(t, []string{"o", "p"}, observed)
@@ -343,10 +344,10 @@ func TestProjectRuntimesRefusals(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrNoRuntime)
 	require.ErrorContains(t, err, "project q")
 	require.NoError(t, pr.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: 1}}))
-	require.Len(t, rt.snapshot(), 1)
+	require.Len(t, rt.Snapshot(), 1)
 	require.NoError(t, pr.Remove(ctx, "p"))
 	require.ErrorIs(t, pr.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: 2}}), outbox.ErrNoRuntime)
-	require.Len(t, rt.snapshot(), 1, "a removed runtime is never called")
+	require.Len(t, rt.Snapshot(), 1, "a removed runtime is never called")
 
 	failing := outbox.NewProjectRuntimes(outbox.ProjectRuntimesOptions{})
 	require.NoError(t, failing.Add(ctx, "p", rt))
@@ -368,5 +369,5 @@ func TestProjectRuntimesRefusals(t *testing.T) {
 	require.NoError(t, wired.Remove(ctx, "p"))
 	require.NoError(t, ob.Stop(ctx))
 	require.NoError(t, ob.RefreshProjects(ctx))
-	require.NoError(t, wired.Add(ctx, "p", newRecorder()))
+	require.NoError(t, wired.Add(ctx, "p", testkit.NewRecorder()))
 }

@@ -14,6 +14,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // statementCounter counts the statements a pool sends (those with text sql, when it is set),
@@ -39,7 +40,7 @@ func (s *statementCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQu
 
 func TestOneProcessObservingAThousandProjects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	admin := pgtest.Pool(t, db.URL)
 	const n = 1000
@@ -60,7 +61,7 @@ func TestOneProcessObservingAThousandProjects(t *testing.T) {
 	cfg.MaxConns = 8
 	pool := pgtest.PoolConfig(t, cfg)
 
-	rec := newRecorder()
+	rec := testkit.NewRecorder()
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{
 		ID: "fleet", Pool: pool, Projects: outbox.StaticProjects(projects),
 		Config:     outbox.Config{PollInterval: time.Second, HeartbeatInterval: time.Second, LeaseTTL: 5 * time.Second},
@@ -71,20 +72,20 @@ func TestOneProcessObservingAThousandProjects(t *testing.T) {
 	require.NoError(t, c.Start(ctx))
 	defer func() { require.NoError(t, c.Stop(context.Background())) }()
 
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"proj-0500"}})
-	_, err = writer.store.CreateMany(ctx, "proj-0500", "t", 10)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"proj-0500"}})
+	_, err = writer.Store.CreateMany(ctx, "proj-0500", "t", 10)
 	require.NoError(t, err)
-	_, err = writer.store.Delete(ctx, "proj-0500", "t-1")
+	_, err = writer.Store.Delete(ctx, "proj-0500", "t-1")
 	require.NoError(t, err)
-	rec.waitCount(t, ctx, 1) // started, leased everything, scanned
+	rec.WaitCount(t, ctx, 1) // started, leased everything, scanned
 
 	// Measure a few intervals of steady state with a trickle of activity in one project.
 	start, before := time.Now(), counter.n.Load()
 	for i := 2; i <= 10; i++ {
-		_, err := writer.store.Delete(ctx, "proj-0500", fmt.Sprintf("t-%d", i))
+		_, err := writer.Store.Delete(ctx, "proj-0500", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
-	rec.waitCount(t, ctx, 10)
+	rec.WaitCount(t, ctx, 10)
 	for time.Since(start) < 4*time.Second {
 		select {
 		case <-ctx.Done():

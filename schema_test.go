@@ -16,26 +16,14 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-// ctxT bounds a test. Like waitLimit it only says when to give up, so it is generous: a busy
-// machine runs a test many times slower than an idle one.
-func ctxT(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
-
-// waitLimit bounds a wait for something that should happen. It is a failure bound, not a
-// measure of how soon it happens, so it is generous: on a busy machine (two cores shared by a
-// whole CI run and other work) what takes milliseconds idle can take many seconds.
-const waitLimit = 2 * time.Minute
-
 func TestMigrateFreshDatabase(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
 
 	err := outbox.VerifySchema(ctx, pool)
@@ -57,7 +45,7 @@ func TestMigrateFreshDatabase(t *testing.T) {
 
 func TestMigrateUpgradePathIsIdempotent(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
 
 	applied, err := outbox.MigrateThrough(ctx, pool, 1)
@@ -90,7 +78,7 @@ func TestMigrateUpgradePathIsIdempotent(t *testing.T) {
 
 func TestConcurrentAppliersApplyEachMigrationOnce(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewEmptyDB(t)
 
 	const appliers = 4
@@ -135,7 +123,7 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	// after this function returns, and a deadline taken here could pass while they wait.
 	t.Run("checksum", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		pool := pgtest.NewPool(t)
 		_, err := pool.Exec(ctx, `UPDATE lifecycle_outbox_schema SET checksum = 'deadbeef' WHERE version = 2`)
 		require.NoError(t, err)
@@ -147,7 +135,7 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 	t.Run("ahead", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		pool := pgtest.NewPool(t)
 		_, err := pool.Exec(ctx, `INSERT INTO lifecycle_outbox_schema (version, name, checksum) VALUES ($1, 'from_the_future', 'x')`, outbox.SchemaVersion+1)
 		require.NoError(t, err)
@@ -158,7 +146,7 @@ func TestVerifySchemaDetectsTamperAheadAndBehind(t *testing.T) {
 	})
 	t.Run("behind", func(t *testing.T) {
 		t.Parallel()
-		ctx := ctxT(t)
+		ctx := testkit.Ctx(t)
 		pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
 		_, err := outbox.MigrateThrough(ctx, pool, 2)
 		require.NoError(t, err)
@@ -175,7 +163,7 @@ const insertRow = `INSERT INTO lifecycle_outbox (project_id, task_id, deleted_at
 
 func TestDatabaseRefusesUnknownEventType(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for _, table := range []string{"lifecycle_event_log", "lifecycle_outbox"} {
 		_, err := pool.Exec(ctx, `INSERT INTO `+table+` (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
@@ -190,7 +178,7 @@ func TestDatabaseRefusesUnknownEventType(t *testing.T) {
 
 func TestEventIDInSQLMatchesGo(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for _, at := range []time.Time{
 		time.Date(2026, 1, 2, 3, 4, 5, 6000, time.UTC),
@@ -228,7 +216,7 @@ func grantEveryComponent(ctx context.Context, db outbox.DBTX, role string, consu
 // scoped to projects, and returns a connection string for it on db.
 func runtimeRole(t *testing.T, db pgtest.DB, projects ...string) string {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	role := fmt.Sprintf("rt_%s_%d", db.Name, roleCounter.Add(1))
 	admin := pgtest.Pool(t, db.URL)
 	_, err := admin.Exec(ctx, `CREATE ROLE `+pgx.Identifier{role}.Sanitize()+` LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE`)
@@ -245,7 +233,7 @@ func runtimeRole(t *testing.T, db pgtest.DB, projects ...string) string {
 
 func TestRowLevelSecurityScopesRoleToItsProjects(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	admin := pgtest.Pool(t, db.URL)
 	for _, p := range []string{"proj-a", "proj-b"} {

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -19,17 +20,17 @@ import (
 // hundreds of full scans a second; with it the failed step rescans about once a second.
 func TestSkippedProjectWaitingOnARetryDoesNotSpin(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writer, _ := lp.component(t, "writer", writerGrant("a", "b"))
 	deleteTasksAs(t, lp, writer, "a", 1)
 	deleteTasksAs(t, lp, writer, "b", 1)
 	consumer, role := lp.component(t, "consumer", consumerGrant("c1", "a", "b"))
 	clock := outboxtest.NewFakeClock()
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.PollInterval, cfg.Clock = time.Hour, clock // only the retry timer and failures wake the loop
 	c, rec := startConsumer(t, consumer, "c1", []string{"a", "b"}, cfg, nil)
-	rec.setFail(func(ev outbox.ObservedEvent) error {
+	rec.SetFail(func(ev outbox.ObservedEvent) error {
 		if ev.ProjectID == "a" {
 			return errors.New("listener down")
 		}
@@ -55,7 +56,7 @@ END $$`,
 	}
 	before := c.Stats().Scans
 	clock.Advance(2 * time.Second) // a's retry falls due; the scan it starts skips a
-	require.Eventually(t, func() bool { return c.Stats().Scans > before }, waitLimit, time.Millisecond, "the due retry starts a scan")
+	require.Eventually(t, func() bool { return c.Stats().Scans > before }, testkit.WaitLimit, time.Millisecond, "the due retry starts a scan")
 	require.Never(t, func() bool { return c.Stats().Scans-before >= 50 }, 3*time.Second, 10*time.Millisecond,
 		"a skipped project's due retry keeps the loop scanning")
 }

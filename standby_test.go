@@ -13,6 +13,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -35,22 +36,22 @@ var standbyProjects = []string{"alpha", "beta", "gamma"}
 
 // standbyWriter starts a writer-only process on the pair's primary with n tasks in each
 // project, t-1 .. t-n.
-func standbyWriter(t *testing.T, url string, n int) *process {
+func standbyWriter(t *testing.T, url string, n int) *testkit.Process {
 	t.Helper()
-	w := startProcess(t, url, processOpts{projects: standbyProjects})
+	w := testkit.StartProcess(t, url, testkit.ProcessOpts{Projects: standbyProjects})
 	for _, p := range standbyProjects {
-		_, err := w.store.CreateMany(ctxT(t), p, "t", n)
+		_, err := w.Store.CreateMany(testkit.Ctx(t), p, "t", n)
 		require.NoError(t, err)
 	}
 	return w
 }
 
 // deleteRound deletes task t-i of every project, for i in [from, to].
-func deleteRound(t *testing.T, w *process, from, to int) {
+func deleteRound(t *testing.T, w *testkit.Process, from, to int) {
 	t.Helper()
 	for i := from; i <= to; i++ {
 		for _, p := range standbyProjects {
-			_, err := w.store.Delete(ctxT(t), p, fmt.Sprintf("t-%d", i))
+			_, err := w.Store.Delete(testkit.Ctx(t), p, fmt.Sprintf("t-%d", i))
 			require.NoError(t, err)
 		}
 	}
@@ -80,41 +81,41 @@ WHERE funcname IN ('lifecycle_outbox_read', 'lifecycle_outbox_read_parts')`)
 }
 
 // requireCursorsWithin checks that no cursor of consumer on pool passes what rec delivered.
-func requireCursorsWithin(t *testing.T, pool *pgxpool.Pool, consumer string, rec *recorder) {
+func requireCursorsWithin(t *testing.T, pool *pgxpool.Pool, consumer string, rec *testkit.Recorder) {
 	t.Helper()
 	delivered := map[string]int64{}
-	for _, ev := range rec.snapshot() {
+	for _, ev := range rec.Snapshot() {
 		delivered[ev.ProjectID] = max(delivered[ev.ProjectID], ev.Sequence)
 	}
 	for _, p := range standbyProjects {
-		require.LessOrEqual(t, cursorOf(t, pool, p, consumer), delivered[p], "project %s: the cursor never passes what was delivered", p)
+		require.LessOrEqual(t, testkit.CursorOf(t, pool, p, consumer), delivered[p], "project %s: the cursor never passes what was delivered", p)
 	}
 }
 
 func testStandbyDeliversInOrder(t *testing.T, pair *pgtest.Pair) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pair.NewDB(t)
 	w := standbyWriter(t, db.URL, 40)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.ReadDSN = db.StandbyURL
-	c := startProcess(t, db.URL, processOpts{id: "standby-reader", projects: standbyProjects, cfg: cfg})
+	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "standby-reader", Projects: standbyProjects, Config: cfg})
 	deleteRound(t, w, 1, 20)
-	c.rec.waitCount(t, ctx, 60)
+	c.Rec.WaitCount(t, ctx, 60)
 	deleteRound(t, w, 21, 40)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 120), 40)
-	st := c.consumer.Stats()
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 120), 40)
+	st := c.Consumer.Stats()
 	require.True(t, st.ReadingFromStandby)
 	require.Zero(t, st.ReadFallbacks, "the standby kept up")
 	require.Zero(t, st.Failures)
 	// The events came from the standby: its readers were called, the primary's never.
-	require.Eventually(t, func() bool { return readCalls(t, db.StandbyURL) > 0 }, waitLimit, 50*time.Millisecond,
+	require.Eventually(t, func() bool { return readCalls(t, db.StandbyURL) > 0 }, testkit.WaitLimit, 50*time.Millisecond,
 		"the standby served the reads")
 	require.Zero(t, readCalls(t, db.URL), "the primary served no read")
-	requireCursorsWithin(t, c.pool, "standby-reader", c.rec)
+	requireCursorsWithin(t, c.Pool, "standby-reader", c.Rec)
 }
 
 func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pair.NewDB(t)
 	w := standbyWriter(t, db.URL, 60)
 	clock := outboxtest.NewFakeClock()
@@ -128,62 +129,62 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
 	require.NoError(t, err)
-	c := startProcess(t, db.URL, processOpts{id: "paused-reader", projects: standbyProjects, cfg: cfg, metrics: m})
+	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "paused-reader", Projects: standbyProjects, Config: cfg, Metrics: m})
 	deleteRound(t, w, 1, 10)
-	c.rec.waitCount(t, ctx, 30)
+	c.Rec.WaitCount(t, ctx, 30)
 
 	pair.PauseReplay(t)
 	deleteRound(t, w, 11, 20)
 	// The notified scan waits for the standby to replay the tick, on the consumer's clock.
 	_, err = clock.WaitForTimer(ctx, cfg.ReadMaxLag)
 	require.NoError(t, err)
-	st := c.consumer.Stats()
+	st := c.Consumer.Stats()
 	require.True(t, st.StandbyWaiting)
 	require.Positive(t, st.StandbyLagTicks)
-	require.Len(t, c.rec.snapshot(), 30, "nothing delivered past what the standby has")
-	requireCursorsWithin(t, c.pool, "paused-reader", c.rec)
+	require.Len(t, c.Rec.Snapshot(), 30, "nothing delivered past what the standby has")
+	requireCursorsWithin(t, c.Pool, "paused-reader", c.Rec)
 
-	lag, err := outbox.CompareStandby(ctx, c.pool, pgtest.Pool(t, db.StandbyURL))
+	lag, err := outbox.CompareStandby(ctx, c.Pool, pgtest.Pool(t, db.StandbyURL))
 	require.NoError(t, err)
 	require.Positive(t, lag.Ticks, "the figures outboxctl status shows")
 	require.True(t, lag.InRecovery)
 	require.Less(t, lag.StandbyTick, lag.PrimaryTick)
 
 	clock.Advance(cfg.ReadMaxLag) // the wait runs out: the scan reads from the primary
-	requireInOrder(t, c.rec.waitCount(t, ctx, 60), 20)
-	st = c.consumer.Stats()
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 60), 20)
+	st = c.Consumer.Stats()
 	require.EqualValues(t, 1, st.ReadFallbacks)
 	require.False(t, st.ReadingFromStandby)
 	require.Zero(t, st.ReadReturns)
-	requireCursorsWithin(t, c.pool, "paused-reader", c.rec)
+	requireCursorsWithin(t, c.Pool, "paused-reader", c.Rec)
 
 	deleteRound(t, w, 21, 25) // still paused: read from the primary, without waiting
-	requireInOrder(t, c.rec.waitCount(t, ctx, 75), 25)
-	require.Equal(t, st.StandbyWaits, c.consumer.Stats().StandbyWaits, "a fallen-back consumer does not wait")
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 75), 25)
+	require.Equal(t, st.StandbyWaits, c.Consumer.Stats().StandbyWaits, "a fallen-back consumer does not wait")
 
 	pair.ResumeReplay(t)
 	require.NoError(t, pair.WaitReplayed(t))
 	// The next scans probe the standby, find it caught up, and read from it again. A probe
 	// races the tick that woke its scan to the standby, so it may take a few.
-	for i := 26; c.consumer.Stats().ReadReturns == 0; i++ {
+	for i := 26; c.Consumer.Stats().ReadReturns == 0; i++ {
 		require.LessOrEqual(t, i, 55, "the consumer went back to the standby")
 		deleteRound(t, w, i, i)
-		c.rec.waitCount(t, ctx, 3*i)
+		c.Rec.WaitCount(t, ctx, 3*i)
 	}
-	st = c.consumer.Stats()
+	st = c.Consumer.Stats()
 	require.True(t, st.ReadingFromStandby)
 	require.EqualValues(t, 1, st.ReadReturns)
 	require.Zero(t, st.StandbyLagTicks)
 	require.NoError(t, pair.WaitReplayed(t))
-	lag, err = outbox.CompareStandby(ctx, c.pool, pgtest.Pool(t, db.StandbyURL))
+	lag, err = outbox.CompareStandby(ctx, c.Pool, pgtest.Pool(t, db.StandbyURL))
 	require.NoError(t, err)
 	require.Zero(t, lag.Ticks)
 	require.Zero(t, lag.Lag)
-	n := len(c.rec.snapshot()) / 3
+	n := len(c.Rec.Snapshot()) / 3
 	deleteRound(t, w, n+1, 60)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 180), 60)
-	require.Zero(t, c.consumer.Stats().Failures)
-	requireCursorsWithin(t, c.pool, "paused-reader", c.rec)
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 180), 60)
+	require.Zero(t, c.Consumer.Stats().Failures)
+	requireCursorsWithin(t, c.Pool, "paused-reader", c.Rec)
 
 	fams := scrape(t, reg)
 	require.Contains(t, fams, "outbox_read_fallbacks_total")
@@ -201,17 +202,17 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 // (lifecycle_tick); then the primary locks the first exclusively, and replay, which must take
 // that lock, cancels the read after max_standby_streaming_delay.
 func testStandbyRecoveryConflict(t *testing.T, pair *pgtest.Pair) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pair.NewDB(t)
 	w := standbyWriter(t, db.URL, 20)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.ReadDSN = db.StandbyURL
 	// No poll and no idle tick while the lock is held: the one scan is the notified one, and
 	// the ticker does not queue behind the lock (it would hold the primary's tick table).
 	cfg.PollInterval = time.Hour
-	c := startProcess(t, db.URL, processOpts{id: "conflict-reader", projects: standbyProjects, cfg: cfg})
+	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "conflict-reader", Projects: standbyProjects, Config: cfg})
 	deleteRound(t, w, 1, 5)
-	c.rec.waitCount(t, ctx, 15)
+	c.Rec.WaitCount(t, ctx, 15)
 
 	standbyAdmin := pgtest.Pool(t, pair.Standby.URL("postgres"))
 	_, err := standbyAdmin.Exec(ctx, `ALTER SYSTEM SET max_standby_streaming_delay = '50ms'`)
@@ -238,17 +239,17 @@ func testStandbyRecoveryConflict(t *testing.T, pair *pgtest.Pair) {
 	require.Eventually(t, func() bool {
 		return pgtest.QueryInt(t, standbyAdmin, `SELECT count(*)::int FROM pg_stat_activity
 WHERE datname = $1 AND wait_event_type = 'Lock'`, db.Name) > 0
-	}, waitLimit, 5*time.Millisecond, "the consumer's read of heads waits on the standby for replay's lock")
+	}, testkit.WaitLimit, 5*time.Millisecond, "the consumer's read of heads waits on the standby for replay's lock")
 
 	_, err = primary.Exec(ctx, `BEGIN; LOCK TABLE lifecycle_tick IN ACCESS EXCLUSIVE MODE; COMMIT`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return c.consumer.Stats().ReadConflicts > 0 }, waitLimit, 5*time.Millisecond,
+	require.Eventually(t, func() bool { return c.Consumer.Stats().ReadConflicts > 0 }, testkit.WaitLimit, 5*time.Millisecond,
 		"replay cancelled the read")
 	require.NoError(t, hold.Commit(ctx))
 
 	deleteRound(t, w, 6, 20)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 60), 20)
-	st := c.consumer.Stats()
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 60), 20)
+	st := c.Consumer.Stats()
 	require.Zero(t, st.Failures, "a cancelled read is no failure of an event")
 	require.Zero(t, st.ReadFallbacks, "nor a reason to leave the standby")
 	// The cancelled backend reports the conflict when it next flushes its statistics, which an
@@ -256,8 +257,8 @@ WHERE datname = $1 AND wait_event_type = 'Lock'`, db.Name) > 0
 	require.Eventually(t, func() bool {
 		return pgtest.QueryInt(t, standbyAdmin, `SELECT (confl_lock + confl_deadlock)::int FROM pg_stat_database_conflicts
 WHERE datname = $1`, db.Name) > 0
-	}, waitLimit, 50*time.Millisecond, "the standby counts the conflict")
-	requireCursorsWithin(t, c.pool, "conflict-reader", c.rec)
+	}, testkit.WaitLimit, 50*time.Millisecond, "the standby counts the conflict")
+	requireCursorsWithin(t, c.Pool, "conflict-reader", c.Rec)
 }
 
 // testStandbyScansLeaveThePrimary: the scans a consumer reading from the standby makes on the
@@ -265,21 +266,21 @@ WHERE datname = $1`, db.Name) > 0
 // notifications announce, not for one read there, and know their open deliveries. Only an
 // announced tick the standby had not replayed within its grace is checked there (counted).
 func testStandbyScansLeaveThePrimary(t *testing.T, pair *pgtest.Pair) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pair.NewDB(t)
 	w := standbyWriter(t, db.URL, 20)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.ReadDSN = db.StandbyURL
 	// Notified scans only: no poll, no periodic read of open deliveries within the test.
 	cfg.PollInterval, cfg.TickFallbackInterval = time.Hour, time.Hour
 	ctr := newStmtCounter()
 	c, rec := startConsumer(t, countedPool(t, db.URL, ctr), "quiet-reader", standbyProjects, cfg, nil)
 	deleteRound(t, w, 1, 2)
-	rec.waitCount(t, ctx, 6)
+	rec.WaitCount(t, ctx, 6)
 
 	before, scans, checks := ctr.counts(), c.Stats().Scans, c.Stats().TickChecks
 	deleteRound(t, w, 3, 20)
-	requireInOrder(t, rec.waitCount(t, ctx, 60), 20)
+	requireInOrder(t, rec.WaitCount(t, ctx, 60), 20)
 	got := ctr.since(before)
 	st := c.Stats()
 	t.Logf("%d scans; statements on the primary: %v", st.Scans-scans, got)
@@ -297,45 +298,45 @@ func testStandbyScansLeaveThePrimary(t *testing.T, pair *pgtest.Pair) {
 // tick once the standby has not replayed it within its grace, and read from the standby: no
 // wait for ReadMaxLag (an hour of a clock that does not move here), no fallback.
 func testStandbyForgedTick(t *testing.T, pair *pgtest.Pair) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pair.NewDB(t)
 	w := standbyWriter(t, db.URL, 10)
 	clock := outboxtest.NewFakeClock()
 	cfg := metricsConfig()
 	cfg.Clock, cfg.ReadDSN, cfg.ReadMaxLag = clock, db.StandbyURL, 10*time.Minute
-	c := startProcess(t, db.URL, processOpts{id: "forged-reader", projects: standbyProjects, cfg: cfg})
+	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "forged-reader", Projects: standbyProjects, Config: cfg})
 	deleteRound(t, w, 1, 5)
-	c.rec.waitCount(t, ctx, 15)
+	c.Rec.WaitCount(t, ctx, 15)
 
-	checks := c.consumer.Stats().TickChecks
+	checks := c.Consumer.Stats().TickChecks
 	primary := pgtest.Pool(t, db.URL)
 	channel := cfg.WithDefaults().TickChannel
 	_, err := primary.Exec(ctx, `SELECT pg_notify($1, 'tick/999999999'), pg_notify($1, 'alpha')`, channel)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
-		st := c.consumer.Stats()
+		st := c.Consumer.Stats()
 		return st.TickChecks > checks && !st.StandbyWaiting
-	}, waitLimit, 5*time.Millisecond, "the forged tick was checked on the primary, and the scan went on")
-	st := c.consumer.Stats()
+	}, testkit.WaitLimit, 5*time.Millisecond, "the forged tick was checked on the primary, and the scan went on")
+	st := c.Consumer.Stats()
 	require.Zero(t, st.ReadFallbacks, "a forged announcement is no reason to leave the standby")
 	require.True(t, st.ReadingFromStandby)
 
 	deleteRound(t, w, 6, 10)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 30), 10)
-	require.Zero(t, c.consumer.Stats().ReadFallbacks)
-	requireCursorsWithin(t, c.pool, "forged-reader", c.rec)
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 30), 10)
+	require.Zero(t, c.Consumer.Stats().ReadFallbacks)
+	requireCursorsWithin(t, c.Pool, "forged-reader", c.Rec)
 }
 
 func testStandbyKilled(t *testing.T, pair *pgtest.Pair) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pair.NewDB(t)
 	w := standbyWriter(t, db.URL, 60)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.ReadDSN = db.StandbyURL
 	cfg.ReadMaxLag = 100 * time.Millisecond // how soon an unreachable standby is probed again
-	c := startProcess(t, db.URL, processOpts{id: "killed-reader", projects: standbyProjects, cfg: cfg})
+	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "killed-reader", Projects: standbyProjects, Config: cfg})
 	deleteRound(t, w, 1, 10)
-	c.rec.waitCount(t, ctx, 30)
+	c.Rec.WaitCount(t, ctx, 30)
 
 	require.NoError(t, pair.Standby.Kill(ctx))
 	t.Cleanup(func() {
@@ -344,29 +345,29 @@ func testStandbyKilled(t *testing.T, pair *pgtest.Pair) {
 		}
 	})
 	deleteRound(t, w, 11, 20) // delivered from the primary
-	requireInOrder(t, c.rec.waitCount(t, ctx, 60), 20)
-	st := c.consumer.Stats()
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 60), 20)
+	st := c.Consumer.Stats()
 	require.EqualValues(t, 1, st.ReadFallbacks)
 	require.False(t, st.ReadingFromStandby)
 
 	require.NoError(t, pair.Standby.StartServer(ctx))
 	require.NoError(t, pair.WaitReplayed(t))
-	for i := 21; c.consumer.Stats().ReadReturns == 0; i++ {
+	for i := 21; c.Consumer.Stats().ReadReturns == 0; i++ {
 		require.LessOrEqual(t, i, 55, "the consumer went back to the standby")
 		deleteRound(t, w, i, i)
-		c.rec.waitCount(t, ctx, 3*i)
-		if c.consumer.Stats().ReadReturns == 0 {
+		c.Rec.WaitCount(t, ctx, 3*i)
+		if c.Consumer.Stats().ReadReturns == 0 {
 			// An unreachable standby is probed again ReadMaxLag after it failed, on the real
 			// clock: this is that interval passing, not a wait for something to happen.
 			time.Sleep(cfg.ReadMaxLag)
 		}
 	}
-	n := len(c.rec.snapshot()) / 3
+	n := len(c.Rec.Snapshot()) / 3
 	deleteRound(t, w, n+1, 60)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 180), 60)
-	require.True(t, c.consumer.Stats().ReadingFromStandby)
-	require.Zero(t, c.consumer.Stats().Failures)
-	requireCursorsWithin(t, c.pool, "killed-reader", c.rec)
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 180), 60)
+	require.True(t, c.Consumer.Stats().ReadingFromStandby)
+	require.Zero(t, c.Consumer.Stats().Failures)
+	requireCursorsWithin(t, c.Pool, "killed-reader", c.Rec)
 }
 
 // testStandbyPromoted: a consumer reads from the standby while the primary is stopped and the
@@ -375,32 +376,32 @@ func testStandbyKilled(t *testing.T, pair *pgtest.Pair) {
 // in order. Ticks and transaction IDs survive a physical failover, so the promoted server's
 // ticks number what is written on it after the old ones.
 func testStandbyPromoted(t *testing.T, pair *pgtest.Pair) {
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pair.NewDB(t)
 	w := standbyWriter(t, db.URL, 30)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.ReadDSN = db.StandbyURL
-	c1 := startProcess(t, db.URL, processOpts{id: "failover-reader", projects: standbyProjects, cfg: cfg})
+	c1 := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "failover-reader", Projects: standbyProjects, Config: cfg})
 	deleteRound(t, w, 1, 10)
-	c1.rec.waitCount(t, ctx, 30)
+	c1.Rec.WaitCount(t, ctx, 30)
 	deleteRound(t, w, 11, 20)
 	require.NoError(t, pair.WaitReplayed(t)) // the standby has every committed deletion
 
 	require.NoError(t, pair.Primary.Kill(ctx)) // the primary crashes, the consumer still runs
 	require.NoError(t, pair.Standby.Promote(ctx))
-	c1.stop(t) // its cursor writes fail now; the restarted consumer takes over
+	c1.Stop(t) // its cursor writes fail now; the restarted consumer takes over
 
 	promoted := db.StandbyURL
-	cfg2 := fastConfig()
-	c2 := startProcess(t, promoted, processOpts{id: "failover-reader", projects: standbyProjects, cfg: cfg2})
-	w2 := startProcess(t, promoted, processOpts{projects: standbyProjects})
+	cfg2 := testkit.FastConfig()
+	c2 := testkit.StartProcess(t, promoted, testkit.ProcessOpts{ID: "failover-reader", Projects: standbyProjects, Config: cfg2})
+	w2 := testkit.StartProcess(t, promoted, testkit.ProcessOpts{Projects: standbyProjects})
 	deleteRound(t, w2, 21, 30)
-	c2.rec.waitFor(t, ctx, "every event after the failover", func(evs []outbox.ObservedEvent) bool {
+	c2.Rec.WaitFor(t, ctx, "every event after the failover", func(evs []outbox.ObservedEvent) bool {
 		return len(evs) > 0 && lastOf(evs, "alpha") == 30 && lastOf(evs, "beta") == 30 && lastOf(evs, "gamma") == 30
 	})
 	// Each consumer delivered in order; together, every event, the second continuing from a
 	// cursor at or below what the first delivered (at-least-once across the failover).
-	first, second := c1.rec.snapshot(), c2.rec.snapshot()
+	first, second := c1.Rec.Snapshot(), c2.Rec.Snapshot()
 	next := map[string]int64{}
 	for _, ev := range first {
 		require.Equal(t, next[ev.ProjectID]+1, ev.Sequence, "project %s: in order before the failover", ev.ProjectID)
@@ -420,7 +421,7 @@ func testStandbyPromoted(t *testing.T, pair *pgtest.Pair) {
 		}
 		require.EqualValues(t, 30, seqs[len(seqs)-1])
 	}
-	require.Zero(t, c2.consumer.Stats().Failures)
+	require.Zero(t, c2.Consumer.Stats().Failures)
 }
 
 func lastOf(evs []outbox.ObservedEvent, project string) int64 {
@@ -447,15 +448,15 @@ func labelValue(m *dto.Metric, name string) string {
 // primary, says so once and counts it, and delivers every event.
 func TestReadDSNOnAServerNotInRecoveryIsLeft(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	w := standbyWriter(t, db.URL, 10)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.ReadDSN = db.URL
-	c := startProcess(t, db.URL, processOpts{id: "misread", projects: standbyProjects, cfg: cfg})
+	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "misread", Projects: standbyProjects, Config: cfg})
 	deleteRound(t, w, 1, 10)
-	requireInOrder(t, c.rec.waitCount(t, ctx, 30), 10)
-	st := c.consumer.Stats()
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 30), 10)
+	st := c.Consumer.Stats()
 	require.EqualValues(t, 1, st.ReadFallbacks)
 	require.Zero(t, st.ReadReturns, "never taken for a standby")
 	require.False(t, st.ReadingFromStandby)

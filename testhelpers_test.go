@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/testkit"
 )
 
 // explainedSession is one superuser session whose statements, nested ones included, report
@@ -116,7 +117,7 @@ func (s *explainedSession) plans(t *testing.T, ctx context.Context, sql string, 
 func queryString(t *testing.T, db outbox.DBTX, sql string, args ...any) string {
 	t.Helper()
 	var v string
-	require.NoError(t, db.QueryRow(ctxT(t), sql, args...).Scan(&v))
+	require.NoError(t, db.QueryRow(testkit.Ctx(t), sql, args...).Scan(&v))
 	return v
 }
 

@@ -17,6 +17,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // Ordering by snapshot ticks (migration 0018): what each tick's batch holds, in which order a
@@ -115,7 +116,7 @@ func beginWith(t *testing.T, ctx context.Context, pool *pgxpool.Pool, project, t
 // and the same for every reader.
 func TestTicksOrderOutOfOrderCommitsRollbacksAndALongWriter(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 
 	long := beginWith(t, ctx, pool, "p", "long") // the oldest transaction, open throughout
@@ -160,7 +161,7 @@ func headOf(t *testing.T, ctx context.Context, db outbox.DBTX, project string) i
 // committed event is numbered exactly once, in one contiguous stream per project.
 func TestConcurrentTickersKeepTicksMonotonic(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	const writers, perWriter, tickers = 4, 60, 4
 	stop := make(chan struct{})
@@ -241,7 +242,7 @@ WHERE t2.tick_id = t1.tick_id + 1 AND pg_catalog.pg_visible_in_snapshot(e.txid, 
 // own rows, not the rows of the tick before it, which a read by position alone would skip again.
 func TestReadContinuesInsideALargeTickByKey(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	const n, page = 3000, 100
@@ -284,7 +285,7 @@ SELECT 'big', 't' || g, '2026-01-01'::timestamptz + g * interval '1 ms', 'task:d
 // trace; the next tick numbers the same events from the same head.
 func TestTickerKilledMidTickLosesNothing(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for i := range 3 {
 		_, err := pool.Exec(ctx, insertLogEvent, "p", fmt.Sprintf("t%d", i))
@@ -319,7 +320,7 @@ func TestTickerKilledMidTickLosesNothing(t *testing.T) {
 // the old writer wrote is adopted and numbered on from the stream's head.
 func TestSchema16WriterDuringTheMigration(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewEmptyDB(t).URL)
 	_, err := outbox.MigrateThrough(ctx, pool, 16)
 	require.NoError(t, err)
@@ -370,7 +371,7 @@ VALUES ('p', $1, pg_catalog.clock_timestamp(), 'task:deleted', false, 1, now(), 
 // it: it counts it, reconciles the project (recorded on its cursor) and goes on delivering.
 func TestDeletedUnacknowledgedEventIsRecordedAndTheStreamGoesOn(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	for i := range 5 {
 		_, err := pool.Exec(ctx, insertLogEvent, "p", fmt.Sprintf("t%d", i))
@@ -380,14 +381,14 @@ func TestDeletedUnacknowledgedEventIsRecordedAndTheStreamGoesOn(t *testing.T) {
 	_, err := pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id = 't2'`)
 	require.NoError(t, err)
 
-	c, rec := startConsumer(t, pool, "dash", []string{"p"}, fastConfig(), nil)
+	c, rec := startConsumer(t, pool, "dash", []string{"p"}, testkit.FastConfig(), nil)
 	// The hole reconciles the project to its head: what follows is delivered.
-	require.Eventually(t, func() bool { return c.Stats().Holes >= 1 }, waitLimit, 10*time.Millisecond, "the hole was not found")
+	require.Eventually(t, func() bool { return c.Stats().Holes >= 1 }, testkit.WaitLimit, 10*time.Millisecond, "the hole was not found")
 	_, err = pool.Exec(ctx, insertLogEvent, "p", "after")
 	require.NoError(t, err)
 	mustTick(t, ctx, pool)
 	outbox.ScanNow(c)
-	rec.waitFor(t, ctx, "the event after the hole", func(evs []outbox.ObservedEvent) bool {
+	rec.WaitFor(t, ctx, "the event after the hole", func(evs []outbox.ObservedEvent) bool {
 		for _, ev := range evs {
 			if ev.TaskID == "after" {
 				return true
@@ -404,7 +405,7 @@ func TestDeletedUnacknowledgedEventIsRecordedAndTheStreamGoesOn(t *testing.T) {
 // older than the last tick's; the function refuses instead.
 func TestTickRefusesRepeatableRead(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 	require.NoError(t, err)
@@ -419,9 +420,9 @@ func TestTickRefusesRepeatableRead(t *testing.T) {
 // stops, its session ends and the other takes over, and events go on being delivered.
 func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.TickFallbackInterval = time.Hour // only the elected one ticks
 	c1, rec1 := startConsumer(t, pgtest.Pool(t, db.URL), "one", []string{"p"}, cfg, nil)
 	c2, rec2 := startConsumer(t, pgtest.Pool(t, db.URL), "two", []string{"p"}, cfg, nil)
@@ -434,7 +435,7 @@ func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 		}
 		return out
 	}
-	require.Eventually(t, func() bool { return len(elected()) == 1 }, waitLimit, 5*time.Millisecond, "one ticker elected")
+	require.Eventually(t, func() bool { return len(elected()) == 1 }, testkit.WaitLimit, 5*time.Millisecond, "one ticker elected")
 	leader, other, otherRec := c1, c2, rec2
 	if elected()[0] == c2 {
 		leader, other, otherRec = c2, c1, rec1
@@ -442,7 +443,7 @@ func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 	// Every candidate ticks once as it starts, elected or not; on a busy machine that first
 	// call may come late enough to number the deletion below, so wait until both returned.
 	require.Eventually(t, func() bool { return outbox.TickerCalls(c1) >= 1 && outbox.TickerCalls(c2) >= 1 },
-		waitLimit, 5*time.Millisecond, "both tickers made their first call")
+		testkit.WaitLimit, 5*time.Millisecond, "both tickers made their first call")
 	w, err := outbox.NewWriter(pgtest.Pool(t, db.URL), outbox.Config{}, nil)
 	require.NoError(t, err)
 	store := testhost.New(pgtest.Pool(t, db.URL), testhost.Options{Writer: w})
@@ -450,17 +451,17 @@ func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 	require.NoError(t, err)
 	_, err = store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
-	otherRec.waitCount(t, ctx, 1)
+	otherRec.WaitCount(t, ctx, 1)
 	// The tick's count is added once its call returns, which may be after the delivery.
-	require.Eventually(t, func() bool { return leader.Stats().Numbered >= 1 }, waitLimit, 5*time.Millisecond, "the elected one numbered it")
+	require.Eventually(t, func() bool { return leader.Stats().Numbered >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "the elected one numbered it")
 	require.Zero(t, other.Stats().Numbered, "only the elected one ticks")
 
 	stopConsumer(t, leader)
-	require.Eventually(t, func() bool { return outbox.TickerElected(other) }, waitLimit, 5*time.Millisecond, "the other takes over")
+	require.Eventually(t, func() bool { return outbox.TickerElected(other) }, testkit.WaitLimit, 5*time.Millisecond, "the other takes over")
 	_, err = store.Delete(ctx, "p", "t-2")
 	require.NoError(t, err)
-	otherRec.waitCount(t, ctx, 2)
-	require.Eventually(t, func() bool { return other.Stats().Numbered >= 1 }, waitLimit, 5*time.Millisecond, "the new ticker numbered it")
+	otherRec.WaitCount(t, ctx, 2)
+	require.Eventually(t, func() bool { return other.Stats().Numbered >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "the new ticker numbered it")
 }
 
 // TestTickFunctionSettings: the ticker's function keeps the settings 0020 and 0021 gave it
@@ -470,7 +471,7 @@ func TestTickFunctionSettings(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.NewPool(t)
 	var settings []string
-	require.NoError(t, pool.QueryRow(ctxT(t), `SELECT proconfig FROM pg_catalog.pg_proc
+	require.NoError(t, pool.QueryRow(testkit.Ctx(t), `SELECT proconfig FROM pg_catalog.pg_proc
 		WHERE oid = 'lifecycle_outbox_tick(text)'::regprocedure`).Scan(&settings))
 	require.Subset(t, settings, []string{"lock_timeout=1s", "plan_cache_mode=force_generic_plan", "enable_seqscan=off", "enable_bitmapscan=off"})
 	require.Contains(t, strings.Join(settings, " "), "search_path=pg_catalog, ")

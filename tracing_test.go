@@ -20,6 +20,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 )
 
@@ -73,7 +74,7 @@ func (p *spanProbe) HandleObserved(ctx context.Context, ev outbox.ObservedEvent)
 	defer p.mu.Unlock()
 	p.seen = append(p.seen, trace.SpanFromContext(ctx).SpanContext())
 	if p.fail != nil && p.fail(ev) {
-		return errListener
+		return testkit.ErrListener
 	}
 	return nil
 }
@@ -90,26 +91,26 @@ func (p *spanProbe) setFail(fn func(outbox.ObservedEvent) bool) {
 // nested under it.
 func TestTraceOfOneDeletionAcrossTwoProcesses(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	wt, ct := newTracedProcess(t), newTracedProcess(t)
-	wcfg := fastConfig()
+	wcfg := testkit.FastConfig()
 	wcfg.TracerProvider = wt.tp
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"alpha"}, cfg: wcfg})
-	_, err := writer.store.CreateMany(ctx, "alpha", "t", 1)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"alpha"}, Config: wcfg})
+	_, err := writer.Store.CreateMany(ctx, "alpha", "t", 1)
 	require.NoError(t, err)
 
-	ccfg := fastConfig()
+	ccfg := testkit.FastConfig()
 	ccfg.TracerProvider = ct.tp
 	probe := &spanProbe{tracer: ct.tp.Tracer("host")}
-	observer := startProcess(t, db.URL, processOpts{id: "dashboard", projects: []string{"alpha"}, cfg: ccfg, listeners: []outbox.Listener{probe}})
+	observer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "dashboard", Projects: []string{"alpha"}, Config: ccfg, Listeners: []outbox.Listener{probe}})
 
 	reqCtx, request := wt.tp.Tracer("host").Start(ctx, "DELETE /tasks/t-1")
-	res, err := writer.store.Delete(reqCtx, "alpha", "t-1")
+	res, err := writer.Store.Delete(reqCtx, "alpha", "t-1")
 	require.NoError(t, err)
 	request.End()
-	evs := observer.rec.waitCount(t, ctx, 1)
-	observer.stop(t)
+	evs := observer.Rec.WaitCount(t, ctx, 1)
+	observer.Stop(t)
 
 	creates := wt.spans("create alpha")
 	require.Len(t, creates, 1)
@@ -120,7 +121,7 @@ func TestTraceOfOneDeletionAcrossTwoProcesses(t *testing.T) {
 	require.Equal(t, res.Event.EventID, attrs(create)["messaging.message.id"].AsString())
 
 	var stored string
-	require.NoError(t, writer.pool.QueryRow(ctx, `SELECT trace_context FROM lifecycle_event_log`).Scan(&stored))
+	require.NoError(t, writer.Pool.QueryRow(ctx, `SELECT trace_context FROM lifecycle_event_log`).Scan(&stored))
 	w3c := propagation.TraceContext{}.Extract(ctx, propagation.MapCarrier{"traceparent": stored})
 	require.Equal(t, create.SpanContext.SpanID(), trace.SpanContextFromContext(w3c).SpanID(), "a W3C traceparent of the hook's span")
 
@@ -154,32 +155,32 @@ func TestTraceOfOneDeletionAcrossTwoProcesses(t *testing.T) {
 // retries and the operator's replay, is a span of its own linked to the one creation.
 func TestRetriedAndReplayedEventsLinkToTheSameCreation(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	wt, ct := newTracedProcess(t), newTracedProcess(t)
-	wcfg := fastConfig()
+	wcfg := testkit.FastConfig()
 	wcfg.TracerProvider = wt.tp
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"p"}, cfg: wcfg})
-	_, err := writer.store.CreateMany(ctx, "p", "t", 1)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}, Config: wcfg})
+	_, err := writer.Store.CreateMany(ctx, "p", "t", 1)
 	require.NoError(t, err)
-	_, err = writer.store.Delete(ctx, "p", "t-1")
+	_, err = writer.Store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
 
-	ccfg := fastConfig()
+	ccfg := testkit.FastConfig()
 	ccfg.TracerProvider = ct.tp
 	ccfg.RetrySchedule = []time.Duration{10 * time.Millisecond}
 	ccfg.MaxAttempts = 3
 	probe := &spanProbe{tracer: ct.tp.Tracer("host"), fail: func(outbox.ObservedEvent) bool { return true }}
-	observer := startProcess(t, db.URL, processOpts{id: "engine", projects: []string{"p"}, cfg: ccfg, listeners: []outbox.Listener{probe}})
-	waitCursor(t, ctx, writer.pool, "p", "engine", 1) // parked after three attempts
+	observer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "engine", Projects: []string{"p"}, Config: ccfg, Listeners: []outbox.Listener{probe}})
+	testkit.WaitCursor(t, ctx, writer.Pool, "p", "engine", 1) // parked after three attempts
 	probe.setFail(nil)
-	_, err = outbox.NewAdmin(writer.pool, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p",
+	_, err = outbox.NewAdmin(writer.Pool, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "p",
 		ConsumerID: "engine", Sequence: 1, Operator: outbox.Operator{Actor: "oncall", Reason: "FN-17"}})
 	require.NoError(t, err)
-	observer.rec.waitFor(t, ctx, "the replay", func(evs []outbox.ObservedEvent) bool {
+	observer.Rec.WaitFor(t, ctx, "the replay", func(evs []outbox.ObservedEvent) bool {
 		return len(evs) > 0 && evs[len(evs)-1].Replay
 	})
-	observer.stop(t)
+	observer.Stop(t)
 
 	creates := wt.spans("create p")
 	require.Len(t, creates, 1)
@@ -205,16 +206,16 @@ func TestRetriedAndReplayedEventsLinkToTheSameCreation(t *testing.T) {
 // TestSpansForReconciliationAndRetention covers the two maintenance paths.
 func TestSpansForReconciliationAndRetention(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	tp := newTracedProcess(t)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.TracerProvider = tp.tp
 	cfg.NewCursor = outbox.NewCursorReconcile
 	w := seedDeletes(t, ctx, db.URL, "p", 3)
-	obs := startProcess(t, db.URL, processOpts{id: "late", projects: []string{"p"}, cfg: cfg})
-	waitCursor(t, ctx, w.pool, "p", "late", 3)
-	obs.stop(t)
+	obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "late", Projects: []string{"p"}, Config: cfg})
+	testkit.WaitCursor(t, ctx, w.Pool, "p", "late", 3)
+	obs.Stop(t)
 	rec := tp.spans("outbox reconcile")
 	require.Len(t, rec, 1)
 	require.Equal(t, "missing_cursor", attrs(rec[0])["messaging.fusion_outbox.reconcile_reason"].AsString())
@@ -223,7 +224,7 @@ func TestSpansForReconciliationAndRetention(t *testing.T) {
 	clock.Advance(365 * 24 * time.Hour)
 	rcfg := cfg
 	rcfg.Clock = clock
-	retention := newRetention(t, w.pool, rcfg)
+	retention := testkit.NewRetention(t, w.Pool, rcfg)
 	res, err := retention.Sweep(ctx)
 	require.NoError(t, err)
 	sweeps := tp.spans("outbox retention sweep")
@@ -235,10 +236,10 @@ func TestSpansForReconciliationAndRetention(t *testing.T) {
 // TestNoTracerStoresNoTraceContext: without a provider the column stays NULL.
 func TestNoTracerStoresNoTraceContext(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	w := seedDeletes(t, ctx, db.URL, "p", 2)
-	require.Equal(t, 2, pgtest.QueryInt(t, w.pool, `SELECT count(*) FROM lifecycle_event_log WHERE trace_context IS NULL`))
+	require.Equal(t, 2, pgtest.QueryInt(t, w.Pool, `SELECT count(*) FROM lifecycle_event_log WHERE trace_context IS NULL`))
 }
 
 // TestStoredTraceContextIsW3C: the stored form agrees with the W3C propagator both ways,
@@ -282,7 +283,7 @@ func TestNoSDKInTheModuleBuild(t *testing.T) {
 // reads the stored context back to link its span.
 func TestTracedWriterRoleRecordsTheTraceContext(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	lp := newLeastPrivilege(t)
 	writerPool, _ := lp.component(t, "writer", writerGrant("proj-a"))
 	wt := newTracedProcess(t)
@@ -297,13 +298,13 @@ func TestTracedWriterRoleRecordsTheTraceContext(t *testing.T) {
 	require.Equal(t, 1, pgtest.QueryInt(t, lp.owner, `SELECT count(*) FROM lifecycle_event_log WHERE trace_context IS NOT NULL`))
 
 	consumerPool, _ := lp.component(t, "consumer", consumerGrant("dash", "proj-a"))
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.NewCursor = outbox.NewCursorOldest
 	ct := newTracedProcess(t)
 	cfg.TracerProvider = ct.tp
 	_, rec := startConsumer(t, consumerPool, "dash", []string{"proj-a"}, cfg, nil)
-	rec.waitCount(t, ctx, 1)
-	require.Eventually(t, func() bool { return len(ct.spans("process proj-a")) == 1 }, waitLimit, 5*time.Millisecond)
+	rec.WaitCount(t, ctx, 1)
+	require.Eventually(t, func() bool { return len(ct.spans("process proj-a")) == 1 }, testkit.WaitLimit, 5*time.Millisecond)
 	span := ct.spans("process proj-a")[0]
 	require.Len(t, span.Links, 1)
 	require.Equal(t, wt.spans("create proj-a")[0].SpanContext.TraceID(), span.Links[0].SpanContext.TraceID())

@@ -18,21 +18,14 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
-
-// closeWriter closes w within a bound, as a host's stop path would.
-func closeWriter(t *testing.T, w *outbox.Writer) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
-	defer cancel()
-	require.NoError(t, w.Close(ctx))
-}
 
 func newWriter(t *testing.T, pool *pgxpool.Pool, cfg outbox.Config) *outbox.Writer {
 	t.Helper()
 	w, err := outbox.NewWriter(pool, cfg, zaptest.NewLogger(t))
 	require.NoError(t, err)
-	t.Cleanup(func() { closeWriter(t, w) })
+	t.Cleanup(func() { testkit.CloseWriter(t, w) })
 	return w
 }
 
@@ -104,7 +97,7 @@ func (r *streamReader) poll(ctx context.Context, projects []string) error {
 
 func TestOutOfOrderCommitsAreReadWithoutGaps(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	w := newWriter(t, pool, outbox.Config{NotifyDisabled: true})
 	reader := newStreamReader(pool)
@@ -159,7 +152,7 @@ func TestConcurrentWritersAndReaderAgree(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			ctx := ctxT(t)
+			ctx := testkit.Ctx(t)
 			pool := pgtest.NewPool(t)
 			w := newWriter(t, pool, outbox.Config{NotifyDisabled: true})
 			projects := make([]string, tc.projects)
@@ -232,7 +225,7 @@ func TestConcurrentWritersAndReaderAgree(t *testing.T) {
 // count of the project starts where the one before ended.
 func TestCompetingTickersNeverDuplicateOrSkip(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	w := newWriter(t, pool, outbox.Config{NotifyDisabled: true})
@@ -304,7 +297,7 @@ func hostWithOutbox(t *testing.T, pool *pgxpool.Pool) (*testhost.Store, *outbox.
 
 func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	store, w := hostWithOutbox(t, pool)
 
@@ -400,7 +393,7 @@ func TestFirstDeletionOnlyAndAtomicity(t *testing.T) {
 
 func TestWriterRefusesObservedContextAndBadInput(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	w := newWriter(t, pool, outbox.Config{})
 	good := outbox.TaskDeletion{ProjectID: "p1", TaskID: "t1", DeletedAt: stamp(1)}
@@ -441,7 +434,7 @@ func TestWriterRefusesObservedContextAndBadInput(t *testing.T) {
 
 func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	store, w := hostWithOutbox(t, pool)
@@ -471,7 +464,7 @@ func TestWriterNotifiesAfterCommitCoalescedPerProject(t *testing.T) {
 
 func TestDisabledWriterRecordsNothing(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	w := newWriter(t, pool, outbox.Config{Disabled: true})
 	store := testhost.New(pool, testhost.Options{Writer: w})

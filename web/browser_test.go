@@ -22,6 +22,7 @@ import (
 	"fusion/outbox/internal/browsertest"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 	"fusion/outbox/web"
 )
@@ -181,10 +182,10 @@ func checkContiguous(t *testing.T, rec pageRecording, n map[string]int64) {
 	require.Equal(t, n, last)
 }
 
-func deleteTasks(t *testing.T, ctx context.Context, w *process, project string, from, to int) {
+func deleteTasks(t *testing.T, ctx context.Context, w *testkit.Process, project string, from, to int) {
 	t.Helper()
 	for i := from; i <= to; i++ {
-		_, err := w.store.Delete(ctx, project, fmt.Sprintf("t-%d", i))
+		_, err := w.Store.Delete(ctx, project, fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
 }
@@ -197,11 +198,11 @@ func fastSSE(c *testhost.HostConfig) { c.SSE.Retry = 100 * time.Millisecond }
 // the browser reconnects by itself each time and the page sees every deletion once, in order.
 func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"alpha", "beta"}})
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"alpha", "beta"}})
 	for _, p := range []string{"alpha", "beta"} {
-		_, err := writer.store.CreateMany(ctx, p, "t", 120)
+		_, err := writer.Store.CreateMany(ctx, p, "t", 120)
 		require.NoError(t, err)
 	}
 	hostAddr := freeAddr(t)
@@ -223,8 +224,8 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 	proxy.down()
 	deleteTasks(t, ctx, writer, "alpha", 21, 50)
 	deleteTasks(t, ctx, writer, "beta", 11, 20)
-	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 50)
-	waitCursor(t, ctx, writer.pool, "beta", "dashboard", 20)
+	testkit.WaitCursor(t, ctx, writer.Pool, "alpha", "dashboard", 50)
+	testkit.WaitCursor(t, ctx, writer.Pool, "beta", "dashboard", 20)
 	before := sse1.Stats()
 	proxy.up(t)
 	waitPage(t, browser, "the 40 missed deletions", "window.rec.events.length === 70")
@@ -246,8 +247,8 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 		fastSSE(c)
 		c.SSE.RingSize = 16
 	}, fx.Populate(&sse2))
-	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 100)
-	waitCursor(t, ctx, writer.pool, "beta", "dashboard", 40)
+	testkit.WaitCursor(t, ctx, writer.Pool, "alpha", "dashboard", 100)
+	testkit.WaitCursor(t, ctx, writer.Pool, "beta", "dashboard", 40)
 	proxy.up(t)
 	waitPage(t, browser, "the 70 deletions made while the host was down", "window.rec.events.length === 140")
 	phase2 := sse2.Stats()
@@ -280,10 +281,10 @@ func TestBrowserEventSourceResumesWithoutGapOrDuplicate(t *testing.T) {
 // position; when it comes back to a new host process, the stream tells it to refetch.
 func TestBrowserBelowTheFloorGetsReset(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"alpha", "beta"}})
-	_, err := writer.store.CreateMany(ctx, "alpha", "t", 40)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"alpha", "beta"}})
+	_, err := writer.Store.CreateMany(ctx, "alpha", "t", 40)
 	require.NoError(t, err)
 	hostAddr := freeAddr(t)
 	host := startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, fastSSE)
@@ -299,15 +300,15 @@ func TestBrowserBelowTheFloorGetsReset(t *testing.T) {
 
 	proxy.down()
 	deleteTasks(t, ctx, writer, "alpha", 6, 30)
-	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 30)
+	testkit.WaitCursor(t, ctx, writer.Pool, "alpha", "dashboard", 30)
 	// A month later, retention prunes everything every consumer has acknowledged.
 	clock := outboxtest.NewFakeClock()
 	clock.Advance(31 * 24 * time.Hour)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.Clock = clock
-	res, err := newRetention(t, writer.pool, cfg).Sweep(ctx)
+	res, err := testkit.NewRetention(t, writer.Pool, cfg).Sweep(ctx)
 	require.NoError(t, err)
-	require.Equal(t, int64(30), floorOf(t, writer.pool, "alpha"), "pruned: %s", res)
+	require.Equal(t, int64(30), testkit.FloorOf(t, writer.Pool, "alpha"), "pruned: %s", res)
 	host.stop(t) // a restart, so that no ring still holds what was pruned
 	startHost(t, db.URL, "dashboard", hostAddr, []string{"alpha", "beta"}, fastSSE)
 	proxy.up(t)
@@ -333,23 +334,23 @@ func TestBrowserBelowTheFloorGetsReset(t *testing.T) {
 // host says is signed in.
 func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"alpha"}})
-	_, err := writer.store.CreateMany(ctx, "alpha", "t", 20)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"alpha"}})
+	_, err := writer.Store.CreateMany(ctx, "alpha", "t", 20)
 	require.NoError(t, err)
 
-	laggard := startProcess(t, db.URL, processOpts{id: "laggard", projects: []string{"alpha"}, cfg: fastConfig(), noStart: true})
+	laggard := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "laggard", Projects: []string{"alpha"}, Config: testkit.FastConfig(), NoStart: true})
 	deleteTasks(t, ctx, writer, "alpha", 1, 1)
-	laggard.start(t)
-	waitCursor(t, ctx, writer.pool, "alpha", "laggard", 1)
-	laggard.stop(t)
+	laggard.Start(t)
+	testkit.WaitCursor(t, ctx, writer.Pool, "alpha", "laggard", 1)
+	laggard.Stop(t)
 
 	// The host's own listener fails on t-3 until it is fixed; one attempt parks it.
-	poison := newRecorder()
+	poison := testkit.NewRecorder()
 	var mu sync.Mutex
 	fixed := false
-	poison.setFail(func(ev outbox.ObservedEvent) error {
+	poison.SetFail(func(ev outbox.ObservedEvent) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if ev.TaskID == "t-3" && !fixed {
@@ -371,8 +372,8 @@ func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 		}
 	}, fx.Provide(outbox.AsListener(func() outbox.Listener { return poison })))
 	deleteTasks(t, ctx, writer, "alpha", 2, 5)
-	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 5)
-	require.Equal(t, "dead", deliveryOf(t, writer.pool, "dashboard", 3).State)
+	testkit.WaitCursor(t, ctx, writer.Pool, "alpha", "dashboard", 5)
+	require.Equal(t, "dead", testkit.DeliveryOf(t, writer.Pool, "dashboard", 3).State)
 
 	browser := browsertest.New(t)
 	page := "http://" + hostAddr + "/ops/"
@@ -403,8 +404,8 @@ func TestBrowserOpsPageReplaysADeadLetter(t *testing.T) {
 	flash, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS(`#flash`)))
 	require.NoError(t, err)
 	require.Contains(t, flash, "replay of sequence 3 of alpha for dashboard requested")
-	require.Eventually(t, func() bool { return deliveryOf(t, writer.pool, "dashboard", 3).State == "resolved" }, waitLimit, 10*time.Millisecond)
-	require.Equal(t, 1, pgtest.QueryInt(t, writer.pool,
+	require.Eventually(t, func() bool { return testkit.DeliveryOf(t, writer.Pool, "dashboard", 3).State == "resolved" }, testkit.WaitLimit, 10*time.Millisecond)
+	require.Equal(t, 1, pgtest.QueryInt(t, writer.Pool,
 		`SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com' AND metadata->>'reason' = 'FN-18'`, outbox.AuditConsumerReplayed))
 	mu.Lock()
 	require.Len(t, authorized, 1)
@@ -519,7 +520,7 @@ func TestBrowserOpsPageAt1280ShowsSeverityWithoutScrolling(t *testing.T) {
 // the feed alone must bring the table up to date.
 func TestBrowserOpsPageTablesFollowTheFeed(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	seedOpsStates(t, pool)
 	ops, err := web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{EventsURL: "/feed", Refresh: time.Hour})

@@ -20,6 +20,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/web"
 )
 
@@ -29,54 +30,54 @@ const hostileTaskID = `x"><svg/onload=alert(1)>`
 // opsFixture is a database with what the operations page must show: a consumer that parked
 // a dead letter (the task with the hostile ID) and a consumer that lags.
 type opsFixture struct {
-	writer  *process
+	writer  *testkit.Process
 	admin   *outbox.Admin
-	broken  *process
+	broken  *testkit.Process
 	fixed   func()
 	poisonQ int64 // the dead letter's sequence
 }
 
 func newOpsFixture(t *testing.T, ctx context.Context, url string) *opsFixture {
 	t.Helper()
-	f := &opsFixture{writer: startProcess(t, url, processOpts{projects: []string{"p"}})}
-	_, err := f.writer.store.CreateMany(ctx, "p", "t", 10)
+	f := &opsFixture{writer: testkit.StartProcess(t, url, testkit.ProcessOpts{Projects: []string{"p"}})}
+	_, err := f.writer.Store.CreateMany(ctx, "p", "t", 10)
 	require.NoError(t, err)
-	_, err = f.writer.store.Create(ctx, "p", hostileTaskID, "hostile", "todo")
+	_, err = f.writer.Store.Create(ctx, "p", hostileTaskID, "hostile", "todo")
 	require.NoError(t, err)
 
 	// "laggard" reads the first event and stops; it lags behind everything after.
-	laggard := startProcess(t, url, processOpts{id: "laggard", projects: []string{"p"}, cfg: fastConfig(), noStart: true})
-	_, err = f.writer.store.Delete(ctx, "p", "t-1")
+	laggard := testkit.StartProcess(t, url, testkit.ProcessOpts{ID: "laggard", Projects: []string{"p"}, Config: testkit.FastConfig(), NoStart: true})
+	_, err = f.writer.Store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
-	laggard.start(t)
-	waitCursor(t, ctx, f.writer.pool, "p", "laggard", 1)
-	laggard.stop(t)
+	laggard.Start(t)
+	testkit.WaitCursor(t, ctx, f.writer.Pool, "p", "laggard", 1)
+	laggard.Stop(t)
 
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	cfg.MaxAttempts = 1
-	f.broken = startProcess(t, url, processOpts{id: "broken", projects: []string{"p"}, cfg: cfg, noStart: true})
+	f.broken = testkit.StartProcess(t, url, testkit.ProcessOpts{ID: "broken", Projects: []string{"p"}, Config: cfg, NoStart: true})
 	var mu sync.Mutex
 	fixed := false
 	f.fixed = func() { mu.Lock(); fixed = true; mu.Unlock() }
-	f.broken.rec.setFail(func(ev outbox.ObservedEvent) error {
+	f.broken.Rec.SetFail(func(ev outbox.ObservedEvent) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if ev.TaskID == hostileTaskID && !fixed {
-			return errListener
+			return testkit.ErrListener
 		}
 		return nil
 	})
-	f.broken.start(t)
-	_, err = f.writer.store.Delete(ctx, "p", hostileTaskID)
+	f.broken.Start(t)
+	_, err = f.writer.Store.Delete(ctx, "p", hostileTaskID)
 	require.NoError(t, err)
 	f.poisonQ = 2
 	for i := 2; i <= 4; i++ {
-		_, err := f.writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
+		_, err := f.writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
-	waitCursor(t, ctx, f.writer.pool, "p", "broken", 5)
-	require.Equal(t, "dead", deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State)
-	f.admin = outbox.NewAdmin(f.writer.pool, outbox.AdminOptions{Audit: f.writer.store})
+	testkit.WaitCursor(t, ctx, f.writer.Pool, "p", "broken", 5)
+	require.Equal(t, "dead", testkit.DeliveryOf(t, f.writer.Pool, "broken", f.poisonQ).State)
+	f.admin = outbox.NewAdmin(f.writer.Pool, outbox.AdminOptions{Audit: f.writer.Store})
 	return f
 }
 
@@ -92,7 +93,7 @@ func getBody(t *testing.T, c *http.Client, u string) (int, string) {
 
 func TestOpsPageShowsConsumersAndDeadLettersEscaped(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	f := newOpsFixture(t, ctx, pgtest.NewDB(t).URL)
 	ops, err := web.OpsHandler(f.admin, web.OpsOptions{EventsURL: "/events"})
 	require.NoError(t, err)
@@ -133,14 +134,25 @@ func TestOpsPageShowsConsumersAndDeadLettersEscaped(t *testing.T) {
 	require.NoError(t, err)
 	resp.Body.Close()
 	require.Equal(t, http.StatusForbidden, resp.StatusCode)
-	require.Equal(t, "dead", deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State)
+	require.Equal(t, "dead", testkit.DeliveryOf(t, f.writer.Pool, "broken", f.poisonQ).State)
 }
 
 var csrfField = regexp.MustCompile(`name="csrf" value="([^"]+)"`)
 
+// serveOps serves ops under /ops for the test, and a client for it that keeps cookies, as a
+// browser does, and does not follow redirects, so that a test sees where they go.
+func serveOps(t *testing.T, ops http.Handler) (*httptest.Server, *http.Client) {
+	t.Helper()
+	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
+	t.Cleanup(srv.Close)
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	return srv, &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+}
+
 func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	f := newOpsFixture(t, ctx, pgtest.NewDB(t).URL)
 	var mu sync.Mutex
 	var asked []web.OpsAction
@@ -151,11 +163,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 		return "oncall@example.com", r.Header.Get("X-Operator") == "yes"
 	}})
 	require.NoError(t, err)
-	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
-	defer srv.Close()
-	jar, err := cookiejar.New(nil)
-	require.NoError(t, err)
-	browser := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	srv, browser := serveOps(t, ops)
 
 	status, page := getBody(t, browser, srv.URL+"/ops/")
 	require.Equal(t, http.StatusOK, status)
@@ -195,7 +203,7 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	} {
 		require.Contains(t, []int{http.StatusForbidden, http.StatusMethodNotAllowed}, resp.StatusCode, name)
 	}
-	require.Equal(t, "dead", deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State, "nothing was done")
+	require.Equal(t, "dead", testkit.DeliveryOf(t, f.writer.Pool, "broken", f.poisonQ).State, "nothing was done")
 	mu.Lock()
 	require.Len(t, asked, 1, "the authorizer is asked only once the request is known to come from the page")
 	require.Equal(t, web.OpsAction{Kind: web.OpsReplay, ProjectID: "p", ConsumerID: "broken", Sequence: f.poisonQ,
@@ -218,16 +226,16 @@ func TestOpsActionsNeedTheAuthorizerTheTokenAndTheSameOrigin(t *testing.T) {
 	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
 	_, page = getBody(t, browser, redirected(t, srv.URL, resp))
 	require.Contains(t, page, fmt.Sprintf("replay of sequence %d of p for broken requested", f.poisonQ))
-	require.Eventually(t, func() bool { return deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State == "resolved" }, waitLimit, 10*time.Millisecond)
-	require.Equal(t, 0, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE actor = 'mallory@example.com'`),
+	require.Eventually(t, func() bool { return testkit.DeliveryOf(t, f.writer.Pool, "broken", f.poisonQ).State == "resolved" }, testkit.WaitLimit, 10*time.Millisecond)
+	require.Equal(t, 0, pgtest.QueryInt(t, f.writer.Pool, `SELECT count(*) FROM run_audit WHERE actor = 'mallory@example.com'`),
 		"the audit names the actor the form typed, not the signed-in operator")
-	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com'`, outbox.AuditConsumerReplayed))
+	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.Pool, `SELECT count(*) FROM run_audit WHERE action = $1 AND actor = 'oncall@example.com'`, outbox.AuditConsumerReplayed))
 
 	resp = post(browser, "/ops/retire", url.Values{"csrf": {token}, "project": {"p"}, "consumer": {"laggard"},
 		"reason": {"FN-19"}, "confirm": {"retire"}}, "X-Operator", "yes")
 	require.Equal(t, http.StatusSeeOther, resp.StatusCode)
-	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE consumer_id = 'laggard' AND retired_at IS NOT NULL`))
-	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerRetired))
+	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.Pool, `SELECT count(*) FROM lifecycle_consumer_cursors WHERE consumer_id = 'laggard' AND retired_at IS NOT NULL`))
+	require.Equal(t, 1, pgtest.QueryInt(t, f.writer.Pool, `SELECT count(*) FROM run_audit WHERE action = $1`, outbox.AuditConsumerRetired))
 }
 
 // redirected is where a redirect response of a post points.
@@ -253,10 +261,10 @@ func TestOpsHandlerOptions(t *testing.T) {
 // projects are shown, and the page names the one left out.
 func TestOpsPageShowsOtherProjectsWhenOneIsUnreadable(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
-	seedEvents(t, pool, "proj-a", 1)
-	seedEvents(t, pool, "proj-b", 1)
+	testkit.SeedEvents(t, pool, "proj-a", 1)
+	testkit.SeedEvents(t, pool, "proj-b", 1)
 	// As in a database upgraded with such a row: its column kept its plain type (migration 0012).
 	_, err := pool.Exec(ctx, `ALTER TABLE lifecycle_consumer_cursors ALTER COLUMN lease_expires_at TYPE timestamptz`)
 	require.NoError(t, err)
@@ -292,10 +300,10 @@ func TestOpsPageShowsOtherProjectsWhenOneIsUnreadable(t *testing.T) {
 // and its fragment, and could post an action for p.
 func TestOpsPageShowsOnlyTheProjectsTheHostAllows(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	f := newOpsFixture(t, ctx, pgtest.NewDB(t).URL)
-	seedEvents(t, f.writer.pool, "a", 1)
-	_, err := f.writer.pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at)
+	testkit.SeedEvents(t, f.writer.Pool, "a", 1)
+	_, err := f.writer.Pool.Exec(ctx, `INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at)
 		VALUES ('a', 'dash-a', 0, NULL, 0, NULL)`)
 	require.NoError(t, err)
 	var mu sync.Mutex
@@ -310,11 +318,7 @@ func TestOpsPageShowsOnlyTheProjectsTheHostAllows(t *testing.T) {
 		AuthorizeAction: func(r *http.Request, _ web.OpsAction) (string, bool) { return r.Header.Get("X-User"), true },
 	})
 	require.NoError(t, err)
-	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
-	defer srv.Close()
-	jar, err := cookiejar.New(nil)
-	require.NoError(t, err)
-	client := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	srv, client := serveOps(t, ops)
 	get := func(user, path string) string {
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+path, nil)
 		req.Header.Set("X-User", user)
@@ -351,7 +355,7 @@ func TestOpsPageShowsOnlyTheProjectsTheHostAllows(t *testing.T) {
 	require.NoError(t, err)
 	resp.Body.Close()
 	require.Equal(t, http.StatusForbidden, resp.StatusCode)
-	require.Equal(t, "dead", deliveryOf(t, f.writer.pool, "broken", f.poisonQ).State)
+	require.Equal(t, "dead", testkit.DeliveryOf(t, f.writer.Pool, "broken", f.poisonQ).State)
 }
 
 // TestOpsCSRFCookieIsSecureBehindATLSProxy: behind a proxy that terminates TLS the handler
@@ -384,7 +388,7 @@ func TestOpsCSRFCookieIsSecureBehindATLSProxy(t *testing.T) {
 //	                  "onebehind", one event behind, alive
 func seedOpsStates(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	// The events of "stall" occurred over the last 40 s, 133 ms apart, so that the oldest an
 	// old cursor has not read is 40 s old, and the 60 newest are 8 s old at most.
 	_, err := pool.Exec(ctx, `
@@ -395,8 +399,8 @@ FROM generate_series(1, 300) g`)
 	require.NoError(t, err)
 	_, err = outbox.Sequence(ctx, pool, []string{"stall"}, 10000)
 	require.NoError(t, err)
-	seedEvents(t, pool, "fine", 5)
-	seedEvents(t, pool, "poison", 5)
+	testkit.SeedEvents(t, pool, "fine", 5)
+	testkit.SeedEvents(t, pool, "poison", 5)
 	_, err = pool.Exec(ctx, `
 INSERT INTO lifecycle_consumer_cursors (project_id, consumer_id, last_acked_sequence, lease_owner, lease_epoch, lease_expires_at, heartbeat_at) VALUES
   ('fine', 'fine', 5, 'fine@0123456789abcdef', 1, now() + interval '25 seconds', now() - interval '2 seconds'),
@@ -492,17 +496,13 @@ func TestOpsPageSummaryPutsTheWorstFirst(t *testing.T) {
 // without its confirmation retires nothing; with it, the consumer is retired.
 func TestOpsRetireNeedsItsConfirmation(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	seedOpsStates(t, pool)
 	ops, err := web.OpsHandler(outbox.NewAdmin(pool, outbox.AdminOptions{}), web.OpsOptions{
 		AuthorizeAction: func(*http.Request, web.OpsAction) (string, bool) { return "oncall@example.com", true }})
 	require.NoError(t, err)
-	srv := httptest.NewServer(http.StripPrefix("/ops", ops))
-	defer srv.Close()
-	jar, err := cookiejar.New(nil)
-	require.NoError(t, err)
-	browser := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	srv, browser := serveOps(t, ops)
 	_, page := getBody(t, browser, srv.URL+"/ops/")
 	require.Regexp(t, `(?s)<details class="retire"><summary>Retire…</summary>.*?Retiring <code>stalled</code> in <code>stall</code> makes retention stop waiting for it: the 300 events it has not read may be deleted`, page)
 	require.Contains(t, page, `name="confirm" value="retire" required`)

@@ -2,6 +2,7 @@ package web_test
 
 import (
 	"bufio"
+	"context"
 	"net"
 	"net/http"
 	"sync"
@@ -12,67 +13,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/web"
 )
 
-// Helpers of the event-stream tests: seeded events, a handler, and response writers that stall
-// or can be hijacked.
-
-// seedEvents writes n events into project's log, as many writers would have, and ticks: what a
-// freshly started stream handler finds there, numbered.
-func seedEvents(t *testing.T, pool *pgxpool.Pool, project string, n int) {
-	t.Helper()
-	ctx := ctxT(t)
-	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT $1, 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM generate_series(1, $2) g`, project, n)
-	require.NoError(t, err)
-	_, err = outbox.Sequence(ctx, pool, []string{project}, 10000)
-	require.NoError(t, err)
-}
-
-// seedMore numbers n more events of project after whatever it has, with task IDs of prefix.
-func seedMore(t *testing.T, pool *pgxpool.Pool, project, prefix string, n int) {
-	t.Helper()
-	ctx := ctxT(t)
-	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT $1, $2 || '-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM generate_series(1, $3) g`, project, prefix, n)
-	require.NoError(t, err)
-	_, err = outbox.Sequence(ctx, pool, []string{project}, 10000)
-	require.NoError(t, err)
-}
-
-// seedUndecodableAt4 stores project's first four events as the stream numbered before schema 18
-// holds them: three well-formed ones (as seedEvents names them), then at sequence 4 a row the
-// reader cannot deliver (deleted_at = 'infinity', which the log's types refuse but a numbered
-// row of the stream may hold); then it writes two well-formed events into the log and ticks, so
-// they are numbered 5 and 6 after the stream.
-func seedUndecodableAt4(t *testing.T, pool *pgxpool.Pool, project string) {
-	t.Helper()
-	ctx := ctxT(t)
-	_, err := pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT $1, g, 'seed-' || g, timestamptz '2030-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM generate_series(1, 3) g`, project)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `
-INSERT INTO lifecycle_outbox (project_id, sequence, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-VALUES ($1, 4, 'forever', 'infinity', 'task:deleted', false, 1, now(), 'writer-0123456789abcdef')`, project)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `INSERT INTO lifecycle_outbox_heads (project_id, last_sequence) VALUES ($1, 4)
-		ON CONFLICT (project_id) DO UPDATE SET last_sequence = 4`, project)
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `
-INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT $1, 'late-' || g, timestamptz '2031-01-01' + g * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM generate_series(1, 2) g`, project)
-	require.NoError(t, err)
-	_, err = outbox.Sequence(ctx, pool, []string{project}, 10000) // sequences 5 and 6
-	require.NoError(t, err)
-}
+// Helpers of the event-stream tests (the seeded events are internal/testkit's): a handler, and
+// response writers that stall or can be hijacked.
 
 // newSSE builds a stream handler over pool serving projects.
 func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*web.SSEOptions)) *web.SSEHandler {
@@ -81,7 +27,7 @@ func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*web
 	// replay read of a herd may take more than the default 10s: only the tests of stalled
 	// clients (which set their own) may see a write or a read time out.
 	opts := web.SSEOptions{Pool: pool, Projects: outbox.StaticProjects(projects), Retry: 50 * time.Millisecond,
-		WriteTimeout: waitLimit, ReplayReadTimeout: waitLimit}
+		WriteTimeout: testkit.WaitLimit, ReplayReadTimeout: testkit.WaitLimit}
 	if tweak != nil {
 		tweak(&opts)
 	}
@@ -89,6 +35,20 @@ func newSSE(t *testing.T, pool *pgxpool.Pool, projects []string, tweak func(*web
 	require.NoError(t, err)
 	t.Cleanup(h.Close)
 	return h
+}
+
+// pruneSetup is TestSSEResets's database: p numbered 1 to 400 with 1 to 100 pruned, q 1 to 400.
+func pruneSetup(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	t.Helper()
+	testkit.SeedEvents(t, pool, "p", 100) // one tick
+	testkit.SeedMore(t, pool, "p", "late", 300)
+	testkit.SeedEvents(t, pool, "q", 400)
+	// Retention pruned p through 100: the events of its first tick.
+	tag, err := pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id LIKE 'seed-%'`)
+	require.NoError(t, err)
+	require.Equal(t, int64(100), tag.RowsAffected())
+	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100, last_sequence = GREATEST(last_sequence, 100) WHERE project_id = 'p'`)
+	require.NoError(t, err)
 }
 
 // stalledWriter is an http.ResponseWriter whose client never reads: every write blocks until

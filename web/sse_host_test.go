@@ -18,6 +18,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // sseFrame is one dispatched server-sent event as a browser's EventSource sees it.
@@ -187,12 +188,12 @@ type hostApp struct {
 // settings scope) observing projects, serving HTTP on addr.
 func startHost(t *testing.T, url, consumer, addr string, projects []string, tweak func(*testhost.HostConfig), extra ...fx.Option) *hostApp {
 	t.Helper()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, url)
 	scope := consumer + "-node"
 	require.NoError(t, testhost.NewSettings(pool, scope).Set(ctx, "outbox.consumer_id", consumer))
 	cfg := testhost.HostConfig{DSN: url, Projects: projects, SettingsScope: scope, HTTPAddr: addr, Actor: "test",
-		Outbox: fastConfig()}
+		Outbox: testkit.FastConfig()}
 	if tweak != nil {
 		tweak(&cfg)
 	}
@@ -208,7 +209,7 @@ func (h *hostApp) stop(t *testing.T) {
 	if h.app == nil {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), waitLimit)
+	ctx, cancel := context.WithTimeout(context.Background(), testkit.WaitLimit)
 	defer cancel()
 	require.NoError(t, h.app.Stop(ctx))
 	h.app = nil
@@ -220,12 +221,12 @@ func (h *hostApp) stop(t *testing.T) {
 // does. It must get exactly the events it missed, in order, and then the live ones.
 func TestSSEReferenceHostResumesAReconnectingClient(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	projects := []string{"alpha", "beta"}
-	writer := startProcess(t, db.URL, processOpts{projects: projects})
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: projects})
 	for _, p := range projects {
-		_, err := writer.store.CreateMany(ctx, p, "t", 40)
+		_, err := writer.Store.CreateMany(ctx, p, "t", 40)
 		require.NoError(t, err)
 	}
 	host := startHost(t, db.URL, "dashboard", freeAddr(t), projects, nil)
@@ -234,7 +235,7 @@ func TestSSEReferenceHostResumesAReconnectingClient(t *testing.T) {
 	first, status := openStream(t, ctx, url, "")
 	require.Equal(t, http.StatusOK, status)
 	for i := 1; i <= 5; i++ {
-		_, err := writer.store.Delete(ctx, "alpha", fmt.Sprintf("t-%d", i))
+		_, err := writer.Store.Delete(ctx, "alpha", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
 	first.expectDeletions(t, ctx, "alpha", 1, 5)
@@ -242,18 +243,18 @@ func TestSSEReferenceHostResumesAReconnectingClient(t *testing.T) {
 
 	// While the client is away: ten more deletions in alpha, three in beta.
 	for i := 6; i <= 15; i++ {
-		_, err := writer.store.Delete(ctx, "alpha", fmt.Sprintf("t-%d", i))
+		_, err := writer.Store.Delete(ctx, "alpha", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
 	for i := 1; i <= 3; i++ {
-		_, err := writer.store.Delete(ctx, "beta", fmt.Sprintf("t-%d", i))
+		_, err := writer.Store.Delete(ctx, "beta", fmt.Sprintf("t-%d", i))
 		require.NoError(t, err)
 	}
-	waitCursor(t, ctx, writer.pool, "alpha", "dashboard", 15)
-	waitCursor(t, ctx, writer.pool, "beta", "dashboard", 3)
+	testkit.WaitCursor(t, ctx, writer.Pool, "alpha", "dashboard", 15)
+	testkit.WaitCursor(t, ctx, writer.Pool, "beta", "dashboard", 3)
 
 	// A bounded wait, so that a stream that never resumes fails before the test's deadline.
-	rctx, cancel := context.WithTimeout(ctx, waitLimit)
+	rctx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	resumed, status := openStream(t, rctx, url, lastID)
 	require.Equal(t, http.StatusOK, status)
@@ -263,10 +264,10 @@ func TestSSEReferenceHostResumesAReconnectingClient(t *testing.T) {
 		d := decodeDeletion(t, resumed.next(t, rctx, "a missed deletion"))
 		got[d.ProjectID] = append(got[d.ProjectID], d.Sequence)
 	}
-	require.Equal(t, seq(6, 15), got["alpha"], "missed alpha deletions, in order, each once")
-	require.Equal(t, seq(1, 3), got["beta"], "missed beta deletions, in order, each once")
+	require.Equal(t, testkit.Seq(6, 15), got["alpha"], "missed alpha deletions, in order, each once")
+	require.Equal(t, testkit.Seq(1, 3), got["beta"], "missed beta deletions, in order, each once")
 	// Then live, with nothing repeated at the seam.
-	_, err := writer.store.Delete(ctx, "alpha", "t-16")
+	_, err := writer.Store.Delete(ctx, "alpha", "t-16")
 	require.NoError(t, err)
 	resumed.expectDeletions(t, rctx, "alpha", 16, 16)
 }
@@ -275,7 +276,7 @@ func TestSSEReferenceHostResumesAReconnectingClient(t *testing.T) {
 // ?project= list was accepted and held per connection.
 func TestSSEReferenceHostBoundsTheProjectFilter(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	host := startHost(t, db.URL, "dashboard", freeAddr(t), []string{"alpha"}, nil)
 	base := "http://" + host.addr + "/events?project="

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/web"
 )
 
@@ -18,11 +19,11 @@ import (
 // about to be reset, and each reset frame moves only its own.
 func TestSSEOpeningMovesOnlyWhatWasSent(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
 	projects := []string{"p", "q", "r"}
 	for _, p := range projects {
-		seedEvents(t, pool, p, 5)
+		testkit.SeedEvents(t, pool, p, 5)
 	}
 	sse := newSSE(t, pool, projects, func(o *web.SSEOptions) { o.MaxReplayReads = 1 })
 	srv := httptest.NewServer(sse)
@@ -30,7 +31,7 @@ func TestSSEOpeningMovesOnlyWhatWasSent(t *testing.T) {
 	url := srv.URL + "?project=p,q,r"
 	probe, _ := openStream(t, ctx, url, "")
 	fp := strings.Split(probe.position(t, ctx), ".")[1] // the handler has seen 5 of each
-	seedMore(t, pool, "p", "more", 5)                   // the outbox is at 10 in p
+	testkit.SeedMore(t, pool, "p", "more", 5)           // the outbox is at 10 in p
 
 	// p at 8: beyond the handler's newest, checked with the one read the budget allows, kept.
 	// q at 20 ("k"): beyond the head too, left unchecked: unknown_position. r at 2: its replay

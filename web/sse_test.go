@@ -22,23 +22,24 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 	"fusion/outbox/web"
 )
 
 func TestSSEStreamsObservedEventsAndNeverStallsTheConsumer(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	sse := newSSE(t, pool, []string{"p", "q"}, nil)
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 
-	writer := startProcess(t, db.URL, processOpts{projects: []string{"p", "q"}})
-	_, err := writer.store.CreateMany(ctx, "p", "t", 300)
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p", "q"}})
+	_, err := writer.Store.CreateMany(ctx, "p", "t", 300)
 	require.NoError(t, err)
-	obs := startProcess(t, db.URL, processOpts{id: "web", projects: []string{"p", "q"}, cfg: fastConfig(), listeners: []outbox.Listener{sse}})
+	obs := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "web", Projects: []string{"p", "q"}, Config: testkit.FastConfig(), Listeners: []outbox.Listener{sse}})
 
 	client, status := openStream(t, ctx, srv.URL+"?project=p", "")
 	require.Equal(t, http.StatusOK, status)
@@ -53,15 +54,15 @@ func TestSSEStreamsObservedEventsAndNeverStallsTheConsumer(t *testing.T) {
 		sse.ServeHTTP(stalled, httptest.NewRequest(http.MethodGet, "/", nil).WithContext(sctx))
 	}()
 	<-stalled.blocked
-	require.Eventually(t, func() bool { return sse.Clients() == 2 }, waitLimit, time.Millisecond)
+	require.Eventually(t, func() bool { return sse.Clients() == 2 }, testkit.WaitLimit, time.Millisecond)
 
 	for i := range 300 {
-		_, err := writer.store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
+		_, err := writer.Store.Delete(ctx, "p", fmt.Sprintf("t-%d", i+1))
 		require.NoError(t, err)
 	}
 	// The consumer is not held up by the stalled client: it acknowledges everything, and
 	// the reading client gets every event in order.
-	waitCursor(t, ctx, obs.pool, "p", "web", 300)
+	testkit.WaitCursor(t, ctx, obs.Pool, "p", "web", 300)
 	client.expectDeletions(t, ctx, "p", 1, 300)
 	close(stalled.release)
 	cancelStalled()
@@ -73,22 +74,22 @@ func TestSSEStreamsObservedEventsAndNeverStallsTheConsumer(t *testing.T) {
 // gap at either seam, and then the live ones.
 func TestSSEResumesFromTheRingAndTheOutbox(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	projects := []string{"p", "q"}
 	sse := newSSE(t, pool, projects, func(o *web.SSEOptions) { o.RingSize = 16 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
-	writer := startProcess(t, db.URL, processOpts{projects: projects})
+	writer := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: projects})
 	for _, p := range projects {
-		_, err := writer.store.CreateMany(ctx, p, "t", 100)
+		_, err := writer.Store.CreateMany(ctx, p, "t", 100)
 		require.NoError(t, err)
 	}
-	startProcess(t, db.URL, processOpts{id: "web", projects: projects, cfg: fastConfig(), listeners: []outbox.Listener{sse}})
+	testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "web", Projects: projects, Config: testkit.FastConfig(), Listeners: []outbox.Listener{sse}})
 	deleteRange := func(p string, from, to int) {
 		for i := from; i <= to; i++ {
-			_, err := writer.store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
+			_, err := writer.Store.Delete(ctx, p, fmt.Sprintf("t-%d", i))
 			require.NoError(t, err)
 		}
 	}
@@ -106,8 +107,8 @@ func TestSSEResumesFromTheRingAndTheOutbox(t *testing.T) {
 
 	deleteRange("p", 4, 60) // 57 missed: more than the ring's 16
 	deleteRange("q", 3, 7)  // 5 missed: all in the ring
-	waitCursor(t, ctx, pool, "p", "web", 60)
-	waitCursor(t, ctx, pool, "q", "web", 7)
+	testkit.WaitCursor(t, ctx, pool, "p", "web", 60)
+	testkit.WaitCursor(t, ctx, pool, "q", "web", 7)
 	before := sse.Stats()
 
 	resumed, _ := openStream(t, ctx, srv.URL+"?project=p,q", lastID)
@@ -117,8 +118,8 @@ func TestSSEResumesFromTheRingAndTheOutbox(t *testing.T) {
 		d := decodeDeletion(t, resumed.next(t, ctx, "a missed event"))
 		got[d.ProjectID] = append(got[d.ProjectID], d.Sequence)
 	}
-	require.Equal(t, seq(4, 60), got["p"])
-	require.Equal(t, seq(3, 7), got["q"])
+	require.Equal(t, testkit.Seq(4, 60), got["p"])
+	require.Equal(t, testkit.Seq(3, 7), got["q"])
 	deleteRange("p", 61, 62)
 	resumed.expectDeletions(t, ctx, "p", 61, 62)
 
@@ -136,11 +137,11 @@ func TestSSEResumesFromTheRingAndTheOutbox(t *testing.T) {
 // the range they need, not one per client.
 func TestSSEHerdOfReconnectsCostsBoundedReads(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
-	seedEvents(t, pool, "p", 1200)
-	seedEvents(t, pool, "q", 30)
+	testkit.SeedEvents(t, pool, "p", 1200)
+	testkit.SeedEvents(t, pool, "q", 30)
 	sse := newSSE(t, pool, []string{"p", "q"}, nil)
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
@@ -190,7 +191,7 @@ func b36(v int64) string { return strconv.FormatInt(v, 36) }
 
 // herdClient resumes at (p, q) and checks it receives exactly p+1..1200 and q+1..30.
 func herdClient(ctx context.Context, url, lastID string, p, q int64) error {
-	ctx, cancel := context.WithTimeout(ctx, waitLimit)
+	ctx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	req.Header.Set("Last-Event-ID", lastID)
@@ -211,18 +212,10 @@ func herdClient(ctx context.Context, url, lastID string, p, q int64) error {
 
 func TestSSEResets(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
-	seedEvents(t, pool, "p", 100) // one tick
-	seedMore(t, pool, "p", "late", 300)
-	seedEvents(t, pool, "q", 400)
-	// Retention pruned p through 100: the events of its first tick.
-	tag, err := pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id LIKE 'seed-%'`)
-	require.NoError(t, err)
-	require.Equal(t, int64(100), tag.RowsAffected())
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100, last_sequence = GREATEST(last_sequence, 100) WHERE project_id = 'p'`)
-	require.NoError(t, err)
+	pruneSetup(t, ctx, pool)
 	sse := newSSE(t, pool, []string{"p", "q"}, func(o *web.SSEOptions) { o.RingSize = 16; o.MaxReplay = 350 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
@@ -268,11 +261,11 @@ func TestSSEResets(t *testing.T) {
 // Authorize hook consulted for every project of every stream, resumed ones included.
 func TestSSELimitsAndAuthorize(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
-	seedEvents(t, pool, "open", 5)
-	seedEvents(t, pool, "secret", 5)
+	testkit.SeedEvents(t, pool, "open", 5)
+	testkit.SeedEvents(t, pool, "secret", 5)
 	var mu sync.Mutex
 	asked := map[string]int{}
 	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *web.SSEOptions) {
@@ -309,7 +302,7 @@ func TestSSELimitsAndAuthorize(t *testing.T) {
 	probeID := probe.position(t, ctx)
 	require.Len(t, strings.Split(probeID, "."), 3)
 	fp := strings.Split(probeID, ".")[1]
-	require.Eventually(t, func() bool { return sse.Clients() == 0 }, waitLimit, time.Millisecond)
+	require.Eventually(t, func() bool { return sse.Clients() == 0 }, testkit.WaitLimit, time.Millisecond)
 	mu.Lock()
 	asked = map[string]int{}
 	mu.Unlock()
@@ -322,7 +315,7 @@ func TestSSELimitsAndAuthorize(t *testing.T) {
 	// MaxClients: two streams, the third is refused with Retry-After.
 	admin, status := openStream(t, ctx, srv.URL+"?project=secret", "", "X-Role", "admin")
 	require.Equal(t, http.StatusOK, status)
-	require.Eventually(t, func() bool { return sse.Clients() == 2 }, waitLimit, time.Millisecond)
+	require.Eventually(t, func() bool { return sse.Clients() == 2 }, testkit.WaitLimit, time.Millisecond)
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+"?project=open", nil)
 	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)
@@ -338,7 +331,7 @@ func TestSSELimitsAndAuthorize(t *testing.T) {
 // reading, since the SetWriteDeadline error was ignored. A timer now closes the connection.
 func TestSSEClosesAStalledClientWithoutDeadlines(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
 	core, logs := observer.New(zap.WarnLevel)
 	sse := newSSE(t, pool, []string{"p"}, func(o *web.SSEOptions) {
@@ -384,7 +377,7 @@ func TestSSEClosesAStalledClientWithoutDeadlines(t *testing.T) {
 
 func TestSSERejectsBadRequestsAndOptions(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
 	sse := newSSE(t, pool, []string{"p"}, nil)
 	srv := httptest.NewServer(sse)
@@ -447,15 +440,15 @@ func readDeletions(resp *http.Response, fn func(deletion) (done bool, err error)
 // stream (an OwnWritesListener), in sequence order with everyone else's.
 func TestSSEStreamsTheProcessOwnDeletionsAtOnce(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	pool := pgtest.Pool(t, db.URL)
 	sse := newSSE(t, pool, []string{"p"}, nil)
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
-	other := startProcess(t, db.URL, processOpts{projects: []string{"p"}})
-	self := startProcess(t, db.URL, processOpts{id: "web", projects: []string{"p"}, cfg: fastConfig(), listeners: []outbox.Listener{sse}})
-	_, err := self.store.CreateMany(ctx, "p", "t", 10)
+	other := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{Projects: []string{"p"}})
+	self := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "web", Projects: []string{"p"}, Config: testkit.FastConfig(), Listeners: []outbox.Listener{sse}})
+	_, err := self.Store.CreateMany(ctx, "p", "t", 10)
 	require.NoError(t, err)
 
 	client, _ := openStream(t, ctx, srv.URL+"?project=p", "")
@@ -464,13 +457,13 @@ func TestSSEStreamsTheProcessOwnDeletionsAtOnce(t *testing.T) {
 	client.expectDeletions(t, ctx, "p", 1, 2)
 	deleteTasks(t, ctx, self, "p", 3, 5) // this process's own: 3, 4, 5
 	// No other deletion follows: the stream must show 3 to 5 by itself. A bounded wait, so
-	// that a stream that waits for the next observed event fails within waitLimit.
-	own, cancel := context.WithTimeout(ctx, waitLimit)
+	// that a stream that waits for the next observed event fails within testkit.WaitLimit.
+	own, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	client.expectDeletions(t, own, "p", 3, 5)
 	deleteTasks(t, ctx, other, "p", 6, 6) // observed again, right after them
 	client.expectDeletions(t, ctx, "p", 6, 6)
-	require.Equal(t, int64(3), self.consumer.Stats().Own, "the listeners that take no own writes still do not get them")
+	require.Equal(t, int64(3), self.Consumer.Stats().Own, "the listeners that take no own writes still do not get them")
 	require.Zero(t, sse.Stats().ReplayedFromOutbox+sse.Stats().OutboxReads, "nothing was filled in from the outbox")
 }
 
@@ -479,10 +472,10 @@ func TestSSEStreamsTheProcessOwnDeletionsAtOnce(t *testing.T) {
 // who reached the stream could probe which project IDs exist.
 func TestSSEAnswersUnservedAndForbiddenProjectsAlike(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
-	seedEvents(t, pool, "open", 1)
-	seedEvents(t, pool, "secret", 1)
+	testkit.SeedEvents(t, pool, "open", 1)
+	testkit.SeedEvents(t, pool, "secret", 1)
 	sse := newSSE(t, pool, []string{"open", "secret"}, func(o *web.SSEOptions) {
 		o.Authorize = func(_ *http.Request, p string) bool { return p == "open" }
 	})
@@ -509,9 +502,9 @@ func TestSSEAnswersUnservedAndForbiddenProjectsAlike(t *testing.T) {
 // and ends when a project is refused; the browser's reconnect is then refused.
 func TestSSEEndsAStreamWhoseAccessIsRevoked(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
-	seedEvents(t, pool, "p", 3)
+	testkit.SeedEvents(t, pool, "p", 3)
 	clock := outboxtest.NewFakeClock()
 	var revoked atomic.Bool
 	var asked atomic.Int64
@@ -526,8 +519,8 @@ func TestSSEEndsAStreamWhoseAccessIsRevoked(t *testing.T) {
 	require.Equal(t, http.StatusOK, status)
 	defer s.close()
 	// A bounded wait for the stream's check to be scheduled, so that a stream that never
-	// checks again fails within waitLimit.
-	wait, cancel := context.WithTimeout(ctx, waitLimit)
+	// checks again fails within testkit.WaitLimit.
+	wait, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	_, err := clock.WaitForTimer(wait, time.Minute)
 	require.NoError(t, err, "the open stream schedules no check of its access")
@@ -559,10 +552,10 @@ func TestSSEEndsAStreamWhoseAccessIsRevoked(t *testing.T) {
 // event but within the outbox's head (another process was further ahead) is not.
 func TestSSEResetsAPositionBeyondTheHead(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
-	seedEvents(t, pool, "p", 152)
-	seedEvents(t, pool, "q", 5)
+	testkit.SeedEvents(t, pool, "p", 152)
+	testkit.SeedEvents(t, pool, "q", 5)
 	sse := newSSE(t, pool, []string{"p", "q"}, nil)
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
@@ -580,7 +573,7 @@ func TestSSEResetsAPositionBeyondTheHead(t *testing.T) {
 
 	// The outbox moves on to 162 while this handler has seen 152: a client at 160 (from a
 	// process further ahead) keeps its position and gets 161 on.
-	seedMore(t, pool, "p", "more", 10)
+	testkit.SeedMore(t, pool, "p", "more", 10)
 	before := sse.Stats().Resets
 	s, _ = openStream(t, ctx, srv.URL+"?project=p,q", id(160, 5))
 	defer s.close()
@@ -598,17 +591,17 @@ func TestSSEResetsAPositionBeyondTheHead(t *testing.T) {
 // is reset as unknown.
 func TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
-	seedEvents(t, pool, "p", 5)
-	seedEvents(t, pool, "q", 5)
+	testkit.SeedEvents(t, pool, "p", 5)
+	testkit.SeedEvents(t, pool, "q", 5)
 	sse := newSSE(t, pool, []string{"p", "q"}, func(o *web.SSEOptions) { o.MaxReplayReads = 1 })
 	srv := httptest.NewServer(sse)
 	defer srv.Close()
 	probe, _ := openStream(t, ctx, srv.URL+"?project=p,q", "")
 	fp := strings.Split(probe.position(t, ctx), ".")[1] // the handler has seen 5 of each
-	seedMore(t, pool, "p", "more", 5)
-	seedMore(t, pool, "q", "more", 5) // the outbox is at 10 in both
+	testkit.SeedMore(t, pool, "p", "more", 5)
+	testkit.SeedMore(t, pool, "q", "more", 5) // the outbox is at 10 in both
 
 	s, _ := openStream(t, ctx, srv.URL+"?project=p,q", "1."+fp+".8.8")
 	defer s.close()
@@ -630,11 +623,11 @@ func TestSSEBudgetsTheHeadReadsOfPositionsBeyondTheRing(t *testing.T) {
 // explicitly, never skipped.
 func TestSSEBoundsTheReplayReadsOfAConnection(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
 	projects := []string{"p", "q", "r"}
 	for _, p := range projects {
-		seedEvents(t, pool, p, 2000)
+		testkit.SeedEvents(t, pool, p, 2000)
 	}
 	sse := newSSE(t, pool, projects, func(o *web.SSEOptions) { o.RingSize = 16; o.MaxReplay = 2000 })
 	srv := httptest.NewServer(sse)
@@ -664,7 +657,7 @@ func TestSSEBoundsTheReplayReadsOfAConnection(t *testing.T) {
 // until the budget is spent, and is then reset, never silently moved past what it missed.
 func TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.Pool(t, pgtest.NewDB(t).URL)
 	sse := newSSE(t, pool, []string{"p"}, func(o *web.SSEOptions) {
 		o.RingSize = 16
@@ -692,7 +685,7 @@ func TestSSEBudgetAlsoBoundsALiveClientThatFallsBehind(t *testing.T) {
 	<-w.blocked // attached at p's head, 0; its opening frame waits
 
 	// 600 deletions arrive while the client does not read: the ring keeps the last 16.
-	seedEvents(t, pool, "p", 600)
+	testkit.SeedEvents(t, pool, "p", 600)
 	for seq := int64(1); seq <= 600; seq++ {
 		require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: seq,
 			EventType: outbox.EventTypeTaskDeleted, TaskID: fmt.Sprintf("seed-%d", seq), DeletedAt: time.Now()}}))

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 )
 
 // TestSSEMovesPastAnUndecodableRow: a row the consumer parks as undecodable (deleted_at
@@ -18,9 +19,9 @@ import (
 // works the same way instead of failing on the page again.
 func TestSSEMovesPastAnUndecodableRow(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	pool := pgtest.NewPool(t)
-	seedUndecodableAt4(t, pool, "p") // 1 to 3, then 4 cannot be decoded; 5 and 6 follow it
+	testkit.SeedUndecodableAt4(t, pool, "p") // 1 to 3, then 4 cannot be decoded; 5 and 6 follow it
 
 	sse := newSSE(t, pool, []string{"p"}, nil)
 	srv := httptest.NewServer(sse)

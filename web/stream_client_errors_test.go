@@ -18,6 +18,7 @@ import (
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/outboxtest"
 	"fusion/outbox/web"
 )
@@ -83,7 +84,7 @@ func TestStreamClientBacksOffOnItsClock(t *testing.T) {
 	t.Parallel()
 	ctx := streamCtx(t)
 	pool := pgtest.NewPool(t)
-	seedEvents(t, pool, "p", 3)
+	testkit.SeedEvents(t, pool, "p", 3)
 	sse := newSSE(t, pool, []string{"p"}, nil)
 	answers := []func(http.ResponseWriter){
 		func(w http.ResponseWriter) { http.Error(w, "busy", http.StatusServiceUnavailable) },
@@ -138,7 +139,7 @@ func TestStreamClientBacksOffOnItsClock(t *testing.T) {
 	sse.Close()
 	waitBackoff(5, 500*time.Millisecond, time.Second)
 	waitBackoff(6, time.Second, 2*time.Second)
-	require.Equal(t, seq(1, 3), rec.seqs("p"))
+	require.Equal(t, testkit.Seq(1, 3), rec.seqs("p"))
 }
 
 // TestStreamClientPassesWhatItCannotDecode: frames of no known type, or whose data is not a

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/web"
 )
 
@@ -22,7 +23,7 @@ import (
 // streamCtx bounds a stream client's test: each takes well under a second on a quiet
 // machine, and a minute on a busy one is a failure, not slowness.
 func streamCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(ctxT(t), time.Minute)
+	ctx, cancel := context.WithTimeout(testkit.Ctx(t), time.Minute)
 	t.Cleanup(cancel)
 	return ctx
 }
@@ -162,7 +163,7 @@ func runClient(t *testing.T, ctx context.Context, opts web.StreamClientOptions, 
 			cancel()
 			select {
 			case runErr = <-done:
-			case <-time.After(waitLimit):
+			case <-time.After(testkit.WaitLimit):
 				runErr = errors.New("Run did not return after its context ended")
 			}
 		})

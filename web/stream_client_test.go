@@ -10,11 +10,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
+	"fusion/outbox/internal/testkit"
 	"fusion/outbox/web"
 )
 
@@ -35,7 +35,7 @@ func (s *tcpServer) start(t *testing.T, h *web.SSEHandler) {
 	t.Helper()
 	var ln net.Listener
 	var err error
-	deadline := time.Now().Add(waitLimit)
+	deadline := time.Now().Add(testkit.WaitLimit)
 	for {
 		if ln, err = net.Listen("tcp", s.addr); err == nil || time.Now().After(deadline) {
 			break
@@ -80,8 +80,8 @@ func followAcrossRestart(t *testing.T, srv streamServer, url string, client *htt
 	ctx := streamCtx(t)
 	pool := pgtest.NewPool(t)
 	projects := []string{"p", "q"}
-	seedEvents(t, pool, "p", 60)
-	seedEvents(t, pool, "q", 30)
+	testkit.SeedEvents(t, pool, "p", 60)
+	testkit.SeedEvents(t, pool, "q", 30)
 	var current *web.SSEHandler
 	newHandler := func() *web.SSEHandler {
 		current = newSSE(t, pool, projects, func(o *web.SSEOptions) { o.RingSize = 16 })
@@ -115,14 +115,14 @@ func followAcrossRestart(t *testing.T, srv streamServer, url string, client *htt
 		t.Fatal("the client got no 20th event")
 	}
 	srv.stop()
-	seedMore(t, pool, "p", "down", 40) // numbered while no stream is served: 61 to 100
-	seedMore(t, pool, "q", "down", 20) // 31 to 50
+	testkit.SeedMore(t, pool, "p", "down", 40) // numbered while no stream is served: 61 to 100
+	testkit.SeedMore(t, pool, "q", "down", 20) // 31 to 50
 	srv.start(t, newHandler())
 	close(release)
 
 	rec.waitEvents(t, ctx, map[string]int{"p": 100, "q": 50})
-	require.Equal(t, seq(1, 100), rec.seqs("p"), "every event of p once, in order")
-	require.Equal(t, seq(1, 50), rec.seqs("q"), "every event of q once, in order")
+	require.Equal(t, testkit.Seq(1, 100), rec.seqs("p"), "every event of p once, in order")
+	require.Equal(t, testkit.Seq(1, 50), rec.seqs("q"), "every event of q once, in order")
 	rec.mu.Lock()
 	for i, ev := range rec.events {
 		var fence *outbox.FenceError
@@ -147,14 +147,14 @@ func followAcrossRestart(t *testing.T, srv streamServer, url string, client *htt
 
 	// A new client process with the same position file, after more deletions reached the
 	// stream: it resumes where the first one stopped.
-	seedMore(t, pool, "p", "later", 10)
+	testkit.SeedMore(t, pool, "p", "later", 10)
 	for i := range 10 {
 		require.NoError(t, current.HandleObserved(ctx, liveEvent("p", "later", i+1, int64(101+i))))
 	}
 	rec2 := newStreamRecorder()
 	runClient(t, ctx, opts, rec2)
 	rec2.waitEvents(t, ctx, map[string]int{"p": 10})
-	require.Equal(t, seq(101, 110), rec2.seqs("p"))
+	require.Equal(t, testkit.Seq(101, 110), rec2.seqs("p"))
 	waitSaved(t, ctx, positions, streamPos(projects, 110, 50))
 	require.Empty(t, rec2.seqs("q"))
 }
@@ -199,7 +199,7 @@ func TestStreamClientGetsResetsAndGoesOn(t *testing.T) {
 	below := newStreamRecorder()
 	_, belowPos := follow(streamPos(projects, 90, 395), below)
 	below.waitEvents(t, ctx, map[string]int{"q": 5})
-	seedMore(t, pool, "p", "live", 2)
+	testkit.SeedMore(t, pool, "p", "live", 2)
 	for i := range 2 {
 		require.NoError(t, sse.HandleObserved(ctx, liveEvent("p", "live", i+1, int64(401+i))))
 	}
@@ -208,15 +208,15 @@ func TestStreamClientGetsResetsAndGoesOn(t *testing.T) {
 	require.Equal(t, []web.SSEReset{{Projects: []string{"p"}, Reason: web.ResetBelowPrunedFloor}}, below.resets)
 	require.Equal(t, "p", below.events[len(below.events)-1].ProjectID)
 	below.mu.Unlock()
-	require.Equal(t, seq(396, 400), below.seqs("q"))
-	require.Equal(t, seq(401, 402), below.seqs("p"), "after the reset, p goes on from its newest event")
+	require.Equal(t, testkit.Seq(396, 400), below.seqs("q"))
+	require.Equal(t, testkit.Seq(401, 402), below.seqs("p"), "after the reset, p goes on from its newest event")
 	waitSaved(t, ctx, belowPos, streamPos(projects, 402, 400))
 
 	// q further behind than MaxReplay: p's rest, then a reset of q.
 	behind := newStreamRecorder()
 	follow(streamPos(projects, 395, 10), behind)
 	behind.waitUntil(t, ctx, "the reset of q", func() bool { return len(behind.resets) == 1 })
-	require.Equal(t, seq(396, 402), behind.seqs("p"))
+	require.Equal(t, testkit.Seq(396, 402), behind.seqs("p"))
 	require.Equal(t, web.SSEReset{Projects: []string{"q"}, Reason: web.ResetTooFarBehind}, behind.resets[0])
 
 	// A position of another stream, whose reset the handler fails on once: the reset comes
@@ -236,18 +236,6 @@ func TestStreamClientGetsResetsAndGoesOn(t *testing.T) {
 	waitSaved(t, ctx, otherPos, streamPos(projects, 402, 400))
 	st := c.Stats()
 	require.Equal(t, web.StreamClientStats{Connects: 2, Resets: 1, Errors: 1}, st)
-}
-
-// pruneSetup is TestSSEResets's database: p numbered 1 to 400 with 1 to 100 pruned, q 1 to 400.
-func pruneSetup(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
-	seedEvents(t, pool, "p", 100)
-	seedMore(t, pool, "p", "late", 300)
-	seedEvents(t, pool, "q", 400)
-	tag, err := pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'p' AND task_id LIKE 'seed-%'`)
-	require.NoError(t, err)
-	require.Equal(t, int64(100), tag.RowsAffected())
-	_, err = pool.Exec(ctx, `UPDATE lifecycle_outbox_heads SET pruned_through = 100, last_sequence = GREATEST(last_sequence, 100) WHERE project_id = 'p'`)
-	require.NoError(t, err)
 }
 
 // waitSaved waits until positions holds want.
