@@ -13,6 +13,7 @@ import (
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testhost"
+	"fusion/outbox/internal/testkit"
 )
 
 // joinTracer holds each read of heads or first batches, once armed, until another consumer
@@ -46,7 +47,7 @@ func (j *joinTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEnd
 // event once, in order. A consumer on a pool of its own shares nothing.
 func TestConsumersOfOnePoolShareTheirReads(t *testing.T) {
 	t.Parallel()
-	ctx := ctxT(t)
+	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	tr := &joinTracer{}
 	pc, err := pgxpool.ParseConfig(db.URL)
@@ -54,7 +55,7 @@ func TestConsumersOfOnePoolShareTheirReads(t *testing.T) {
 	pc.ConnConfig.Tracer = tr
 	pool := pgtest.PoolConfig(t, pc)
 	tr.pool.Store(pool)
-	cfg := fastConfig()
+	cfg := testkit.FastConfig()
 	// Scans on notifications only: a poll (the elected ticker's reads heads with another
 	// statement) would take the holds.
 	cfg.TickFallbackInterval, cfg.PollInterval = time.Hour, time.Hour
@@ -78,16 +79,16 @@ func TestConsumersOfOnePoolShareTheirReads(t *testing.T) {
 	}
 	deleteAll("t-1")
 	deleteAll("t-2")
-	for _, rec := range []*recorder{rec1, rec2, recAlone} {
-		rec.waitCount(t, ctx, 6)
+	for _, rec := range []*testkit.Recorder{rec1, rec2, recAlone} {
+		rec.WaitCount(t, ctx, 6)
 	}
 	// Both consumers of the pool are caught up on the same tick: the next ticks wake them to
 	// the same reads.
 	tr.holds.Store(4)
 	deleteAll("t-3")
 	deleteAll("t-4")
-	for _, rec := range []*recorder{rec1, rec2, recAlone} {
-		evs := rec.waitCount(t, ctx, 12)
+	for _, rec := range []*testkit.Recorder{rec1, rec2, recAlone} {
+		evs := rec.WaitCount(t, ctx, 12)
 		require.Len(t, evs, 12, "each event once")
 		for _, p := range projects {
 			require.Equal(t, upTo(4), sequencesByProject(evs)[p], "project %s in order", p)
