@@ -211,17 +211,40 @@ type OwnWritesListener interface {
 func (d *Dispatcher) handOwn(ctx context.Context, ev ObservedEvent) {
 	for _, l := range d.listeners {
 		if o, ok := l.(OwnWritesListener); ok {
-			func() {
-				defer func() {
-					if r := recover(); r != nil {
-						d.log.Error("own-writes listener panicked", zap.String("listener", l.Name()),
-							zap.String("event_id", ev.EventID), zap.Any("panic", r))
-					}
-				}()
-				o.HandleOwn(ctx, ev)
-			}()
+			d.contained(l, "own-writes", ev.EventID, func() { o.HandleOwn(ctx, ev) })
 		}
 	}
+}
+
+// ParkedListener is a Listener that is also told when the consumer parks an event as a dead
+// letter instead of delivering it (its attempts spent, or a row it cannot decode), once the
+// cursor has moved past it. It is for a listener that keeps a position in the stream, such as
+// the event stream (web.SSEHandler), whose clients must move past the event as the consumer
+// did, even when no later event follows. HandleParked runs on the consumer's goroutine; it must
+// return at once, and it cannot fail anything.
+type ParkedListener interface {
+	Listener
+	HandleParked(ctx context.Context, ev Event)
+}
+
+// handParked tells the listeners that keep a position that ev was parked.
+func (d *Dispatcher) handParked(ctx context.Context, ev Event) {
+	for _, l := range d.listeners {
+		if p, ok := l.(ParkedListener); ok {
+			d.contained(l, "parked", ev.EventID, func() { p.HandleParked(ctx, ev) })
+		}
+	}
+}
+
+// contained runs a listener's call that cannot fail the event, logging a panic instead.
+func (d *Dispatcher) contained(l Listener, kind, eventID string, call func()) {
+	defer func() {
+		if r := recover(); r != nil {
+			d.log.Error(kind+" listener panicked", zap.String("listener", l.Name()),
+				zap.String("event_id", eventID), zap.Any("panic", r))
+		}
+	}()
+	call()
 }
 
 // applyToCache records a parked event's deletion in the cache: the task is gone even though

@@ -43,6 +43,7 @@ func (l *scanLoop) recordFailure(ctx context.Context, st *stream, ev Event, clas
 	if class != FailureUndecodableEvent {
 		l.dispatch.applyToCache(ctx, ev)
 	}
+	l.dispatch.handParked(ctx, ev)
 	l.stats.parked.Add(1)
 	l.metrics.parked(st.project, string(l.id))
 	l.log.Error("event parked as a dead letter; the stream moves on", fields...)

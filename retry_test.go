@@ -132,6 +132,7 @@ func TestPoisonEventIsParkedAfterTenAttempts(t *testing.T) {
 	}
 	evs := obs.Rec.WaitCount(t, ctx, 1)
 	require.Equal(t, int64(2), evs[0].Sequence, "the next event is delivered after the park")
+	require.Equal(t, []int64{1}, obs.Rec.Parked(), "a listener that keeps a position is told of the park before the next event")
 	testkit.WaitCursor(t, ctx, w.Pool, "p", "engine", 2)
 
 	require.Len(t, log.get(), 10, "exactly ten attempts")

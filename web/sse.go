@@ -90,12 +90,26 @@ func (h *SSEHandler) HandleObserved(_ context.Context, ev outbox.ObservedEvent) 
 	if err != nil {
 		return err
 	}
+	h.put(ev.ProjectID, f)
+	return nil
+}
+
+// HandleParked implements outbox.ParkedListener: an event the consumer parked as a dead
+// letter reaches the stream as a frame with its ID and no event, as a row that cannot be
+// decoded does, so that clients move past it as the consumer did even when no later event
+// follows (a child worker would otherwise stay one behind the head for good).
+func (h *SSEHandler) HandleParked(_ context.Context, ev outbox.Event) {
+	h.put(ev.ProjectID, sseFrame{seq: ev.Sequence})
+}
+
+// put adds frame f to project's log and wakes its clients.
+func (h *SSEHandler) put(project string, f sseFrame) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	lg := h.logLocked(ev.ProjectID)
+	lg := h.logLocked(project)
 	switch {
 	case lg.known && f.seq <= lg.hi:
-		return nil
+		return
 	case lg.known && f.seq == lg.hi+1:
 		lg.append(f, h.cfg.RingSize)
 	default:
@@ -107,7 +121,6 @@ func (h *SSEHandler) HandleObserved(_ context.Context, ev outbox.ObservedEvent) 
 		default:
 		}
 	}
-	return nil
 }
 
 // HandleOwn implements outbox.OwnWritesListener: the process's own deletions reach its stream as

@@ -1,14 +1,18 @@
 package web_test
 
 import (
+	"bufio"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
 	"fusion/outbox/internal/testkit"
 )
@@ -40,4 +44,45 @@ func TestSSEMovesPastAnUndecodableRow(t *testing.T) {
 		require.Equal(t, "1."+parts[1]+".6", s.close(), "the last ID is past every row")
 	}
 	require.Zero(t, sse.Stats().Resets)
+}
+
+// TestSSEMovesPastAParkedEvent: the consumer parked the project's last event (every listener
+// after the failing one never saw it). The stream's clients move past it with an ID-only
+// frame, so a client that resumes from before it ends at the head instead of one behind it
+// until another event comes, which may be never.
+func TestSSEMovesPastAParkedEvent(t *testing.T) {
+	t.Parallel()
+	ctx := testkit.Ctx(t)
+	pool := pgtest.NewPool(t)
+	testkit.SeedEvents(t, pool, "p", 4)
+	sse := newSSE(t, pool, []string{"p"}, nil)
+	srv := httptest.NewServer(sse)
+	defer srv.Close()
+	require.NoError(t, sse.HandleObserved(ctx, outbox.ObservedEvent{Event: outbox.Event{ProjectID: "p", Sequence: 3,
+		EventType: outbox.EventTypeTaskDeleted, TaskID: "seed-3", DeletedAt: time.Now()}}))
+	probe, _ := openStream(t, ctx, srv.URL, "")
+	id := strings.Split(probe.position(t, ctx), ".")
+	require.Equal(t, "3", id[2], "the stream stands at the last event its consumer handed it")
+
+	sse.HandleParked(ctx, outbox.Event{ProjectID: "p", Sequence: 4, TaskID: "seed-4"})
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL, nil)
+	require.NoError(t, err)
+	req.Header.Set("Last-Event-ID", "1."+id[1]+".3")
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	lines := bufio.NewScanner(resp.Body)
+	var frame []string
+	for lines.Scan() {
+		if lines.Text() != "" {
+			frame = append(frame, lines.Text())
+			continue
+		}
+		if slices.Contains(frame, "id: 1."+id[1]+".4") {
+			require.NotContains(t, strings.Join(frame, "\n"), "data:", "the parked event is not sent, only its position")
+			return
+		}
+		frame = frame[:0]
+	}
+	t.Fatalf("the stream ended before the parked event's position: %v", lines.Err())
 }

@@ -27,6 +27,7 @@ type Recorder struct {
 	events  []outbox.ObservedEvent
 	changed chan struct{}
 	fail    func(outbox.ObservedEvent) error // nil: succeed
+	parked  []int64                          // sequences the consumer told it it parked
 }
 
 // NewRecorder returns a recorder that has recorded nothing and fails nothing.
@@ -52,6 +53,20 @@ func (r *Recorder) HandleObserved(ctx context.Context, ev outbox.ObservedEvent) 
 	close(r.changed)
 	r.changed = make(chan struct{})
 	return err
+}
+
+// HandleParked records that the consumer parked ev (outbox.ParkedListener).
+func (r *Recorder) HandleParked(_ context.Context, ev outbox.Event) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.parked = append(r.parked, ev.Sequence)
+}
+
+// Parked returns the sequences the consumer said it parked, in order.
+func (r *Recorder) Parked() []int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]int64(nil), r.parked...)
 }
 
 // SetFail makes every later call return what fn returns for its event (nil: succeed); a nil
