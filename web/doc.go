@@ -8,8 +8,8 @@
 // SSEHandler serves the process's observed task deletions as Server-Sent Events. It is one of
 // the observed listeners of the process's durable consumer (outbox.Listener, and
 // outbox.OwnWritesListener so that the process's own deletions reach it in sequence order with
-// everyone else's, and outbox.ParkedListener so that a dead letter moves the clients past its
-// position with an ID-only frame); the clients are ephemeral and own no cursor. Every event a client is sent
+// everyone else's, and outbox.ParkedListener so that a dead letter reaches the clients in its
+// place and moves them past it); the clients are ephemeral and own no cursor. Every event a client is sent
 // carries an ID holding the client's position in every project of its stream (sse_id.go), which
 // a browser's EventSource sends back as Last-Event-ID when it reconnects: the handler then
 // sends what the client missed, from its ring of recent events per project or, further back,

@@ -95,11 +95,19 @@ func (h *SSEHandler) HandleObserved(_ context.Context, ev outbox.ObservedEvent) 
 }
 
 // HandleParked implements outbox.ParkedListener: an event the consumer parked as a dead
-// letter reaches the stream as a frame with its ID and no event, as a row that cannot be
-// decoded does, so that clients move past it as the consumer did even when no later event
+// letter (a listener before the stream failed it every time, so the stream never got it)
+// reaches the stream in its place, as a resuming client reads it from the outbox; a row that
+// cannot be decoded is sent as a frame with its ID and no event, as the outbox replay sends
+// it. Either way the clients move past it as the consumer did, even when no later event
 // follows (a child worker would otherwise stay one behind the head for good).
 func (h *SSEHandler) HandleParked(_ context.Context, ev outbox.Event) {
-	h.put(ev.ProjectID, sseFrame{seq: ev.Sequence})
+	f := sseFrame{seq: ev.Sequence}
+	if ev.Validate() == nil {
+		if full, err := newFrame(ev); err == nil {
+			f = full
+		}
+	}
+	h.put(ev.ProjectID, f)
 }
 
 // put adds frame f to project's log and wakes its clients.
