@@ -110,6 +110,12 @@ func (h *SSEHandler) HandleParked(_ context.Context, ev outbox.Event) {
 	h.put(ev.ProjectID, f)
 }
 
+// The stream is told of the process's own events and of parked ones.
+var (
+	_ outbox.OwnWritesListener = (*SSEHandler)(nil)
+	_ outbox.ParkedListener    = (*SSEHandler)(nil)
+)
+
 // put adds frame f to project's log and wakes its clients.
 func (h *SSEHandler) put(project string, f sseFrame) {
 	h.mu.Lock()
