@@ -290,6 +290,10 @@ func (s *Store) LiveTaskIDs(ctx context.Context, projectID string) ([]string, er
 	return pgx.CollectRows(rows, pgx.RowTo[string])
 }
 
+// insertObserverAuditSQL is an audit row an observer writes (a poisoned or replayed event).
+const insertObserverAuditSQL = `INSERT INTO run_audit (project_id, task_id, action, actor, metadata)
+VALUES (@project, @task, @action, @actor, @metadata)`
+
 const liveTaskIDsSQL = `SELECT id FROM tasks WHERE project_id = $1 AND deleted_at IS NULL`
 
 // LiveTaskIDsTx implements outbox.LiveTasks.
@@ -339,8 +343,8 @@ func (s *Store) WriteAuditTx(ctx context.Context, tx pgx.Tx, rec outbox.AuditRec
 	if id, _, err := outbox.ParseEventID(rec.EventID); err == nil {
 		taskID = &id
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO run_audit (project_id, task_id, action, actor, metadata) VALUES ($1, $2, $3, $4, $5)`,
-		rec.ProjectID, taskID, rec.Action, actor, string(b)); err != nil {
+	if _, err := tx.Exec(ctx, insertObserverAuditSQL, pgx.StrictNamedArgs{"project": rec.ProjectID, "task": taskID,
+		"action": rec.Action, "actor": actor, "metadata": string(b)}); err != nil {
 		return fmt.Errorf("write run audit: %w", err)
 	}
 	return nil
