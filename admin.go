@@ -102,10 +102,9 @@ type ConsumerStatus struct {
 	ReconcileReason ReconcileReason `json:"reconcileReason,omitempty"`
 }
 
-// statusSQL is the status of every cursor of project $2 (every project when empty) and
-// consumer $3 (every consumer when empty), on the clock shifted by $1. projectsStatusSQL is the
-// same read of the projects in $2; the two return the same columns (TestEveryStatementPrepares
-// checks), which queryStatus scans.
+// statusSQL is the status of every cursor of project $2 (every project when empty), consumer
+// $3 (every consumer when empty) and the projects in $4 (every project when NULL), on the clock
+// shifted by $1.
 const statusSQL = `
 SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
        coalesce(h.last_sequence, 0), coalesce(h.pruned_through, 0),
@@ -130,33 +129,7 @@ LEFT JOIN LATERAL (
     WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
 ) d ON true
 WHERE ($2 = '' OR c.project_id = $2) AND ($3 = '' OR c.consumer_id = $3)
-ORDER BY c.project_id, c.consumer_id`
-
-// projectsStatusSQL is the status of every consumer of the given projects.
-const projectsStatusSQL = `
-SELECT c.project_id, c.consumer_id, c.last_acked_sequence,
-       coalesce(h.last_sequence, 0), coalesce(h.pruned_through, 0),
-       greatest(coalesce(h.last_sequence, 0) - coalesce(c.last_acked_sequence, 0), 0),
-       coalesce(greatest(extract(epoch FROM (pg_catalog.now() + $1::interval) - o.occurred_at), 0), 0)::float8,
-       coalesce(c.lease_owner, ''), c.lease_epoch, c.lease_expires_at,
-       coalesce(c.lease_owner IS NOT NULL AND c.lease_expires_at > pg_catalog.now() + $1::interval, false),
-       c.heartbeat_at, c.retired_at IS NOT NULL, c.retired_at, coalesce(c.retired_by, ''), coalesce(c.retired_reason, ''),
-       coalesce(d.retrying, 0), coalesce(d.dead, 0), coalesce(d.replay, 0),
-       c.reconciled_at, coalesce(c.reconcile_reason, '')
-FROM lifecycle_consumer_cursors c
-LEFT JOIN lifecycle_outbox_head h ON h.project_id = c.project_id
-LEFT JOIN LATERAL (
-    SELECT r.occurred_at FROM lifecycle_outbox_read(c.project_id::text, coalesce(c.last_acked_sequence, 0), 1, NULL, NULL, NULL) r
-    WHERE coalesce(c.last_acked_sequence, 0) < h.last_sequence
-) o ON true
-LEFT JOIN LATERAL (
-    SELECT pg_catalog.count(*) FILTER (WHERE state = 'retrying')::int AS retrying,
-           pg_catalog.count(*) FILTER (WHERE state = 'dead')::int AS dead,
-           pg_catalog.count(*) FILTER (WHERE state = 'replay_requested')::int AS replay
-    FROM lifecycle_consumer_deliveries d
-    WHERE d.project_id = c.project_id AND d.consumer_id = c.consumer_id AND d.state <> 'resolved'
-) d ON true
-WHERE c.project_id = ANY ($2::text[])
+  AND ($4::text[] IS NULL OR c.project_id = ANY ($4::text[]))
 ORDER BY c.project_id, c.consumer_id`
 
 // statusProjectsSQL lists the projects a status call covers, for reading them one by one after
@@ -178,7 +151,7 @@ func (a *Admin) Status(ctx context.Context, f StatusFilter) ([]ConsumerStatus, e
 }
 
 func consumerStatus(ctx context.Context, db DBTX, clock Clock, f StatusFilter) ([]ConsumerStatus, error) {
-	out, err := queryStatus(ctx, db, statusSQL, clock.Offset(), f.ProjectID, f.ConsumerID)
+	out, err := queryStatus(ctx, db, statusSQL, clock.Offset(), f.ProjectID, f.ConsumerID, []string(nil))
 	if err == nil || f.ProjectID != "" || ctx.Err() != nil || !readIsolatable(err) {
 		return out, err
 	}
@@ -191,18 +164,18 @@ func consumerStatus(ctx context.Context, db DBTX, clock Clock, f StatusFilter) (
 		return nil, err
 	}
 	return statusEach(ctx, projects, func(p string) ([]ConsumerStatus, error) {
-		return queryStatus(ctx, db, statusSQL, clock.Offset(), p, f.ConsumerID)
+		return queryStatus(ctx, db, statusSQL, clock.Offset(), p, f.ConsumerID, []string(nil))
 	})
 }
 
 // projectsStatus is the status of every consumer of projects, isolated per project like Status.
 func projectsStatus(ctx context.Context, db DBTX, clock Clock, projects []string) ([]ConsumerStatus, error) {
-	out, err := queryStatus(ctx, db, projectsStatusSQL, clock.Offset(), projects)
+	out, err := queryStatus(ctx, db, statusSQL, clock.Offset(), "", "", projects)
 	if err == nil || len(projects) < 2 || ctx.Err() != nil || !readIsolatable(err) {
 		return out, err
 	}
 	return statusEach(ctx, projects, func(p string) ([]ConsumerStatus, error) {
-		return queryStatus(ctx, db, projectsStatusSQL, clock.Offset(), []string{p})
+		return queryStatus(ctx, db, statusSQL, clock.Offset(), p, "", []string(nil))
 	})
 }
 

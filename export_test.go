@@ -51,7 +51,6 @@ var Statements = map[string]string{
 	"openWithTickSQL":         openWithTickSQL,
 	"newestTickSQL":           newestTickSQL,
 	"planSQL":                 planSQL,
-	"projectsStatusSQL":       projectsStatusSQL,
 	"pruneBatchSQL":           pruneBatchSQL,
 	"pruneDeadLettersSQL":     pruneDeadLettersSQL,
 	"readEventSQL":            readEventSQL,

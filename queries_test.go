@@ -29,7 +29,6 @@ func TestEveryStatementPrepares(t *testing.T) {
 	// Statements whose rows one function scans return the same columns.
 	for _, group := range [][]string{
 		{"readEventsSQL", "readFirstEventsSQL", "readEventSQL"}, // scanEvents
-		{"statusSQL", "projectsStatusSQL"},                      // queryStatus
 		{"insertEventSQL", "insertTracedEventSQL"},              // the writer hook's insert
 	} {
 		for _, name := range group[1:] {
