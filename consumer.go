@@ -21,8 +21,9 @@ type ConsumerOptions struct {
 	// ID is the durable identity, normally from ResolveConsumerID. Required.
 	ID ConsumerID
 	// Pool is the host's pool. The consumer uses at most three of its connections at a time
-	// (the loop, one acknowledgement in flight, the heartbeat), plus one dedicated LISTEN
-	// connection (hijacked from the pool unless Config.ListenDSN).
+	// (the loop, one acknowledgement in flight, the heartbeat), plus one dedicated connection
+	// for the ticker's election, and a LISTEN connection it shares with the process's other
+	// consumers of this pool (both hijacked from the pool unless Config.ListenDSN).
 	Pool *pgxpool.Pool
 	// Config is the deployment configuration (defaults applied by NewConsumer).
 	Config Config

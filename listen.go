@@ -87,8 +87,9 @@ func parseReplayPayload(payload string) (consumer ConsumerID, project string, ok
 	return id, p, true
 }
 
-// waker keeps the consumer's LISTEN connection and its self-test (listen_selftest.go), and
-// asks the scan loop to scan the projects notifications name.
+// waker is the consumer's part of its process's LISTEN connection (listen_hub.go): it keeps
+// the consumer's self-test (listen_selftest.go) and asks the scan loop to scan the projects
+// notifications name.
 type waker struct {
 	id      ConsumerID
 	pool    *pgxpool.Pool
@@ -97,15 +98,21 @@ type waker struct {
 	log     *zap.Logger
 	scans   *scanRequests
 	check   wakeupCheck // the self-test's outcome
+
+	// Set by listenLoop for one run.
+	ctx       context.Context
+	readyOnce *sync.Once
+	listening chan struct{}
+	tests     sync.WaitGroup // self-test sends in flight
 }
 
-// listenLoop keeps one dedicated LISTEN connection open. After every (re)connection it asks
-// for a full scan, so events committed while it was away are caught up. listening is closed
-// once the first LISTEN is in place or has failed.
+// listenLoop joins the process's LISTEN connection for the consumer's pool and channel until
+// ctx ends. After every (re)connection the consumer asks for a full scan, so events committed
+// while no one listened are caught up. listening is closed once LISTEN is in place or has
+// failed.
 func (wk *waker) listenLoop(ctx context.Context, listening chan struct{}) {
-	var once sync.Once
-	ready := func() { once.Do(func() { close(listening) }) }
-	defer ready()
+	wk.ctx, wk.readyOnce, wk.listening = ctx, &sync.Once{}, listening
+	defer wk.ready()
 	if wk.cfg.TransactionPooler && wk.cfg.ListenDSN == "" {
 		// A LISTEN through a transaction pooler hears nothing, and it stays registered on the
 		// server connection that ran it. PgBouncer (1.18 at least) then mistakes a notification
@@ -113,59 +120,44 @@ func (wk *waker) listenLoop(ctx context.Context, listening chan struct{}) {
 		// to come: a client reads another statement's answer, and a later check can wait for
 		// ever (the runbook's pooler section). So no LISTEN goes through the pool.
 		wk.pollOnly("TransactionPooler (transaction_pooler) is set and ListenDSN (listen_dsn) is not; a LISTEN through the pooler would stay behind on a server connection")
-		ready()
+		wk.ready()
 		<-ctx.Done()
 		return
 	}
-	wait := 100 * time.Millisecond
-	for {
-		err := wk.listenOnce(ctx, ready)
-		ready()
-		if ctx.Err() != nil {
-			return
-		}
-		wk.metrics.listenReconnect(string(wk.id))
-		wk.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", wait))
-		if !sleepCtx(ctx, wait) {
-			return
-		}
-		wait = min(wait*2, 5*time.Second)
-	}
+	h := joinHub(wk)
+	<-ctx.Done()
+	h.leave(wk)
+	wk.stopSelfTest()
+	wk.tests.Wait()
 }
 
-func (wk *waker) listenOnce(ctx context.Context, ready func()) error {
-	conn, err := wk.listenConn(ctx)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		closeCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = conn.Close(closeCtx)
-	}()
-	// LISTEN takes no parameter: the configured channel is quoted as an identifier.
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{wk.cfg.TickChannel}.Sanitize()); err != nil {
-		return fmt.Errorf("listen: %w", err)
-	}
-	// Catch up on whatever committed while no one was listening, and on replay requests
-	// whose hints went unheard meanwhile.
+// ready lets the consumer's first scan start.
+func (wk *waker) ready() { wk.readyOnce.Do(func() { close(wk.listening) }) }
+
+// connected: LISTEN is in place (again). The consumer catches up on whatever committed while
+// no one was listening, and on replay requests whose hints went unheard meanwhile, and
+// proves the channel again. Called under the hub's lock: it must not block.
+func (wk *waker) connected() {
 	wk.scans.requestRead()
-	ready()
-	check, err := wk.startSelfTest(ctx) // see listen_selftest.go
-	if err != nil {
-		return err
+	wk.ready()
+	wk.startSelfTest()
+}
+
+// lost: the LISTEN connection failed or could not be made; the hub tries again in retryIn,
+// and the consumer polls meanwhile. Called under the hub's lock.
+func (wk *waker) lost(err error, retryIn time.Duration) {
+	wk.ready()
+	wk.stopSelfTest()
+	wk.metrics.listenReconnect(string(wk.id))
+	wk.log.Warn("LISTEN connection lost; reconnecting, and polling meanwhile", zap.Error(err), zap.Duration("retry_in", retryIn))
+}
+
+// notified acts on one notification. Called under the hub's lock.
+func (wk *waker) notified(channel, payload string) {
+	if wk.heard(payload) {
+		return
 	}
-	defer check.stop()
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return fmt.Errorf("wait for notification: %w", err)
-		}
-		if wk.heard(check, n.Payload) {
-			continue
-		}
-		wk.note(n.Channel, n.Payload)
-	}
+	wk.note(channel, payload)
 }
 
 // note acts on a notification: a project's wake-up asks for a scan of it, a tick's
@@ -194,19 +186,14 @@ func (wk *waker) note(channel, payload string) {
 	wk.log.Debug("skipped a notification that is not ours", zap.String("channel", channel), zap.Int("payload_bytes", len(payload)))
 }
 
-// listenConn opens the waker's dedicated connection (see dedicatedConn).
-func (wk *waker) listenConn(ctx context.Context) (*pgx.Conn, error) {
-	return dedicatedConn(ctx, wk.pool, wk.cfg)
-}
-
-// dedicatedConn opens a connection of the consumer's own, for LISTEN and the ticker's election:
-// from Config.ListenDSN when set (a pool behind a transaction-pooling proxy cannot LISTEN), else
+// dedicatedConn opens a connection for LISTEN and the ticker's election: from listenDSN
+// (Config.ListenDSN) when set (a pool behind a transaction-pooling proxy cannot LISTEN), else
 // hijacked from the pool so it never returns.
-func dedicatedConn(ctx context.Context, pool *pgxpool.Pool, cfg consumerConfig) (*pgx.Conn, error) {
-	if cfg.ListenDSN != "" {
+func dedicatedConn(ctx context.Context, pool *pgxpool.Pool, listenDSN string) (*pgx.Conn, error) {
+	if listenDSN != "" {
 		// Config.Validate parsed it already; a parse error is still never wrapped, since pgx's
 		// message can hold part of a password and this one would be logged on every reconnect.
-		pcfg, err := pgx.ParseConfig(cfg.ListenDSN)
+		pcfg, err := pgx.ParseConfig(listenDSN)
 		if err != nil {
 			return nil, fmt.Errorf("connect for LISTEN: ListenDSN does not parse: %s", safetext.DSNParseReason(err))
 		}

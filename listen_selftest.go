@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"fmt"
 	"sync"
 	"time"
 
@@ -14,8 +13,8 @@ import (
 
 // The wake-up self-test. A LISTEN through a transaction-pooling proxy succeeds and then hears
 // nothing: the proxy ran it on a server connection the consumer no longer holds. Polling still
-// delivers every event, so the failure is silent unless someone looks. After each LISTEN the
-// consumer therefore sends one notification to itself through its pool, on the same channel,
+// delivers every event, so the failure is silent unless someone looks. After each LISTEN (and
+// on joining its process's LISTEN connection, listen_hub.go) the consumer therefore sends one notification to itself through its pool, on the same channel,
 // the way writers send theirs, and expects it on the LISTEN connection within
 // Config.ListenCheckTimeout. When it arrives the wake-ups are proven; when it does not, the
 // consumer says once what to do, and Wakeups, Outbox.Wakeups and the
@@ -56,6 +55,11 @@ type wakeupCheck struct {
 	mu     sync.Mutex
 	state  WakeupState // "" until the first outcome
 	warned bool
+	// The self-test under way: its run (each start and stop moves it on, so a send or a bound
+	// of an earlier run does nothing), its payload and its bound (nil until the send is done).
+	run   int
+	token string
+	timer *time.Timer
 }
 
 func (w *wakeupCheck) load() WakeupState {
@@ -76,33 +80,71 @@ func (o *Outbox) Wakeups() WakeupState {
 	return c.Wakeups()
 }
 
-// selfTest is one run of the self-test on a fresh LISTEN connection.
-type selfTest struct {
-	token string
-	timer *time.Timer
+// startSelfTest starts a self-test: the notification is sent through the pool by a goroutine
+// of its own (the caller holds the hub's lock), and its bound is armed once it is sent.
+func (wk *waker) startSelfTest() {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	w := &wk.check
+	w.mu.Lock()
+	w.run++
+	run, token := w.run, selfTestPrefix+hex.EncodeToString(b[:])
+	w.token = token
+	if w.timer != nil {
+		w.timer.Stop()
+		w.timer = nil
+	}
+	w.mu.Unlock()
+	wk.tests.Add(1)
+	go func() {
+		defer wk.tests.Done()
+		wk.sendSelfTest(run, token)
+	}()
 }
 
-func (st *selfTest) stop() { st.timer.Stop() }
+// sendSelfTest sends the self-test's notification, trying again while the send fails (the
+// database is away; the connection's loss will start another run), and arms its bound.
+func (wk *waker) sendSelfTest(run int, token string) {
+	w := &wk.check
+	wait := 100 * time.Millisecond
+	for {
+		sendCtx, stop := context.WithTimeout(wk.ctx, 10*time.Second)
+		_, err := wk.pool.Exec(sendCtx, selfTestNotifySQL, wk.cfg.TickChannel, token)
+		stop()
+		w.mu.Lock()
+		if w.run != run || wk.ctx.Err() != nil {
+			w.mu.Unlock()
+			return
+		}
+		if err == nil {
+			w.timer = time.AfterFunc(wk.cfg.ListenCheckTimeout, func() { wk.selfTestTimedOut(run) })
+			w.mu.Unlock()
+			return
+		}
+		w.mu.Unlock()
+		wk.log.Debug("wake-up self-test: send failed; trying again", zap.Error(err), zap.Duration("retry_in", wait))
+		if !sleepCtx(wk.ctx, wait) {
+			return
+		}
+		wait = min(wait*2, 5*time.Second)
+	}
+}
 
-// startSelfTest sends the self-test notification through the pool and arms its bound.
-func (wk *waker) startSelfTest(ctx context.Context) (*selfTest, error) {
-	var b [8]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return nil, fmt.Errorf("wake-up self-test token: %w", err)
+// stopSelfTest ends the self-test under way, if any: its bound no longer counts.
+func (wk *waker) stopSelfTest() {
+	w := &wk.check
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.run++
+	if w.timer != nil {
+		w.timer.Stop()
+		w.timer = nil
 	}
-	st := &selfTest{token: selfTestPrefix + hex.EncodeToString(b[:])}
-	sendCtx, stop := context.WithTimeout(ctx, 10*time.Second)
-	defer stop()
-	if _, err := wk.pool.Exec(sendCtx, selfTestNotifySQL, wk.cfg.TickChannel, st.token); err != nil {
-		return nil, fmt.Errorf("wake-up self-test: send: %w", err)
-	}
-	st.timer = time.AfterFunc(wk.cfg.ListenCheckTimeout, wk.selfTestTimedOut)
-	return st, nil
 }
 
 // heard records that a notification reached the LISTEN connection, which proves the channel
 // whatever its payload, and reports whether it was the self-test's own (not to be parsed).
-func (wk *waker) heard(st *selfTest, payload string) bool {
+func (wk *waker) heard(payload string) bool {
 	w := &wk.check
 	// The lock covers the gauge and the log too, so that whoever reads the state sees what
 	// was said about it.
@@ -119,16 +161,16 @@ func (wk *waker) heard(st *selfTest, payload string) bool {
 		wk.metrics.wakeups(string(wk.id), true)
 		wk.log.Debug("wake-up self-test passed: notifications reach the LISTEN connection")
 	}
-	return payload == st.token
+	return w.token != "" && payload == w.token
 }
 
 // selfTestTimedOut runs when the self-test's bound passes. Unless a notification arrived
 // meanwhile, the consumer runs on polling alone and says once what to do.
-func (wk *waker) selfTestTimedOut() {
+func (wk *waker) selfTestTimedOut(run int) {
 	w := &wk.check
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.state == WakeupsWorking {
+	if w.run != run || w.state == WakeupsWorking {
 		return
 	}
 	w.state = WakeupsPollingOnly

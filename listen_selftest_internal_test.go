@@ -22,8 +22,7 @@ func TestWakeupStateMachine(t *testing.T) {
 	}
 	w := &waker{id: "c", cfg: Config{ListenCheckTimeout: time.Second}.WithDefaults().consumerConfig(), log: zap.New(core), metrics: m}
 	c := &Consumer{cfg: w.cfg, waker: w}
-	st := &selfTest{token: selfTestPrefix + "abc", timer: time.NewTimer(time.Hour)}
-	defer st.stop()
+	w.check.run, w.check.token = 1, selfTestPrefix+"abc"
 	gauge := func() float64 {
 		var d dto.Metric
 		if err := m.listenWakeups.WithLabelValues("c").Write(&d); err != nil {
@@ -35,15 +34,17 @@ func TestWakeupStateMachine(t *testing.T) {
 	if got := c.Wakeups(); got != WakeupsUnchecked {
 		t.Fatalf("before the self-test: %s", got)
 	}
-	w.selfTestTimedOut()
-	w.selfTestTimedOut() // a second connection's bound: no second warning
+	w.selfTestTimedOut(1)
+	w.check.run++
+	w.selfTestTimedOut(0) // an earlier run's bound: nothing
+	w.selfTestTimedOut(2) // a second connection's bound: no second warning
 	if got := c.Wakeups(); got != WakeupsPollingOnly || gauge() != 0 {
 		t.Fatalf("after the bound: %s, gauge %v", got, gauge())
 	}
 	if n := logs.FilterMessageSnippet("LISTEN wake-ups do not arrive").Len(); n != 1 {
 		t.Fatalf("warned %d times", n)
 	}
-	if ours := w.heard(st, "alpha"); ours {
+	if ours := w.heard("alpha"); ours {
 		t.Fatal("a project's notification is not the self-test's")
 	}
 	if got := c.Wakeups(); got != WakeupsWorking || gauge() != 1 {
@@ -52,8 +53,8 @@ func TestWakeupStateMachine(t *testing.T) {
 	if logs.FilterMessageSnippet("arrive after all").Len() != 1 {
 		t.Fatal("the recovery is not logged")
 	}
-	w.selfTestTimedOut()
-	if !w.heard(st, st.token) || c.Wakeups() != WakeupsWorking {
+	w.selfTestTimedOut(2)
+	if !w.heard(selfTestPrefix+"abc") || c.Wakeups() != WakeupsWorking {
 		t.Fatalf("a bound after a notification must not undo it: %s", c.Wakeups())
 	}
 }

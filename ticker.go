@@ -324,7 +324,7 @@ func (t *ticker) campaign(ctx context.Context) {
 }
 
 func (t *ticker) campaignOnce(ctx context.Context) error {
-	conn, err := dedicatedConn(ctx, t.pool, t.cfg)
+	conn, err := dedicatedConn(ctx, t.pool, t.cfg.ListenDSN)
 	if err != nil {
 		return err
 	}
