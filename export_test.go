@@ -111,3 +111,17 @@ func SharedWaiters(pool *pgxpool.Pool) int {
 	}
 	return n
 }
+
+// StandbyPoolUsers is how many consumers of this process read through the shared pool of the
+// standby at dsn.
+func StandbyPoolUsers(dsn string) int {
+	standbyPools.mu.Lock()
+	defer standbyPools.mu.Unlock()
+	n := 0
+	for key, sp := range standbyPools.pools {
+		if key.dsn == dsn {
+			n += sp.users
+		}
+	}
+	return n
+}

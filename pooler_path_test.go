@@ -258,8 +258,9 @@ func sessionState(t *testing.T, db pgtest.DB) []string {
 // TestNoSessionStateInTheSource is the static half of the audit: no statement the module runs
 // sets a session-level setting, takes a session advisory lock, creates a temporary table or
 // prepares a named statement, and only the listen files LISTEN. The ticker's election (a
-// session advisory lock, and LISTEN for the writers' hints) is the exception: it runs only on
-// the consumer's dedicated connection, which never goes back to the pool.
+// session advisory lock, and LISTEN for the writers' hints) and the process's shared LISTEN
+// (listen_hub.go) are the exception: each runs only on a dedicated connection, which never
+// goes back to the pool.
 func TestNoSessionStateInTheSource(t *testing.T) {
 	t.Parallel()
 	testkit.RequireNoSessionState(t, outbox.Statements, func(name string, s testkit.SessionState) bool {
@@ -269,7 +270,7 @@ func TestNoSessionStateInTheSource(t *testing.T) {
 	// Outside the SQL constants: LISTEN only in the listen files, and no .Prepare call.
 	for _, name := range testkit.GoFiles(t) {
 		listens := name == "listen.go" || name == "listen_selftest.go"
-		if name == "ticker.go" {
+		if name == "ticker.go" || name == "listen_hub.go" {
 			requireSessionStateOnDedicatedConn(t, name, testkit.RequireNoSessionStateInSource(t, name, true, true))
 			continue
 		}

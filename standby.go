@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgerrcode"
@@ -121,20 +122,101 @@ type readSource struct {
 // configured reports whether a standby was configured.
 func (r *readSource) configured() bool { return r != nil && r.cfg.ReadDSN != "" }
 
-// open opens the standby's pool; it connects lazily, so a standby down at start costs nothing
+// open takes the standby's pool; it connects lazily, so a standby down at start costs nothing
 // but the fallback.
 func (r *readSource) open() error {
 	if !r.configured() {
 		return nil
 	}
-	pcfg, err := pgxpool.ParseConfig(r.cfg.ReadDSN)
+	pool, err := standbyPools.take(r.cfg.ReadDSN, r.cfg.ReadMaxLag)
 	if err != nil {
-		return fmt.Errorf("ReadDSN (read_dsn) does not parse: %s", safetext.DSNParseReason(err))
+		return err
 	}
-	// The loop reads at most the heads and a probe at once.
-	pcfg.MaxConns = 4
-	if pcfg.ConnConfig.ConnectTimeout == 0 || pcfg.ConnConfig.ConnectTimeout > r.cfg.ReadMaxLag {
-		pcfg.ConnConfig.ConnectTimeout = r.cfg.ReadMaxLag
+	r.standby = pool
+	return nil
+}
+
+func (r *readSource) close() {
+	if r != nil && r.standby != nil {
+		standbyPools.give(r.standby)
+		r.standby = nil
+	}
+}
+
+// The consumers of one process that read from the same standby (the same ReadDSN, so the same
+// role) share its pool, as they share the primary's: their reads of heads and first batches
+// are then shared too (shared_reads.go), and K consumers cost the standby one read per tick.
+// The pool closes when the last of them stops.
+var standbyPools = &sharedStandbyPools{pools: map[standbyPoolKey]*standbyPool{}}
+
+type sharedStandbyPools struct {
+	mu    sync.Mutex
+	pools map[standbyPoolKey]*standbyPool
+}
+
+// standbyPoolKey: the DSN and the connect timeout the pool was made with (ReadMaxLag bounds it).
+type standbyPoolKey struct {
+	dsn     string
+	maxWait time.Duration
+}
+
+type standbyPool struct {
+	key   standbyPoolKey
+	pool  *pgxpool.Pool
+	users int
+}
+
+// standbyPoolConns bounds the shared pool: each consumer's loop reads the heads and a probe at
+// once at most, and reads shared between consumers take one connection for all of them.
+const standbyPoolConns = 8
+
+// take returns the pool for dsn, opening it for the first user.
+func (s *sharedStandbyPools) take(dsn string, maxWait time.Duration) (*pgxpool.Pool, error) {
+	key := standbyPoolKey{dsn: dsn, maxWait: maxWait}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if sp := s.pools[key]; sp != nil {
+		sp.users++
+		return sp.pool, nil
+	}
+	pool, err := openStandbyPool(dsn, maxWait)
+	if err != nil {
+		return nil, err
+	}
+	s.pools[key] = &standbyPool{key: key, pool: pool, users: 1}
+	return pool, nil
+}
+
+// give hands pool back; the last user closes it.
+func (s *sharedStandbyPools) give(pool *pgxpool.Pool) {
+	s.mu.Lock()
+	var last *standbyPool
+	for key, sp := range s.pools {
+		if sp.pool != pool {
+			continue
+		}
+		if sp.users--; sp.users == 0 {
+			delete(s.pools, key)
+			last = sp
+		}
+		break
+	}
+	s.mu.Unlock()
+	if last != nil {
+		last.pool.Close()
+	}
+}
+
+// openStandbyPool opens a pool to the standby at dsn, whose connections refuse a server that is
+// not in recovery.
+func openStandbyPool(dsn string, maxWait time.Duration) (*pgxpool.Pool, error) {
+	pcfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("ReadDSN (read_dsn) does not parse: %s", safetext.DSNParseReason(err))
+	}
+	pcfg.MaxConns = standbyPoolConns
+	if pcfg.ConnConfig.ConnectTimeout == 0 || pcfg.ConnConfig.ConnectTimeout > maxWait {
+		pcfg.ConnConfig.ConnectTimeout = maxWait
 	}
 	// A server that is not in recovery is not a standby of the primary (a promoted one, or a
 	// primary by mistake): its ticks and events may not be the primary's, so it serves nothing.
@@ -150,16 +232,9 @@ func (r *readSource) open() error {
 	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
 	if err != nil {
-		return fmt.Errorf("open the standby's pool: %w", err)
+		return nil, fmt.Errorf("open the standby's pool: %w", err)
 	}
-	r.standby = pool
-	return nil
-}
-
-func (r *readSource) close() {
-	if r != nil && r.standby != nil {
-		r.standby.Close()
-	}
+	return pool, nil
 }
 
 // fallBack makes the consumer read from the primary until the standby catches up: logged
@@ -475,10 +550,20 @@ func (l *scanLoop) scanStartFallen(ctx context.Context, held, reading []string, 
 }
 
 // standbyHeads reads the heads on the standby, trying again a statement cancelled by a
-// recovery conflict.
+// recovery conflict. A read another consumer of the process has in flight with the same
+// arguments is shared (shared_reads.go): how far the standby has replayed is then judged on
+// its answer, as on this consumer's own.
 func (l *scanLoop) standbyHeads(ctx context.Context, held []string, unticked bool) (headsRead, error) {
 	for attempt := 0; ; attempt++ {
-		hr, err := queryHeads(ctx, l.reads.standby, held, l.seenTick, unticked)
+		var hr headsRead
+		var err error
+		if unticked {
+			hr, err = queryHeads(ctx, l.reads.standby, held, l.seenTick, unticked)
+		} else {
+			var shared bool
+			hr, shared, err = sharedHeads(ctx, l.reads.standby, held, l.seenTick, l.seenTick)
+			l.countShared(shared)
+		}
 		if err == nil || ctx.Err() != nil || !recoveryConflict(err) || attempt >= readConflictRetries {
 			return hr, err
 		}

@@ -99,19 +99,28 @@ func testStandbyDeliversInOrder(t *testing.T, pair *pgtest.Pair) {
 	cfg := testkit.FastConfig()
 	cfg.ReadDSN = db.StandbyURL
 	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "standby-reader", Projects: standbyProjects, Config: cfg})
+	// A second consumer of the same process reads through the same standby pool.
+	c2, rec2 := startConsumer(t, c.Pool, "standby-reader-2", standbyProjects, cfg, nil)
+	require.Equal(t, 2, outbox.StandbyPoolUsers(db.StandbyURL), "one standby pool for the process's consumers")
 	deleteRound(t, w, 1, 20)
 	c.Rec.WaitCount(t, ctx, 60)
 	deleteRound(t, w, 21, 40)
 	requireInOrder(t, c.Rec.WaitCount(t, ctx, 120), 40)
-	st := c.Consumer.Stats()
-	require.True(t, st.ReadingFromStandby)
-	require.Zero(t, st.ReadFallbacks, "the standby kept up")
-	require.Zero(t, st.Failures)
+	requireInOrder(t, rec2.WaitCount(t, ctx, 120), 40)
+	for _, st := range []outbox.Stats{c.Consumer.Stats(), c2.Stats()} {
+		require.True(t, st.ReadingFromStandby)
+		require.Zero(t, st.ReadFallbacks, "the standby kept up")
+		require.Zero(t, st.Failures)
+	}
+	t.Logf("reads shared on the standby: %d", c.Consumer.Stats().SharedReads+c2.Stats().SharedReads)
+	stopConsumer(t, c2)
+	require.Equal(t, 1, outbox.StandbyPoolUsers(db.StandbyURL), "a stopped consumer gives the pool back")
 	// The events came from the standby: its readers were called, the primary's never.
 	require.Eventually(t, func() bool { return readCalls(t, db.StandbyURL) > 0 }, testkit.WaitLimit, 50*time.Millisecond,
 		"the standby served the reads")
 	require.Zero(t, readCalls(t, db.URL), "the primary served no read")
 	requireCursorsWithin(t, c.Pool, "standby-reader", c.Rec)
+	requireCursorsWithin(t, c.Pool, "standby-reader-2", rec2)
 }
 
 func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
