@@ -368,8 +368,9 @@ func TestSustainedWithoutStatStatements(t *testing.T) {
 }
 
 // TestStandbyCurve runs the standby case small on a throwaway cluster of its own (the case
-// starts a streaming standby of it): a run without consumers, then one consumer reading from
-// the primary and from the standby, each delivered every committed delete once.
+// starts a streaming standby of it): a run without consumers, then two consumers of one
+// process (-one-process) reading from the primary and from the standby, each delivered every
+// committed delete once.
 func TestStandbyCurve(t *testing.T) {
 	t.Parallel()
 	c, err := pgcluster.Start(ctxT(t), clusterOptions(false))
@@ -384,7 +385,7 @@ func TestStandbyCurve(t *testing.T) {
 	require.NoError(t, err)
 	env.cluster = c
 	var lines []map[string]any
-	o := standbyOpts{consumers: "1", rate: 100, writers: 2, projects: 2, seconds: 1, rounds: 1}
+	o := standbyOpts{consumers: "2", rate: 100, writers: 2, projects: 2, seconds: 1, rounds: 1, oneProcess: true}
 	require.NoError(t, runStandbyCurve(ctxT(t), env, o, func(v any) error {
 		lines = append(lines, line(t, v, "standby"))
 		return nil
@@ -402,8 +403,9 @@ func TestStandbyCurve(t *testing.T) {
 			continue
 		}
 		from[m["read_from"].(string)] = true
-		require.EqualValues(t, 1, num(t, m, "consumers"))
-		require.Equal(t, num(t, m, "tx"), num(t, m, "received"), "every committed delete was delivered")
+		require.EqualValues(t, 2, num(t, m, "consumers"))
+		require.Equal(t, true, m["one_process"])
+		require.Equal(t, 2*num(t, m, "tx"), num(t, m, "received"), "every committed delete was delivered to each")
 		require.Zero(t, num(t, m, "missing"))
 		require.Zero(t, num(t, m, "duplicates"))
 		require.Positive(t, num(t, m, "scans"))

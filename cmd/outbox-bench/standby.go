@@ -25,6 +25,7 @@ func init() {
 			fs.IntVar(&o.projects, "projects", o.projects, "projects the deletes spread over")
 			fs.Float64Var(&o.seconds, "seconds", o.seconds, "length of each run at the rate asked (rate x seconds deletes; longer when the writers fall behind)")
 			fs.IntVar(&o.rounds, "rounds", o.rounds, "times the whole set of runs is repeated, interleaved (the machine is noisy)")
+			fs.BoolVar(&o.oneProcess, "one-process", o.oneProcess, "run the K consumers as one process would: on one shared pool, so that they share one LISTEN connection, one standby pool and their reads")
 			return func(ctx context.Context, env *Env, emit func(any) error) error {
 				return runStandbyCurve(ctx, env, o, emit)
 			}
@@ -44,6 +45,7 @@ type standbyOpts struct {
 	consumers                       string
 	rate, writers, projects, rounds int
 	seconds                         float64
+	oneProcess                      bool
 }
 
 func defaultStandbyOpts() standbyOpts {
@@ -60,8 +62,12 @@ type standbyResult struct {
 	Writers   int     `json:"writers"`
 	Projects  int     `json:"projects"`
 	Seconds   float64 `json:"seconds"`
-	Tx        int64   `json:"tx"`
-	Errors    int64   `json:"errors"`
+	// OneProcess: the K consumers shared one pool, as consumers of one process do (one LISTEN
+	// connection, one standby pool, shared reads); SharedReads counts what they shared.
+	OneProcess  bool  `json:"one_process,omitempty"`
+	SharedReads int64 `json:"shared_reads,omitempty"`
+	Tx          int64 `json:"tx"`
+	Errors      int64 `json:"errors"`
 	// AchievedRate is tx over the sending time: below Rate, the writers could not keep up.
 	AchievedRate float64 `json:"achieved_rate"`
 	// Server CPU per delete over the run (postmaster and children, from /proc): the primary's
@@ -214,6 +220,19 @@ func runStandbyPoint(ctx context.Context, env *Env, o standbyOpts, standbyHost s
 		}
 		specs = append(specs, spec)
 	}
+	if o.oneProcess && r.k > 0 {
+		// Each consumer holds up to two pool connections and hijacks one for its election; the
+		// LISTEN connection is shared.
+		shared, err := ob.db.ConsumerPool(ctx, int32(3*r.k+1), nil)
+		if err != nil {
+			return res, err
+		}
+		defer shared.Close()
+		for k := range specs {
+			specs[k].pool = shared
+		}
+		res.OneProcess = true
+	}
 	env.Logf("standby: %d consumers reading from %s, %d deletes/s for %gs", r.k, r.from, o.rate, o.seconds)
 	consumers, err := startConsumers(ctx, ob.db, specs)
 	if err != nil {
@@ -263,6 +282,7 @@ func runStandbyPoint(ctx context.Context, env *Env, o standbyOpts, standbyHost s
 	res.Scans = after.Scans - before.Scans
 	res.ReadFallbacks, res.ReadReturns = after.ReadFallbacks-before.ReadFallbacks, after.ReadReturns-before.ReadReturns
 	res.StandbyWaits, res.ReadConflicts = after.StandbyWaits-before.StandbyWaits, after.ReadConflicts-before.ReadConflicts
+	res.SharedReads = after.SharedReads - before.SharedReads
 	if stats.ok {
 		cc, err := consumerCalls(ctx, ob.admin, ob.db.consumer.name)
 		if err != nil {
@@ -332,6 +352,7 @@ func sumStats(cs []*runningConsumer) outbox.Stats {
 		s.ReadReturns += st.ReadReturns
 		s.StandbyWaits += st.StandbyWaits
 		s.ReadConflicts += st.ReadConflicts
+		s.SharedReads += st.SharedReads
 	}
 	return s
 }
