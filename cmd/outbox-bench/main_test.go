@@ -469,6 +469,7 @@ func TestScale(t *testing.T) {
 			for _, k := range []string{"statements_per_s", "statements_with_nested_per_s", "client_statements_per_s", "window_seconds", "start_seconds"} {
 				require.Positive(t, num(t, m, k), "%s %s", curve, k)
 			}
+			require.Zero(t, num(t, m, "ticks"), "%s: an idle ticker stores no tick", curve)
 		}
 	}
 	drains := lines[curveDrainBacklog]

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"fusion/outbox"
 )
 
@@ -82,6 +84,9 @@ type IdlePoint struct {
 	ClientStatementsPerS float64 `json:"client_statements_per_s"`
 	// ServerCPUMSPerS is the server's CPU (all its processes) per second of the window.
 	ServerCPUMSPerS float64 `json:"server_cpu_ms_per_s"`
+	// Ticks is how many ticks were stored during the window: none, since nothing committed (a
+	// tick is taken only when something did).
+	Ticks int64 `json:"ticks"`
 }
 
 // DrainPoint is one drain of an unsequenced backlog (see the drain case).
@@ -233,6 +238,10 @@ func idlePoint(ctx context.Context, env *Env, o scaleOpts, consumers, projects i
 	if err != nil {
 		return p, err
 	}
+	tick0, err := newestTick(ctx, admin)
+	if err != nil {
+		return p, err
+	}
 	client0 := counter.statements.Load()
 	cpu := startCPU(server)
 	t0 := time.Now()
@@ -240,6 +249,11 @@ func idlePoint(ctx context.Context, env *Env, o scaleOpts, consumers, projects i
 	window := time.Since(t0)
 	_, serverCPU := cpu.Stop()
 	client := counter.statements.Load() - client0
+	tick, err := newestTick(ctx, admin)
+	if err != nil {
+		return p, err
+	}
+	p.Ticks = tick - tick0
 	if stats.ok {
 		top, all, err := stats.calls(ctx)
 		if err != nil {
@@ -257,6 +271,15 @@ func idlePoint(ctx context.Context, env *Env, o scaleOpts, consumers, projects i
 	p.ClientStatementsPerS = perSecond(client, window)
 	p.ServerCPUMSPerS = round3(float64(serverCPU.Microseconds()) / 1000 / window.Seconds())
 	return p, ctx.Err()
+}
+
+// newestTick is the newest stored tick's ID (the tick table always holds one).
+func newestTick(ctx context.Context, db *pgxpool.Pool) (int64, error) {
+	var id int64
+	if err := db.QueryRow(ctx, `SELECT max(tick_id) FROM lifecycle_tick`).Scan(&id); err != nil {
+		return 0, fmt.Errorf("read the newest tick: %w", err)
+	}
+	return id, nil
 }
 
 // drainPoint drains an unsequenced backlog of s.events written by the host's deletes.
