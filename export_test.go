@@ -55,6 +55,7 @@ var Statements = map[string]string{
 	"pruneDeadLettersSQL":     pruneDeadLettersSQL,
 	"readEventSQL":            readEventSQL,
 	"readEventsSQL":           readEventsSQL,
+	"readTickEventsSQL":       readTickEventsSQL,
 	"readFirstEventsSQL":      readFirstEventsSQL,
 	"reconcileCursorSQL":      reconcileCursorSQL,
 	"reinstateSQL":            reinstateSQL,

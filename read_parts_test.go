@@ -181,6 +181,71 @@ FROM generate_series(1, 4) g`)
 		}
 	}
 	require.Equal(t, 1, large, "one part of big is larger than 5")
+
+	// The tick read (lifecycle_outbox_read_tick, migration 0024) on the same log: from the
+	// position right before a project's part in a tick, that part, whole and numbered as the
+	// per-project reader numbers it, when it holds at most the limit; from anywhere else, in a
+	// tick without a part of the project, inside the frozen stream or across the hole, nothing.
+	type tickPart struct {
+		tick, first, events int64
+	}
+	byTick := map[int64]map[string]tickPart{}
+	rows, err = pool.Query(ctx, `SELECT tick_id, project_id, first_sequence, events FROM lifecycle_tick_project ORDER BY tick_id, project_id`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var p string
+		var tp tickPart
+		require.NoError(t, rows.Scan(&tp.tick, &p, &tp.first, &tp.events))
+		if byTick[tp.tick] == nil {
+			byTick[tp.tick] = map[string]tickPart{}
+		}
+		byTick[tp.tick][p] = tp
+	}
+	require.NoError(t, rows.Err())
+	require.NotEmpty(t, byTick)
+	readTick := func(projects []string, after []int64, tick int64, limit int) map[string][]partEvent {
+		t.Helper()
+		rows, err := pool.Query(ctx, `SELECT project_id, sequence, task_id, coalesce(txid::text, '')
+			FROM lifecycle_outbox_read_tick($1::text[], $2::bigint[], $3, $4) ORDER BY project_id, sequence`, projects, after, tick, limit)
+		require.NoError(t, err)
+		evs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[partEvent])
+		require.NoError(t, err)
+		out := map[string][]partEvent{}
+		for _, ev := range evs {
+			out[ev.Project] = append(out[ev.Project], ev)
+		}
+		return out
+	}
+	tickServed := map[string]int{}
+	for tick, inTick := range byTick {
+		for _, limit := range []int{1, 5, 1000} {
+			for _, shift := range []int64{0, -1, 1} {
+				after := make([]int64, len(projects))
+				for i, p := range projects {
+					after[i] = heads[p] // a project without a part in the tick: at its head
+					if tp, ok := inTick[p]; ok {
+						after[i] = max(tp.first-1+shift, 0)
+					}
+				}
+				got := readTick(projects, after, tick, limit)
+				for i, p := range projects {
+					tp, has := inTick[p]
+					whole := !(p == "hole" && gone[0].Sequence >= tp.first && gone[0].Sequence < tp.first+tp.events)
+					if !has || after[i] != tp.first-1 || tp.events > int64(limit) || !whole {
+						require.Empty(t, got[p], "tick %d, %s after %d, limit %d: not its part in the tick, whole and small", tick, p, after[i], limit)
+						continue
+					}
+					want := readOne(t, ctx, pool, p, after[i], int(tp.events))
+					require.Len(t, want, int(tp.events))
+					require.Equal(t, want, got[p], "tick %d, %s after %d: the part, numbered as the per-project reader numbers it", tick, p, after[i])
+					tickServed[p]++
+				}
+			}
+		}
+	}
+	for _, p := range []string{"a", "b", "big", "old", "hole"} {
+		require.Positive(t, tickServed[p], "%s was served by the tick read at least once", p)
+	}
 }
 
 // TestReadsAtTheHeadCostTheirOwnParts: with 400 parts stored and never analyzed, a read of the
