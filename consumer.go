@@ -314,11 +314,6 @@ type Stats struct {
 	// SharedReads counts the reads of heads and first batches this consumer took from a
 	// statement another consumer on the same pool had in flight, instead of sending its own.
 	SharedReads int64
-	// FirstReads counts the reads of several projects' first batches in one statement, and
-	// TickReads those of them made with the tick read (every project caught up at the tick
-	// before the newest; the others use the general read).
-	FirstReads int64
-	TickReads  int64
 
 	// Reading from a standby (Config.ReadDSN); all zero without one.
 	ReadFallbacks      int64         // times the consumer left the standby for the primary (behind by ReadMaxLag, or unreachable)
@@ -335,7 +330,7 @@ type Stats struct {
 // stats are the counters every part of a consumer adds to.
 type stats struct {
 	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, ticks, numbered, holes atomic.Int64
-	openReads, tickHints, sharedReads, firstReads, tickReads                                                            atomic.Int64
+	openReads, tickHints, sharedReads                                                                                   atomic.Int64
 
 	readFallbacks, readReturns, readConflicts, standbyWaits, tickChecks, lagTicks, lagNanos atomic.Int64
 	onStandby, waiting                                                                      atomic.Bool
@@ -349,7 +344,6 @@ func (c *Consumer) Stats() Stats {
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
 		Scans: s.scans.Load(), Ticks: s.ticks.Load(), Numbered: s.numbered.Load(), Holes: s.holes.Load(),
 		OpenReads: s.openReads.Load(), TickHints: s.tickHints.Load(), SharedReads: s.sharedReads.Load(),
-		FirstReads: s.firstReads.Load(), TickReads: s.tickReads.Load(),
 		ReadFallbacks: s.readFallbacks.Load(), ReadReturns: s.readReturns.Load(), ReadConflicts: s.readConflicts.Load(),
 		StandbyWaits: s.standbyWaits.Load(), TickChecks: s.tickChecks.Load(), ReadingFromStandby: s.onStandby.Load(), StandbyWaiting: s.waiting.Load(),
 		StandbyLagTicks: s.lagTicks.Load(), StandbyLag: time.Duration(s.lagNanos.Load()),

@@ -273,10 +273,6 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 		l.countShared(shared)
 		return err
 	})
-	l.stats.firstReads.Add(1)
-	if tick != 0 {
-		l.stats.tickReads.Add(1)
-	}
 	if err == nil {
 		return first, false, nil
 	}

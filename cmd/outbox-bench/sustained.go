@@ -49,10 +49,6 @@ type sustainedResult struct {
 	// counts the reads they took from one another's statements.
 	OneProcess  bool  `json:"one_process,omitempty"`
 	SharedReads int64 `json:"shared_reads,omitempty"`
-	// FirstReads and TickReads: the consumers' combined reads of first batches over the run,
-	// and those made with the tick read (every project caught up at the tick before).
-	FirstReads int64 `json:"first_reads"`
-	TickReads  int64 `json:"tick_reads"`
 	// The same writers without the outbox and without consumers, on their own database, in
 	// two halves of seconds/2: one before the outbox phase, one after it.
 	BaselineTx     int64   `json:"baseline_tx"`
@@ -433,8 +429,6 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		res.ReadReturns += st.ReadReturns
 		res.StandbyWaits += st.StandbyWaits
 		res.SharedReads += st.SharedReads
-		res.FirstReads += st.FirstReads
-		res.TickReads += st.TickReads
 	}
 	stopConsumers()
 
