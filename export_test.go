@@ -55,7 +55,6 @@ var Statements = map[string]string{
 	"pruneDeadLettersSQL":     pruneDeadLettersSQL,
 	"readEventSQL":            readEventSQL,
 	"readEventsSQL":           readEventsSQL,
-	"readTickEventsSQL":       readTickEventsSQL,
 	"readFirstEventsSQL":      readFirstEventsSQL,
 	"reconcileCursorSQL":      reconcileCursorSQL,
 	"reinstateSQL":            reinstateSQL,

@@ -26,7 +26,6 @@ import (
 // scanReads counts the reads of events in one scan of a consumer.
 type scanReads struct {
 	combined int // reads of several projects' first batches in one statement
-	ticked   int // those that read one tick's parts (readTickEventsSQL)
 	failed   int // those that failed
 	rows     int // the rows those returned
 	single   int // reads of one project's batch
@@ -51,10 +50,6 @@ func (s *scanTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Tra
 	cur := &s.scans[len(s.scans)-1]
 	cur.all++
 	switch d.SQL {
-	case outbox.Statements["readTickEventsSQL"]:
-		cur.ticked++
-		cur.combined++
-		return context.WithValue(ctx, combinedRead{}, len(s.scans)-1)
 	case outbox.Statements["readFirstEventsSQL"]:
 		cur.combined++
 		return context.WithValue(ctx, combinedRead{}, len(s.scans)-1)
@@ -192,58 +187,6 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 				testkit.WaitCursor(t, waitCtx, seeder, p, "c1", want[p][len(want[p])-1])
 			}
 		})
-	}
-}
-
-// TestCaughtUpScanReadsTheNewTick: a consumer caught up at a tick reads the next tick's events
-// of all its projects with the tick read (readTickEventsSQL), and delivers them once and in
-// order; a consumer that is behind by more than a tick reads them as before.
-func TestCaughtUpScanReadsTheNewTick(t *testing.T) {
-	t.Parallel()
-	ctx := testkit.Ctx(t)
-	db := pgtest.NewDB(t)
-	seeder := pgtest.Pool(t, db.URL)
-	projects := []string{"p1", "p2", "p3", "p4"}
-	// One transaction for every project, then one tick: the tick numbers all of it.
-	commitRound := func(round int) {
-		t.Helper()
-		_, err := seeder.Exec(ctx, `
-INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
-SELECT p, 'r' || $2::int || '-' || g, timestamptz '2030-01-01' + ($2::int * 10 + g) * interval '1 second', 'task:deleted', false, 1, clock_timestamp(), 'writer-0123456789abcdef'
-FROM pg_catalog.unnest($1::text[]) p, generate_series(1, 2) g`, projects, round)
-		require.NoError(t, err)
-		_, err = outbox.Tick(ctx, seeder)
-		require.NoError(t, err)
-	}
-	commitRound(1)
-	tr := &scanTracer{}
-	_, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, testkit.FastConfig(), nil)
-	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
-	defer cancel()
-	rec.WaitCount(t, waitCtx, 8)
-	for _, p := range projects {
-		testkit.WaitCursor(t, waitCtx, seeder, p, "c1", 2)
-	}
-	from := tr.scan() + 1
-	commitRound(2)
-	evs := rec.WaitCount(t, waitCtx, 16)
-	for _, p := range projects {
-		require.Equal(t, upTo(4), sequencesByProject(evs)[p], "%s: every event once, in order", p)
-	}
-	var ticked, combined, single int
-	for _, sc := range tr.snapshot()[from:] {
-		ticked, combined, single = ticked+sc.ticked, combined+sc.combined, single+sc.single
-	}
-	require.Equal(t, 1, ticked, "the new tick's events of the four projects in one tick read")
-	require.Equal(t, 1, combined, "no other combined read")
-	require.Zero(t, single, "no project read alone")
-
-	// Two ticks at once: the consumer is behind by more than one, and reads as before.
-	tr2 := &scanTracer{}
-	_, rec2 := startConsumer(t, tracedPool(t, db.URL, tr2), "c2", projects, testkit.FastConfig(), nil)
-	rec2.WaitCount(t, waitCtx, 16)
-	for _, sc := range tr2.snapshot() {
-		require.Zero(t, sc.ticked, "a consumer starting from the oldest event is not at the tick before")
 	}
 }
 

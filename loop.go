@@ -249,9 +249,6 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 	var projects []string
 	var after []int64
 	capacity := 0
-	// When every project read was caught up at the tick before the newest, their events are
-	// that tick's parts: the smaller statement reads them (readTickEventsSQL).
-	tick := l.seenTick
 	for _, p := range leased {
 		st := l.streams[p]
 		n, ok := st.readAhead(heads[p], open[p], shiftedNow(l.cfg.Clock), l.cfg.NewCursor, l.cfg.BatchSize)
@@ -260,16 +257,13 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 		}
 		projects, after = append(projects, p), append(after, st.position)
 		capacity += n
-		if st.caughtAt == 0 || st.caughtAt != l.seenTick-1 {
-			tick = 0
-		}
 	}
 	if len(projects) < 2 {
 		return nil, false, nil
 	}
 	err = l.read(ctx, func(db *pgxpool.Pool) (err error) {
 		var shared bool
-		first, shared, err = sharedFirstEvents(ctx, db, projects, after, tick, l.cfg.BatchSize, capacity)
+		first, shared, err = sharedFirstEvents(ctx, db, projects, after, l.cfg.BatchSize, capacity)
 		l.countShared(shared)
 		return err
 	})
@@ -398,7 +392,7 @@ func (l *scanLoop) skipFailed(step string, projects []string, err error) (kept [
 // stands for the first read if it starts where the stream is by then.
 func (l *scanLoop) scanProject(ctx context.Context, s *session, st *stream, head Head, open []delivery, first *firstBatch) error {
 	start := st.beginScan(head, open)
-	defer st.endScan(start, head, l.seenTick)
+	defer st.endScan(start)
 	if st.rewound {
 		if err := l.restartFromCursor(ctx, st, head); err != nil {
 			return err

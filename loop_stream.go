@@ -45,10 +45,6 @@ type stream struct {
 	// continues after it inside a tick. Valid only while keyAt == position.
 	key   eventKey
 	keyAt int64
-	// caughtAt is the tick of the heads read of the scan that left the stream at its head (0
-	// when the last scan did not): its next events are all in later ticks, so when a scan's
-	// newest tick is the next one, they are the project's part in that tick (readFirst).
-	caughtAt int64
 	// unackedSince is when the stream first dispatched beyond its durable cursor (zero when
 	// nothing waits): its cursor is written AckInterval later at the latest.
 	unackedSince time.Time
@@ -96,15 +92,8 @@ func (st *stream) beginScan(head Head, open []delivery) (start int64) {
 	return st.position
 }
 
-// endScan records whether the scan that started at start moved the stream, and whether it
-// left the stream at head, read at tick.
-func (st *stream) endScan(start int64, head Head, tick int64) {
-	st.progressed = st.position > start
-	st.caughtAt = 0
-	if st.position == head.LastSequence && !st.rewound {
-		st.caughtAt = tick
-	}
-}
+// endScan records whether the scan that started at start moved the stream.
+func (st *stream) endScan(start int64) { st.progressed = st.position > start }
 
 // sawHead takes a head read of the stream. A head below the position moves the stream back
 // to its cursor (rewound), as does a restore of the ticks (restored) once it has moved.

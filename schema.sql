@@ -1,4 +1,4 @@
--- The outbox module's whole schema as a freshly migrated database has it (schema version 24).
+-- The outbox module's whole schema as a freshly migrated database has it (schema version 23).
 --
 -- GENERATED: do not edit. `make schema` rewrites this file: it applies migrations/*.up.sql to an
 -- empty throwaway database on PostgreSQL 15 and formats pg_dump's schema-only dump of it
@@ -858,79 +858,6 @@ END;
 $$;
 
 REVOKE ALL ON FUNCTION lifecycle_outbox_read_parts(p_projects text[], p_after bigint[], p_limit integer) FROM PUBLIC;
-
-
-CREATE FUNCTION lifecycle_outbox_read_tick(p_projects text[], p_after bigint[], p_tick bigint, p_limit integer) RETURNS TABLE(project_id text, sequence bigint, event_type lifecycle_event_type, task_id text, deleted_at timestamp with time zone, prior_column text, archived boolean, writer_process_id text, occurred_at timestamp with time zone, payload_version smallint, trace_context text, txid xid8)
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'public', 'pg_temp'
-    SET plan_cache_mode TO 'force_generic_plan'
-    SET max_parallel_workers_per_gather TO '0'
-    SET enable_seqscan TO 'off'
-    SET enable_bitmapscan TO 'off'
-    AS $$
-BEGIN
-    IF p_projects IS NULL OR p_after IS NULL OR p_tick IS NULL
-       OR pg_catalog.cardinality(p_projects) OPERATOR(pg_catalog.<>) pg_catalog.cardinality(p_after)
-       OR pg_catalog.cardinality(p_projects) OPERATOR(pg_catalog.>) 10000
-       OR p_limit IS NULL OR p_limit OPERATOR(pg_catalog.<) 1 OR p_limit OPERATOR(pg_catalog.>) 100000 THEN
-        RAISE EXCEPTION 'p_projects and p_after must be arrays of one length (at most 10000), p_tick must be given and p_limit between 1 and 100000'
-            USING ERRCODE = '22023';
-    END IF;
-
-    RETURN QUERY
-    WITH parts AS (
-        -- Each project's part in the tick, when it starts right after the project's position.
-        SELECT a.project, tp.first_sequence, tp.events
-        FROM ROWS FROM (pg_catalog.unnest(p_projects), pg_catalog.unnest(p_after)) AS a(project, after)
-        JOIN lifecycle_tick_project tp
-          ON tp.tick_id OPERATOR(pg_catalog.=) p_tick AND tp.project_id OPERATOR(pg_catalog.=) a.project
-        WHERE tp.first_sequence OPERATOR(pg_catalog.=) (a.after OPERATOR(pg_catalog.+) 1)
-          AND tp.events OPERATOR(pg_catalog.<=) p_limit
-    ), k AS (
-        -- The tick's snapshot and the one before it (the tick table always holds the tick
-        -- before a numbered one while its parts are stored).
-        SELECT (SELECT c.snapshot FROM lifecycle_tick c WHERE c.tick_id OPERATOR(pg_catalog.=) p_tick) AS cur,
-               (SELECT b.snapshot FROM lifecycle_tick b WHERE b.tick_id OPERATOR(pg_catalog.=) (p_tick OPERATOR(pg_catalog.-) 1)) AS prev
-    ), batch AS (
-        -- The tick's batch: transactions open at the tick before that have ended, then those
-        -- that began since and had ended by the tick. One walk of the batch index; the projects
-        -- are filtered after it, as in lifecycle_outbox_read_parts.
-        SELECT e.*
-        FROM k
-        CROSS JOIN LATERAL (
-            SELECT l.project_id, l.task_id, l.deleted_at, l.event_type, l.archived, l.payload_version, l.occurred_at,
-                   l.writer_process_id, l.prior_column, l.trace_context, l.txid
-            FROM lifecycle_event_log l
-            WHERE l.txid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(k.prev) EXCEPT SELECT pg_catalog.pg_snapshot_xip(k.cur)))
-            UNION ALL
-            SELECT l.project_id, l.task_id, l.deleted_at, l.event_type, l.archived, l.payload_version, l.occurred_at,
-                   l.writer_process_id, l.prior_column, l.trace_context, l.txid
-            FROM lifecycle_event_log l
-            WHERE l.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(k.prev)
-              AND l.txid OPERATOR(pg_catalog.<) pg_catalog.pg_snapshot_xmax(k.cur)
-              AND pg_catalog.pg_visible_in_snapshot(l.txid, k.cur)
-            OFFSET 0 -- keeps the project filter out of the index conditions
-        ) e
-    )
-    SELECT n.project_id, n.sequence, n.event_type, n.task_id, n.deleted_at, n.prior_column, n.archived,
-           n.writer_process_id, n.occurred_at, n.payload_version, n.trace_context, n.txid
-    FROM (
-        SELECT e.project_id::text AS project_id,
-               (p.first_sequence OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.+) pg_catalog.row_number() OVER w AS sequence,
-               e.event_type, e.task_id::text AS task_id, e.deleted_at::timestamptz AS deleted_at, e.prior_column::text AS prior_column,
-               e.archived, e.writer_process_id::text AS writer_process_id, e.occurred_at::timestamptz AS occurred_at,
-               e.payload_version::smallint AS payload_version, e.trace_context::text AS trace_context, e.txid,
-               p.events, pg_catalog.count(*) OVER (PARTITION BY e.project_id) AS found
-        FROM batch e
-        JOIN parts p ON p.project OPERATOR(pg_catalog.=) e.project_id::text
-        WINDOW w AS (PARTITION BY e.project_id ORDER BY e.txid, e.deleted_at, e.task_id COLLATE "C")
-    ) n
-    -- A part that did not come back whole is left out: the caller reads its project alone.
-    WHERE n.found OPERATOR(pg_catalog.=) n.events;
-END;
-$$;
-
-REVOKE ALL ON FUNCTION lifecycle_outbox_read_tick(p_projects text[], p_after bigint[], p_tick bigint, p_limit integer) FROM PUBLIC;
 
 
 CREATE FUNCTION lifecycle_outbox_tick(p_channel text) RETURNS TABLE(tick_id bigint, projects integer, events bigint, legacy boolean)

@@ -100,13 +100,10 @@ func headsKey(projects []string, seenTick int64) string {
 	return "heads\x00" + strconv.FormatInt(seenTick, 10) + "\x00" + strings.Join(projects, "\x00")
 }
 
-// firstKey names a combined first read: the projects, their positions, the tick it reads (0:
-// any) and the limit.
-func firstKey(projects []string, after []int64, tick int64, limit int) string {
+// firstKey names a combined first read: the projects, their positions and the limit.
+func firstKey(projects []string, after []int64, limit int) string {
 	var b strings.Builder
 	b.WriteString("first\x00")
-	b.WriteString(strconv.FormatInt(tick, 10))
-	b.WriteByte(0)
 	b.WriteString(strconv.Itoa(limit))
 	for i, p := range projects {
 		b.WriteByte(0)
@@ -135,9 +132,9 @@ func sharedHeads(ctx context.Context, pool *pgxpool.Pool, projects []string, see
 
 // sharedFirstEvents reads first batches as readFirstEvents does, sharing the read with the
 // pool's other consumers (see readShare).
-func sharedFirstEvents(ctx context.Context, pool *pgxpool.Pool, projects []string, after []int64, tick int64, limit, capacity int) (map[string]firstBatch, bool, error) {
-	v, shared, err := shareOf(pool).do(ctx, firstKey(projects, after, tick, limit), func() (any, error) {
-		return readFirstEvents(ctx, pool, projects, after, tick, limit, capacity)
+func sharedFirstEvents(ctx context.Context, pool *pgxpool.Pool, projects []string, after []int64, limit, capacity int) (map[string]firstBatch, bool, error) {
+	v, shared, err := shareOf(pool).do(ctx, firstKey(projects, after, limit), func() (any, error) {
+		return readFirstEvents(ctx, pool, projects, after, limit, capacity)
 	}, func(any) bool { return true })
 	if err != nil {
 		return nil, false, err

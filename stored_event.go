@@ -37,14 +37,6 @@ SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_col
        writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text
 FROM lifecycle_outbox_read_parts($1::text[], $2::bigint[], $3::integer)`
 
-// readTickEventsSQL reads, for each project in $1 whose part in tick $3 starts right after its
-// position in $2 and holds at most $4 events, that part, whole (migration 0024): the read of a
-// consumer that was caught up at the tick before. It returns nothing for any other project.
-const readTickEventsSQL = `
-SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
-       writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text
-FROM lifecycle_outbox_read_tick($1::text[], $2::bigint[], $3::bigint, $4::integer)`
-
 // readEventSQL reads the one event numbered $2.
 const readEventSQL = `
 SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
@@ -90,19 +82,12 @@ type firstBatch struct {
 }
 
 // readFirstEvents reads in one statement the next events of each project (projects and after in
-// step), up to limit, and returns them by project: with readTickEventsSQL when tick is not 0
-// (every project was caught up at the tick before), else readFirstEventsSQL. A project it has
-// nothing for (see those statements, or nothing stored) is not in the map: it reads alone.
+// step), up to limit, and returns them by project. A project it has nothing for (see
+// readFirstEventsSQL, or nothing stored) is not in the map: it reads alone.
 // capacity is how many rows are expected in all. A row that cannot be decoded is its
 // project's, like the others.
-func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []int64, tick int64, limit, capacity int) (map[string]firstBatch, error) {
-	var rows pgx.Rows
-	var err error
-	if tick != 0 {
-		rows, err = db.Query(ctx, readTickEventsSQL, projects, after, tick, limit)
-	} else {
-		rows, err = db.Query(ctx, readFirstEventsSQL, projects, after, limit)
-	}
+func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []int64, limit, capacity int) (map[string]firstBatch, error) {
+	rows, err := db.Query(ctx, readFirstEventsSQL, projects, after, limit)
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
