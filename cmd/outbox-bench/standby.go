@@ -221,16 +221,11 @@ func runStandbyPoint(ctx context.Context, env *Env, o standbyOpts, standbyHost s
 		specs = append(specs, spec)
 	}
 	if o.oneProcess && r.k > 0 {
-		// Each consumer holds up to two pool connections and hijacks one for its election; the
-		// LISTEN connection is shared.
-		shared, err := ob.db.ConsumerPool(ctx, int32(3*r.k+1), nil)
+		shared, err := onOnePool(ctx, ob.db, specs)
 		if err != nil {
 			return res, err
 		}
 		defer shared.Close()
-		for k := range specs {
-			specs[k].pool = shared
-		}
 		res.OneProcess = true
 	}
 	env.Logf("standby: %d consumers reading from %s, %d deletes/s for %gs", r.k, r.from, o.rate, o.seconds)

@@ -341,15 +341,11 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		sbPool.Close()
 	}
 	if o.oneProcess {
-		// Each consumer holds up to two pool connections and hijacks one for LISTEN.
-		shared, err := ob.db.ConsumerPool(ctx, int32(3*o.consumers+1), nil)
+		shared, err := onOnePool(ctx, ob.db, specs)
 		if err != nil {
 			return res, err
 		}
 		defer shared.Close()
-		for k := range specs {
-			specs[k].pool = shared
-		}
 		res.OneProcess = true
 	}
 	env.Logf("sustained: starting %d consumers of %d projects", o.consumers, o.projects)
@@ -493,4 +489,18 @@ func countCommitted(commits []int64) int {
 		}
 	}
 	return n
+}
+
+// onOnePool puts every consumer of specs on one pool of db, as consumers of one process share
+// their host's (-one-process): each holds up to two pool connections and hijacks one for its
+// election, and one more is the LISTEN connection they share. The caller closes the pool.
+func onOnePool(ctx context.Context, db *DB, specs []consumerSpec) (*pgxpool.Pool, error) {
+	shared, err := db.ConsumerPool(ctx, int32(3*len(specs)+1), nil)
+	if err != nil {
+		return nil, err
+	}
+	for k := range specs {
+		specs[k].pool = shared
+	}
+	return shared, nil
 }
