@@ -70,6 +70,8 @@ type chartRecord struct {
 	Rate           float64 `json:"rate"`
 	AchievedRate   float64 `json:"achieved_rate"`
 	ReplayLagP99MS float64 `json:"replay_lag_p99_ms"`
+	// OneProcess: the consumers shared one pool (-one-process), a curve of its own.
+	OneProcess bool `json:"one_process"`
 }
 
 func readRecords(r io.Reader) ([]chartRecord, error) {
@@ -289,6 +291,9 @@ func standbyPanels(recs []chartRecord) (cpu, lag *panel) {
 			if r.ReadFrom == "standby" {
 				from = "K consumers reading from a standby"
 				lag.add("p99 standby replay lag (standby runs)", r.Consumers, r.ReplayLagP99MS, "")
+			}
+			if r.OneProcess {
+				from += ", one process"
 			}
 			label := ""
 			if r.AchievedRate > 0 && r.AchievedRate < 0.95*r.Rate {

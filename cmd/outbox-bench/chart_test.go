@@ -96,6 +96,17 @@ func TestChartStandbyPanels(t *testing.T) {
 		"p99 commit-to-delivery lag, consumers reading from a standby":   {{1, 25}, {16, 80}},
 		"p99 standby replay lag (standby runs)":                          {{1, 3}, {16, 5}},
 	}, byName(lag))
+
+	// Consumers of one process are curves of their own beside those with a pool each.
+	one, err := readRecords(strings.NewReader(`{"bench":"standby","consumers":16,"read_from":"standby","rate":1000,"achieved_rate":1000,"server_cpu_us_per_tx":900,"lag_p99_ms":70,"one_process":true}
+{"bench":"standby","consumers":16,"read_from":"standby","rate":1000,"achieved_rate":1000,"server_cpu_us_per_tx":950,"lag_p99_ms":75}`))
+	require.NoError(t, err)
+	cpu, lag = standbyPanels(one)
+	require.Equal(t, map[string][][2]float64{
+		"K consumers reading from a standby, one process, 1k deletes/s asked": {{16, 900}},
+		"K consumers reading from a standby, 1k deletes/s asked":              {{16, 950}},
+	}, byName(cpu))
+	require.Contains(t, byName(lag), "p99 commit-to-delivery lag, consumers reading from a standby, one process")
 }
 
 // TestChartDrawsOnlyRowsWithData: a file of the standby case's lines alone is drawn on its one
