@@ -133,8 +133,9 @@ type Config struct {
 	// PollInterval.
 	WakeInterval time.Duration `yaml:"wake_interval" json:"wake_interval"`
 
-	// ListenDSN, when set, is used for the consumer's dedicated LISTEN connection instead of
-	// a connection taken from the pool, for pools behind a transaction-pooling proxy. It must
+	// ListenDSN, when set, is used for the consumer's LISTEN connection (shared by the
+	// process's consumers with the same ListenDSN) and its ticker's election instead of
+	// connections taken from the pool, for pools behind a transaction-pooling proxy. It must
 	// parse as a PostgreSQL URL or key=value string; errors about it never repeat it, since it
 	// may hold a password. Defaults to empty (use the pool's configuration).
 	ListenDSN string `yaml:"listen_dsn" json:"listen_dsn"`
