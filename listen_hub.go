@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"sync"
 	"time"
-	"weak"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -19,9 +18,7 @@ import (
 // keeps its own self-test, state, metrics and logs. The connection closes when the last member
 // leaves.
 type listenHub struct {
-	key  hubKey
-	pool *pgxpool.Pool
-	dsn  string
+	key hubKey
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -33,9 +30,10 @@ type listenHub struct {
 }
 
 // hubKey names a hub: the channel and where its connection comes from (the pool, or
-// ListenDSN when set).
+// ListenDSN when set). A hub is removed when its last member leaves, so it keeps its pool no
+// longer than they do.
 type hubKey struct {
-	pool    weak.Pointer[pgxpool.Pool] // zero when dsn is set
+	pool    *pgxpool.Pool // nil when dsn is set
 	dsn     string
 	channel string
 }
@@ -51,15 +49,14 @@ var hubs = struct {
 func joinHub(wk *waker) *listenHub {
 	key := hubKey{dsn: wk.cfg.ListenDSN, channel: wk.cfg.TickChannel}
 	if key.dsn == "" {
-		key.pool = weak.Make(wk.pool)
+		key.pool = wk.pool
 	}
 	hubs.mu.Lock()
 	defer hubs.mu.Unlock()
 	h := hubs.m[key]
 	if h == nil {
 		ctx, cancel := context.WithCancel(context.Background())
-		h = &listenHub{key: key, pool: wk.pool, dsn: wk.cfg.ListenDSN, cancel: cancel, done: make(chan struct{}),
-			members: map[*waker]struct{}{}}
+		h = &listenHub{key: key, cancel: cancel, done: make(chan struct{}), members: map[*waker]struct{}{}}
 		hubs.m[key] = h
 		go h.run(ctx)
 	}
@@ -102,6 +99,17 @@ func (h *listenHub) tell(fn func(*waker)) {
 	}
 }
 
+// become records whether LISTEN is in place and tells every member so (fn), under one lock:
+// a member joining meanwhile sees the state its fellows were told.
+func (h *listenHub) become(up bool, fn func(*waker)) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.up, h.tried = up, true
+	for wk := range h.members {
+		fn(wk)
+	}
+}
+
 // run keeps the connection listening until the last member leaves.
 func (h *listenHub) run(ctx context.Context) {
 	defer close(h.done)
@@ -114,10 +122,7 @@ func (h *listenHub) run(ctx context.Context) {
 		if listened {
 			wait = 100 * time.Millisecond
 		}
-		h.mu.Lock()
-		h.up, h.tried = false, true
-		h.mu.Unlock()
-		h.tell(func(wk *waker) { wk.lost(err, wait) })
+		h.become(false, func(wk *waker) { wk.lost(err, wait) })
 		if !sleepCtx(ctx, wait) {
 			return
 		}
@@ -128,7 +133,7 @@ func (h *listenHub) run(ctx context.Context) {
 // listenOnce opens the connection, listens and hands every notification to the members until
 // the connection fails. listened says whether LISTEN was in place.
 func (h *listenHub) listenOnce(ctx context.Context) (listened bool, err error) {
-	conn, err := dedicatedConn(ctx, h.pool, h.dsn)
+	conn, err := dedicatedConn(ctx, h.key.pool, h.key.dsn)
 	if err != nil {
 		return false, err
 	}
@@ -141,12 +146,7 @@ func (h *listenHub) listenOnce(ctx context.Context) (listened bool, err error) {
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{h.key.channel}.Sanitize()); err != nil {
 		return false, fmt.Errorf("listen: %w", err)
 	}
-	h.mu.Lock()
-	h.up, h.tried = true, true
-	for wk := range h.members {
-		wk.connected()
-	}
-	h.mu.Unlock()
+	h.become(true, (*waker).connected)
 	for {
 		n, err := conn.WaitForNotification(ctx)
 		if err != nil {

@@ -14,8 +14,9 @@ import (
 // The wake-up self-test. A LISTEN through a transaction-pooling proxy succeeds and then hears
 // nothing: the proxy ran it on a server connection the consumer no longer holds. Polling still
 // delivers every event, so the failure is silent unless someone looks. After each LISTEN (and
-// on joining its process's LISTEN connection, listen_hub.go) the consumer therefore sends one notification to itself through its pool, on the same channel,
-// the way writers send theirs, and expects it on the LISTEN connection within
+// on joining its process's LISTEN connection, listen_hub.go) the consumer therefore sends one
+// notification to itself through its pool, on the same channel, the way writers send theirs,
+// and expects it on the LISTEN connection within
 // Config.ListenCheckTimeout. When it arrives the wake-ups are proven; when it does not, the
 // consumer says once what to do, and Wakeups, Outbox.Wakeups and the
 // outbox_listen_wakeups_working gauge say that it runs on polling alone. It keeps the LISTEN

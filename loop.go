@@ -311,20 +311,25 @@ const untickedSQL = `SELECT lifecycle_outbox_unticked()`
 // new lease does; what it delivered and is still stored stays suppressed (verifyDelivered).
 func (l *scanLoop) readHeads(ctx context.Context, projects []string, unticked bool) (map[string]Head, error) {
 	announced := l.scans.announced.Load()
-	var hr headsRead
-	var err error
-	if unticked {
-		hr, err = queryHeads(ctx, l.pool, projects, l.seenTick, unticked)
-	} else {
-		var shared bool
-		hr, shared, err = sharedHeads(ctx, l.pool, projects, l.seenTick, max(announced, l.seenTick))
-		l.countShared(shared)
-	}
+	hr, err := l.headsOn(ctx, l.pool, projects, max(announced, l.seenTick), unticked)
 	if err != nil {
 		return nil, err
 	}
 	l.checked(announced, hr.newest)
 	return l.applyHeads(hr), nil
+}
+
+// headsOn reads the heads of projects on db (queryHeads). A read another consumer of the
+// process has in flight with the same arguments, whose newest tick is want or later, is shared
+// (sharedHeads); the elected ticker's poll, which also asks whether events went unticked,
+// reads alone.
+func (l *scanLoop) headsOn(ctx context.Context, db *pgxpool.Pool, projects []string, want int64, unticked bool) (headsRead, error) {
+	if unticked {
+		return queryHeads(ctx, db, projects, l.seenTick, unticked)
+	}
+	hr, shared, err := sharedHeads(ctx, db, projects, l.seenTick, want)
+	l.countShared(shared)
+	return hr, err
 }
 
 // countShared counts a read this consumer took from another consumer's statement.

@@ -138,7 +138,7 @@ func (r *readSource) open() error {
 
 func (r *readSource) close() {
 	if r != nil && r.standby != nil {
-		standbyPools.give(r.standby)
+		standbyPools.give(r.cfg.ReadDSN, r.cfg.ReadMaxLag)
 		r.standby = nil
 	}
 }
@@ -161,7 +161,6 @@ type standbyPoolKey struct {
 }
 
 type standbyPool struct {
-	key   standbyPoolKey
 	pool  *pgxpool.Pool
 	users int
 }
@@ -183,27 +182,26 @@ func (s *sharedStandbyPools) take(dsn string, maxWait time.Duration) (*pgxpool.P
 	if err != nil {
 		return nil, err
 	}
-	s.pools[key] = &standbyPool{key: key, pool: pool, users: 1}
+	s.pools[key] = &standbyPool{pool: pool, users: 1}
 	return pool, nil
 }
 
-// give hands pool back; the last user closes it.
-func (s *sharedStandbyPools) give(pool *pgxpool.Pool) {
+// give hands back the pool take returned for dsn and maxWait; the last user closes it.
+func (s *sharedStandbyPools) give(dsn string, maxWait time.Duration) {
+	key := standbyPoolKey{dsn: dsn, maxWait: maxWait}
 	s.mu.Lock()
-	var last *standbyPool
-	for key, sp := range s.pools {
-		if sp.pool != pool {
-			continue
-		}
-		if sp.users--; sp.users == 0 {
-			delete(s.pools, key)
-			last = sp
-		}
-		break
+	sp := s.pools[key]
+	if sp == nil {
+		s.mu.Unlock()
+		return
+	}
+	sp.users--
+	if sp.users == 0 {
+		delete(s.pools, key)
 	}
 	s.mu.Unlock()
-	if last != nil {
-		last.pool.Close()
+	if sp.users == 0 {
+		sp.pool.Close()
 	}
 }
 
@@ -555,15 +553,7 @@ func (l *scanLoop) scanStartFallen(ctx context.Context, held, reading []string, 
 // its answer, as on this consumer's own.
 func (l *scanLoop) standbyHeads(ctx context.Context, held []string, unticked bool) (headsRead, error) {
 	for attempt := 0; ; attempt++ {
-		var hr headsRead
-		var err error
-		if unticked {
-			hr, err = queryHeads(ctx, l.reads.standby, held, l.seenTick, unticked)
-		} else {
-			var shared bool
-			hr, shared, err = sharedHeads(ctx, l.reads.standby, held, l.seenTick, l.seenTick)
-			l.countShared(shared)
-		}
+		hr, err := l.headsOn(ctx, l.reads.standby, held, l.seenTick, unticked)
 		if err == nil || ctx.Err() != nil || !recoveryConflict(err) || attempt >= readConflictRetries {
 			return hr, err
 		}
