@@ -196,11 +196,12 @@ func (s *sharedStandbyPools) give(dsn string, maxWait time.Duration) {
 		return
 	}
 	sp.users--
-	if sp.users == 0 {
+	last := sp.users == 0
+	if last {
 		delete(s.pools, key)
 	}
 	s.mu.Unlock()
-	if sp.users == 0 {
+	if last {
 		sp.pool.Close()
 	}
 }
