@@ -161,7 +161,7 @@ func newHost(pool *pgxpool.Pool, withOutbox, notify bool) (*testhost.Store, *out
 	if !withOutbox {
 		return testhost.New(pool, testhost.Options{}), nil, nil
 	}
-	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, moduleLog)
+	w, err := outbox.NewWriter(pool, outbox.Config{WriterLabel: "bench", NotifyDisabled: !notify}, moduleLog())
 	if err != nil {
 		return nil, nil, fmt.Errorf("new writer: %w", err)
 	}
@@ -293,10 +293,19 @@ func (r *runningConsumer) Close() {
 	}
 }
 
-// moduleLog is the writers' and consumers' logger: nothing in tests, their warnings on stderr
-// in a run (see run), where a failing step, a lock that timed out or a wake-up that was not
-// sent explains a stall in the figures.
-var moduleLog = zap.NewNop()
+// moduleLogger holds the writers' and consumers' logger: nothing in tests, their warnings on
+// stderr in a run (see run), where a failing step, a lock that timed out or a wake-up that was
+// not sent explains a stall in the figures. A command line run by a test sets it while other
+// tests' cases read it, hence the atomic pointer.
+var moduleLogger atomic.Pointer[zap.Logger]
+
+// moduleLog is the logger moduleLogger holds, or one that logs nothing.
+func moduleLog() *zap.Logger {
+	if l := moduleLogger.Load(); l != nil {
+		return l
+	}
+	return zap.NewNop()
+}
 
 func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsumer, error) {
 	pool, owned := s.pool, s.pool == nil
@@ -317,7 +326,7 @@ func startConsumer(ctx context.Context, db *DB, s consumerSpec) (*runningConsume
 		ID: outbox.ConsumerID(s.id), Pool: pool, Config: s.cfg, Projects: outbox.StaticProjects(s.projects),
 		// A separate process that records no events.
 		Dispatcher: outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: s.listeners, Cache: s.cache, NoLocalWriter: true}),
-		LiveTasks:  s.live, Cache: s.cache, Logger: moduleLog,
+		LiveTasks:  s.live, Cache: s.cache, Logger: moduleLog(),
 	})
 	if err != nil {
 		closePool()

@@ -114,8 +114,9 @@ func run(args []string, stdout, stderr io.Writer) error {
 	logf := func(format string, a ...any) {
 		fmt.Fprintf(stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05.000")}, a...)...)
 	}
-	moduleLog = warningsTo(stderr)
-	defer func() { _ = moduleLog.Sync() }()
+	log := warningsTo(stderr)
+	moduleLogger.Store(log)
+	defer func() { _ = log.Sync() }()
 	env, err := NewServerEnv(ctx, g.dsn, logf)
 	if err != nil {
 		return err
