@@ -368,6 +368,9 @@ func requireReplayed(t *testing.T, ctx context.Context, w, obs *testkit.Process)
 	t.Helper()
 	obs.Rec.WaitFor(t, ctx, "the replay", func(evs []outbox.ObservedEvent) bool { return len(replays(evs)) > 0 })
 	require.Eventually(t, func() bool { return deliveryOfProject(t, w.Pool, "p", "broken", 1) == "resolved" }, testkit.WaitLimit, 5*time.Millisecond)
+	// The resolution commits before the consumer counts it: wait for the count, then check it
+	// is exactly one.
+	require.Eventually(t, func() bool { return obs.Consumer.Stats().Replayed >= 1 }, testkit.WaitLimit, time.Millisecond)
 	require.EqualValues(t, 1, obs.Consumer.Stats().Replayed)
 }
 
