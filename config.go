@@ -95,6 +95,15 @@ type Config struct {
 	// about TickFloor for its tick. Defaults to 2ms; 1ms to PollInterval.
 	TickFloor time.Duration `yaml:"tick_floor" json:"tick_floor"`
 
+	// TickBusyWait is the longest the elected ticker holds a tick back while its own consumer
+	// is still busy with what the ticks before brought (scanning, or asked to scan). While the
+	// consumers keep up, ticks follow every TickFloor; once they fall behind, each tick waits
+	// for the elected one's consumer to finish, or TickBusyWait after the last tick, so that
+	// every consumer's read covers more events instead of adding reads it cannot keep up with.
+	// Set it to TickFloor to tick every TickFloor whatever the consumer does. Defaults to 25ms;
+	// TickFloor to PollInterval.
+	TickBusyWait time.Duration `yaml:"tick_busy_wait" json:"tick_busy_wait"`
+
 	// TickFallbackInterval bounds what a lost hint costs. Every consumer ticks when it took
 	// no tick of its own for that long (the elected ticker when it heard no hint, the others
 	// anyway): a session that holds the election lock without ticking then slows delivery to
@@ -275,6 +284,7 @@ func (c Config) WithDefaults() Config {
 		c.TickChannel = c.NotifyChannel + "_tick"
 	}
 	def(&c.TickFloor, min(2*time.Millisecond, c.PollInterval))
+	def(&c.TickBusyWait, min(max(25*time.Millisecond, c.TickFloor), c.PollInterval))
 	def(&c.TickFallbackInterval, 5*c.PollInterval)
 	def(&c.NotifyGap, 20*time.Millisecond)
 	def(&c.FollowUpInterval, min(2*time.Millisecond, c.PollInterval))
@@ -341,6 +351,9 @@ func (c Config) Validate() error {
 	}
 	if c.TickFloor < time.Millisecond || c.TickFloor > c.PollInterval {
 		bad("TickFloor", "must be between 1ms and PollInterval")
+	}
+	if c.TickBusyWait < c.TickFloor || c.TickBusyWait > c.PollInterval {
+		bad("TickBusyWait", "must be between TickFloor and PollInterval")
 	}
 	if c.TickFallbackInterval < c.PollInterval {
 		bad("TickFallbackInterval", "must be at least PollInterval")

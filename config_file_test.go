@@ -27,7 +27,7 @@ func TestLoadTheExampleConfigFile(t *testing.T) {
 		IdentityField: "outbox.consumer_id", WriterLabel: "engine-eu",
 		PollInterval: time.Second, BatchSize: 1000, AckInterval: time.Second, LeaseTTL: 30 * time.Second,
 		HeartbeatInterval: 10 * time.Second, ListenerTimeout: 30 * time.Second, NewCursor: "reconcile",
-		NotifyChannel: "lifecycle_outbox", TickChannel: "lifecycle_outbox_tick", TickFloor: 2 * time.Millisecond,
+		NotifyChannel: "lifecycle_outbox", TickChannel: "lifecycle_outbox_tick", TickFloor: 2 * time.Millisecond, TickBusyWait: 25 * time.Millisecond,
 		TickFallbackInterval: 5 * time.Second, NotifyGap: 20 * time.Millisecond, FollowUpInterval: 2 * time.Millisecond,
 		WakeInterval: 10 * time.Millisecond,
 		LockTimeout:  5 * time.Second, StatementTimeout: 30 * time.Second,

@@ -131,7 +131,7 @@ func newConsumer(opts ConsumerOptions, cfg consumerConfig) (*Consumer, error) {
 	}
 	st.onStandby.Store(cfg.ReadDSN != "")
 	loop.acks = &acknowledger{pool: opts.Pool, clock: cfg.Clock, apply: loop.applyAcks}
-	tk := newTicker(opts.Pool, cfg, log, opts.Metrics, st)
+	tk := newTicker(opts.Pool, cfg, log, opts.Metrics, st, scans)
 	if tk.campaigns() {
 		loop.elected, loop.tickNow = tk.leading.Load, tk.poke
 	}
@@ -314,6 +314,9 @@ type Stats struct {
 	// SharedReads counts the reads of heads and first batches this consumer took from a
 	// statement another consumer on the same pool had in flight, instead of sending its own.
 	SharedReads int64
+	// TicksHeld counts the ticks this consumer's ticker, elected, held back while the
+	// consumer was still busy with the ticks before (Config.TickBusyWait).
+	TicksHeld int64
 
 	// Reading from a standby (Config.ReadDSN); all zero without one.
 	ReadFallbacks      int64         // times the consumer left the standby for the primary (behind by ReadMaxLag, or unreachable)
@@ -330,7 +333,7 @@ type Stats struct {
 // stats are the counters every part of a consumer adds to.
 type stats struct {
 	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, ticks, numbered, holes atomic.Int64
-	openReads, tickHints, sharedReads                                                                                   atomic.Int64
+	openReads, tickHints, sharedReads, ticksHeld                                                                        atomic.Int64
 
 	readFallbacks, readReturns, readConflicts, standbyWaits, tickChecks, lagTicks, lagNanos atomic.Int64
 	onStandby, waiting                                                                      atomic.Bool
@@ -343,7 +346,7 @@ func (c *Consumer) Stats() Stats {
 		Delivered: s.delivered.Load(), Own: s.own.Load(), Suppressed: s.suppressed.Load(), Failures: s.failures.Load(),
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
 		Scans: s.scans.Load(), Ticks: s.ticks.Load(), Numbered: s.numbered.Load(), Holes: s.holes.Load(),
-		OpenReads: s.openReads.Load(), TickHints: s.tickHints.Load(), SharedReads: s.sharedReads.Load(),
+		OpenReads: s.openReads.Load(), TickHints: s.tickHints.Load(), SharedReads: s.sharedReads.Load(), TicksHeld: s.ticksHeld.Load(),
 		ReadFallbacks: s.readFallbacks.Load(), ReadReturns: s.readReturns.Load(), ReadConflicts: s.readConflicts.Load(),
 		StandbyWaits: s.standbyWaits.Load(), TickChecks: s.tickChecks.Load(), ReadingFromStandby: s.onStandby.Load(), StandbyWaiting: s.waiting.Load(),
 		StandbyLagTicks: s.lagTicks.Load(), StandbyLag: time.Duration(s.lagNanos.Load()),

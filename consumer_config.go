@@ -22,6 +22,7 @@ type consumerConfig struct {
 	NotifyChannel        string
 	TickChannel          string
 	TickFloor            time.Duration
+	TickBusyWait         time.Duration
 	TickFallbackInterval time.Duration
 	FollowUpInterval     time.Duration
 	FollowUpWindow       time.Duration
@@ -44,7 +45,7 @@ func (c Config) consumerConfig() consumerConfig {
 	return consumerConfig{
 		PollInterval: c.PollInterval, BatchSize: c.BatchSize, LeaseTTL: c.LeaseTTL, AckInterval: c.AckInterval,
 		HeartbeatInterval: c.HeartbeatInterval, ListenerTimeout: c.ListenerTimeout, NotifyDisabled: c.NotifyDisabled,
-		NotifyChannel: c.NotifyChannel, TickChannel: c.TickChannel, TickFloor: c.TickFloor,
+		NotifyChannel: c.NotifyChannel, TickChannel: c.TickChannel, TickFloor: c.TickFloor, TickBusyWait: c.TickBusyWait,
 		TickFallbackInterval: c.TickFallbackInterval, FollowUpInterval: c.FollowUpInterval, FollowUpWindow: c.FollowUpWindow,
 		WakeInterval: c.WakeInterval, ListenDSN: c.ListenDSN, ReadDSN: c.ReadDSN, ReadMaxLag: c.ReadMaxLag,
 		ListenCheckTimeout: c.ListenCheckTimeout, TransactionPooler: c.TransactionPooler, LockTimeout: c.LockTimeout,

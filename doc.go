@@ -35,7 +35,9 @@
 //
 // One ticker numbers for every consumer. Each consumer is a candidate, and the one that holds a
 // session advisory lock on its dedicated connection is elected: it ticks on the writers' hints,
-// at most once per Config.TickFloor, and otherwise once per Config.TickFallbackInterval. The
+// at most once per Config.TickFloor, and otherwise once per Config.TickFallbackInterval. While
+// its own consumer is still busy with the ticks before, it holds the next tick back, for at
+// most Config.TickBusyWait: ticks faster than the consumers read only add reads. The
 // poll of its own consumer (its one read of heads) also says whether events committed that no
 // tick numbered, in any project, and it then ticks, so a lost hint costs about one
 // PollInterval and a tick. The tick announces itself on Config.TickChannel: "tick/<tick_id>",

@@ -225,10 +225,16 @@ type scanRequests struct {
 	// announced is the newest tick the ticker's notifications announced: a hint, which the
 	// loop checks on the primary before it lets a standby make it wait for it (standby.go).
 	announced atomic.Int64
+	// busy: the loop is scanning, or was asked to scan and has not started; rested is
+	// signalled when it stops being either. The elected ticker paces its ticks by them
+	// (ticker.pace).
+	busy   atomic.Bool
+	rested chan struct{}
 }
 
 func newScanRequests() *scanRequests {
-	return &scanRequests{wake: make(chan struct{}, 1), dirty: map[string]struct{}{}, stale: map[string]struct{}{}}
+	return &scanRequests{wake: make(chan struct{}, 1), dirty: map[string]struct{}{}, stale: map[string]struct{}{},
+		rested: make(chan struct{}, 1)}
 }
 
 // request asks the loop to look at projects soon (all of them when projects is nil).
@@ -237,6 +243,7 @@ func (r *scanRequests) request(projects ...string) {
 	markAll(r.dirty, projects)
 	r.mu.Unlock()
 	r.poke()
+	r.busy.Store(true) // after the wake: rest sees one or the other
 }
 
 // requestRead asks the loop to look at projects soon and to read their open deliveries again
@@ -247,6 +254,25 @@ func (r *scanRequests) requestRead(projects ...string) {
 	markAll(r.stale, projects)
 	r.mu.Unlock()
 	r.poke()
+	r.busy.Store(true)
+}
+
+// working marks the loop busy: it is about to scan.
+func (r *scanRequests) working() { r.busy.Store(true) }
+
+// rest marks the loop idle, unless a wake is pending (a request it has not taken), and then
+// tells a waiting ticker. A request stores busy after its wake, and rest looks for the wake
+// after it stored idle, so a request that races with rest leaves the loop busy.
+func (r *scanRequests) rest() {
+	r.busy.Store(false)
+	if len(r.wake) > 0 {
+		r.busy.Store(true)
+		return
+	}
+	select {
+	case r.rested <- struct{}{}:
+	default:
+	}
 }
 
 // markAll adds projects to set, or "" (every project) when projects is nil.

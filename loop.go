@@ -79,6 +79,7 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 	busy := followUps{interval: l.cfg.FollowUpInterval, window: l.cfg.FollowUpWindow, last: map[string]time.Time{}}
 	followUp := false
 	for {
+		l.scans.working()
 		l.releaseDropped(ctx)
 		dirty, all, stale := l.scans.take()
 		full = full || all
@@ -131,6 +132,7 @@ func (l *scanLoop) run(ctx context.Context, abandon <-chan struct{}) {
 		if l.rest != nil && sched.resting() {
 			l.rest()
 		}
+		l.scans.rest()
 		select {
 		case <-ctx.Done():
 		case <-l.scans.wake:

@@ -196,13 +196,14 @@ type ticker struct {
 	stats   *stats
 	elected chan bool // tells the tick loop when this candidate is elected or not
 	hints   chan struct{}
-	leading atomic.Bool  // the tick loop's view: elected
-	calls   atomic.Int64 // tick calls that returned, for tests that must know the first one did
+	own     *scanRequests // its own consumer's loop, which paces its ticks while elected (pace)
+	leading atomic.Bool   // the tick loop's view: elected
+	calls   atomic.Int64  // tick calls that returned, for tests that must know the first one did
 }
 
-func newTicker(pool *pgxpool.Pool, cfg consumerConfig, log *zap.Logger, metrics *Metrics, st *stats) *ticker {
+func newTicker(pool *pgxpool.Pool, cfg consumerConfig, log *zap.Logger, metrics *Metrics, st *stats, own *scanRequests) *ticker {
 	return &ticker{pool: pool, cfg: cfg, log: log.Named("ticker"), metrics: metrics, stats: st,
-		elected: make(chan bool, 1), hints: make(chan struct{}, 1)}
+		elected: make(chan bool, 1), hints: make(chan struct{}, 1), own: own}
 }
 
 // campaigns reports whether the candidate campaigns for election: not without notifications
@@ -279,7 +280,13 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 					return
 				}
 			}
+			if !t.pace(ctx, last) {
+				return
+			}
 		case <-timer.C:
+			if elected && followUp && !t.pace(ctx, last) {
+				return
+			}
 		}
 		res, err := tick(ctx, t.pool, t.cfg.TickChannel)
 		last = time.Now()
@@ -303,6 +310,36 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 			t.metrics.ticked(res.Ticks, res.Events)
 		}
 	}
+}
+
+// pace holds the elected ticker's next tick back while its own consumer is still busy with
+// what the ticks before brought, until TickBusyWait after the last tick. A tick costs every
+// consumer a read whatever it holds: ticking faster than the consumers read adds reads, and
+// the server time they take, without bringing any event sooner. While they keep up (the
+// consumer rests between ticks) this waits for nothing, and ticks follow every TickFloor. The
+// elected one's consumer stands for all of them; one kept busy by a slow listener slows the
+// ticks to one per TickBusyWait, not further. It reports false when ctx ended.
+func (t *ticker) pace(ctx context.Context, last time.Time) bool {
+	for held := false; t.own != nil && t.own.busy.Load(); {
+		left := t.cfg.TickBusyWait - time.Since(last)
+		if left <= 0 {
+			return true
+		}
+		if !held {
+			held = true
+			t.stats.ticksHeld.Add(1)
+		}
+		tm := time.NewTimer(left)
+		select {
+		case <-ctx.Done():
+			tm.Stop()
+			return false
+		case <-t.own.rested: // look again: it may be busy once more
+		case <-tm.C:
+		}
+		tm.Stop()
+	}
+	return ctx.Err() == nil
 }
 
 // campaign keeps a dedicated connection waiting for, then holding, the election lock, and

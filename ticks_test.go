@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
@@ -475,4 +476,64 @@ func TestTickFunctionSettings(t *testing.T) {
 		WHERE oid = 'lifecycle_outbox_tick(text)'::regprocedure`).Scan(&settings))
 	require.Subset(t, settings, []string{"lock_timeout=1s", "plan_cache_mode=force_generic_plan", "enable_seqscan=off", "enable_bitmapscan=off"})
 	require.Contains(t, strings.Join(settings, " "), "search_path=pg_catalog, ")
+}
+
+// TestElectedTickerWaitsForItsBusyConsumer: while the elected ticker's own consumer is still
+// busy with what the last tick brought (here its listener holds the first event), a writer's
+// hint is not ticked at once: the ticker holds the tick (TicksHeld) until the consumer rests,
+// and then ticks, and the event is delivered. TickBusyWait is an hour, so only the consumer's
+// rest lets the tick through.
+func TestElectedTickerWaitsForItsBusyConsumer(t *testing.T) {
+	t.Parallel()
+	ctx := testkit.Ctx(t)
+	db := pgtest.NewDB(t)
+	cfg := testkit.FastConfig()
+	cfg.PollInterval, cfg.TickFallbackInterval, cfg.TickBusyWait, cfg.ListenerTimeout = time.Hour, time.Hour, time.Hour, time.Hour
+	entered, release := make(chan struct{}), make(chan struct{})
+	rec := testkit.NewRecorder()
+	holding := outbox.ListenerFunc("holding", func(ctx context.Context, ev outbox.ObservedEvent) error {
+		if ev.TaskID == "t-1" {
+			close(entered)
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return nil
+	})
+	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{holding, rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
+	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "paced", Pool: pgtest.Pool(t, db.URL), Config: cfg,
+		Projects: outbox.StaticProjects([]string{"p"}), Dispatcher: d, Logger: zaptest.NewLogger(t)})
+	require.NoError(t, err)
+	require.NoError(t, c.Start(ctx))
+	t.Cleanup(func() { stopConsumer(t, c) })
+	require.Eventually(t, func() bool { return outbox.TickerElected(c) && outbox.TickerCalls(c) >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "elected")
+
+	w, err := outbox.NewWriter(pgtest.Pool(t, db.URL), outbox.Config{}, nil)
+	require.NoError(t, err)
+	store := testhost.New(pgtest.Pool(t, db.URL), testhost.Options{Writer: w})
+	_, err = store.CreateMany(ctx, "p", "t", 2)
+	require.NoError(t, err)
+	_, err = store.Delete(ctx, "p", "t-1")
+	require.NoError(t, err)
+	select {
+	case <-entered:
+	case <-ctx.Done():
+		t.Fatal("the first event never reached the listener")
+	}
+	require.Eventually(t, func() bool { return c.Stats().Numbered == 1 }, testkit.WaitLimit, 5*time.Millisecond, "the first tick's count")
+
+	_, err = store.Delete(ctx, "p", "t-2") // its hint reaches the ticker while the consumer is busy
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return c.Stats().TicksHeld >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "the tick was held")
+	var numbered int64
+	require.NoError(t, pgtest.Pool(t, db.URL).QueryRow(ctx, `SELECT coalesce(sum(events), 0) FROM lifecycle_tick_project WHERE project_id = 'p'`).Scan(&numbered))
+	require.Equal(t, int64(1), numbered, "t-2 is not ticked while the consumer is busy")
+
+	close(release)
+	evs := rec.WaitCount(t, ctx, 2)
+	require.Equal(t, []string{"t-1", "t-2"}, []string{evs[0].TaskID, evs[1].TaskID})
+	require.Equal(t, []int64{1, 2}, []int64{evs[0].Sequence, evs[1].Sequence})
+	require.Eventually(t, func() bool { return c.Stats().Numbered == 2 }, testkit.WaitLimit, 5*time.Millisecond, "the held tick numbered t-2")
 }
