@@ -32,6 +32,7 @@ type Metrics struct {
 	projectErrors     *prometheus.CounterVec
 	ticks             prometheus.Counter
 	tickedEvents      prometheus.Counter
+	ticksHeld         prometheus.Counter
 	streamHoles       *prometheus.CounterVec
 	readFallbacks     *prometheus.CounterVec
 	readReturns       *prometheus.CounterVec
@@ -74,6 +75,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Ticks this process took (as the elected ticker, or as a fallback)."}),
 		tickedEvents: prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_ticked_events_total",
 			Help: "Events numbered by this process's ticks."}),
+		ticksHeld: prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_ticks_held_total",
+			Help: "Ticks this process's elected ticker held back while its own consumer was still busy (TickBusyWait)."}),
 		streamHoles: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_stream_holes_total",
 			Help: "Events counted by their tick but no longer stored, found by a consumer (each reconciled its project)."}, pc),
 		readFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "outbox_read_fallbacks_total",
@@ -101,7 +104,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		Help: "Projects whose lag and dead-letter gauges could not be read from the database at a scrape (each left out of that scrape)."})
 	for _, c := range []prometheus.Collector{m.dispatched, m.duration, m.failures, m.parkedTotal, m.replayedTotal,
 		m.leaseAcquisitions, m.leaseLosses, m.reconciliations, m.prunedRows, m.prunedDead, m.listenReconnects,
-		m.listenWakeups, m.projectErrors, m.ticks, m.tickedEvents, m.streamHoles, m.readFallbacks, m.readReturns,
+		m.listenWakeups, m.projectErrors, m.ticks, m.tickedEvents, m.ticksHeld, m.streamHoles, m.readFallbacks, m.readReturns,
 		m.readConflicts, m.readLagTicks, m.readLagSeconds, m.status} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register outbox metrics: %w", err)
@@ -171,6 +174,12 @@ func (m *Metrics) ticked(ticks int, events int64) {
 	if m != nil {
 		m.ticks.Add(float64(ticks))
 		m.tickedEvents.Add(float64(events))
+	}
+}
+
+func (m *Metrics) tickHeld() {
+	if m != nil {
+		m.ticksHeld.Inc()
 	}
 }
 

@@ -320,7 +320,8 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 // elected one's consumer stands for all of them; one kept busy by a slow listener slows the
 // ticks to one per TickBusyWait, not further. It reports false when ctx ended.
 func (t *ticker) pace(ctx context.Context, last time.Time) bool {
-	for held := false; t.own != nil && t.own.busy.Load(); {
+	held := false
+	for t.own.busy.Load() {
 		left := t.cfg.TickBusyWait - time.Since(last)
 		if left <= 0 {
 			return true
@@ -328,6 +329,7 @@ func (t *ticker) pace(ctx context.Context, last time.Time) bool {
 		if !held {
 			held = true
 			t.stats.ticksHeld.Add(1)
+			t.metrics.tickHeld()
 		}
 		tm := time.NewTimer(left)
 		select {

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap/zaptest"
 
@@ -503,8 +504,11 @@ func TestElectedTickerWaitsForItsBusyConsumer(t *testing.T) {
 		return nil
 	})
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{holding, rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	require.NoError(t, err)
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "paced", Pool: pgtest.Pool(t, db.URL), Config: cfg,
-		Projects: outbox.StaticProjects([]string{"p"}), Dispatcher: d, Logger: zaptest.NewLogger(t)})
+		Projects: outbox.StaticProjects([]string{"p"}), Dispatcher: d, Metrics: m, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(ctx))
 	t.Cleanup(func() { stopConsumer(t, c) })
@@ -527,6 +531,9 @@ func TestElectedTickerWaitsForItsBusyConsumer(t *testing.T) {
 	_, err = store.Delete(ctx, "p", "t-2") // its hint reaches the ticker while the consumer is busy
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return c.Stats().TicksHeld >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "the tick was held")
+	held, ok := sample(scrape(t, reg), "outbox_ticks_held_total")
+	require.True(t, ok)
+	require.Equal(t, float64(c.Stats().TicksHeld), held)
 	var numbered int64
 	require.NoError(t, pgtest.Pool(t, db.URL).QueryRow(ctx, `SELECT coalesce(sum(events), 0) FROM lifecycle_tick_project WHERE project_id = 'p'`).Scan(&numbered))
 	require.Equal(t, int64(1), numbered, "t-2 is not ticked while the consumer is busy")
