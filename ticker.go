@@ -176,7 +176,8 @@ const tickerLockKey int64 = 0x6c69666574696b72 // "lifetikr"
 // ticker is a consumer's candidacy as the database's ticker. The elected one (holding
 // tickerLockKey on its dedicated connection) listens to the writers' hints and ticks on them,
 // at most once per TickFloor, and again after each tick that found events until one finds
-// none, so a busy stream is ticked every TickFloor whatever the writers' hint gap. The others
+// none, so a busy stream is ticked every TickFloor whatever the writers' hint gap, unless its
+// own consumer is still busy with the ticks before (pace: then up to TickBusyWait). The others
 // wait for the lock on their own connection, which costs no statement, and take over the moment
 // the elected one's session ends. Whoever is elected, every candidate also ticks once per
 // TickFallbackInterval if it saw no tick of its own: a session holding the lock without ticking
