@@ -242,8 +242,8 @@ func (r *scanRequests) request(projects ...string) {
 	r.mu.Lock()
 	markAll(r.dirty, projects)
 	r.mu.Unlock()
+	r.busy.Store(true) // before the wake: the scan it starts rests after it
 	r.poke()
-	r.busy.Store(true) // after the wake: rest sees one or the other
 }
 
 // requestRead asks the loop to look at projects soon and to read their open deliveries again
@@ -253,16 +253,18 @@ func (r *scanRequests) requestRead(projects ...string) {
 	markAll(r.dirty, projects)
 	markAll(r.stale, projects)
 	r.mu.Unlock()
-	r.poke()
 	r.busy.Store(true)
+	r.poke()
 }
 
 // working marks the loop busy: it is about to scan.
 func (r *scanRequests) working() { r.busy.Store(true) }
 
 // rest marks the loop idle, unless a wake is pending (a request it has not taken), and then
-// tells a waiting ticker. A request stores busy after its wake, and rest looks for the wake
-// after it stored idle, so a request that races with rest leaves the loop busy.
+// tells a waiting ticker. A request marks the loop busy before it wakes it, so busy is never
+// left set with nothing to do: the scan the wake starts rests after it. A request that races
+// with rest may leave the loop idle for a moment before that wake, which only lets one tick
+// through unheld.
 func (r *scanRequests) rest() {
 	r.busy.Store(false)
 	if len(r.wake) > 0 {
