@@ -97,11 +97,12 @@ type Config struct {
 
 	// TickBusyWait is the longest the elected ticker holds a tick back while its own consumer
 	// is still busy with what the ticks before brought (scanning, or asked to scan). While the
-	// consumers keep up, ticks follow every TickFloor; once they fall behind, each tick waits
-	// for the elected one's consumer to finish, or TickBusyWait after the last tick, so that
-	// every consumer's read covers more events instead of adding reads it cannot keep up with.
-	// Set it to TickFloor to tick every TickFloor whatever the consumer does. Defaults to 25ms;
-	// TickFloor to PollInterval.
+	// consumers keep up, ticks follow every TickFloor. Once they fall behind, each tick waits
+	// for the elected one's consumer to finish, or TickBusyWait after the last tick, and the
+	// gap between ticks doubles each time the consumer is found busy, up to TickBusyWait (it
+	// halves again once the consumer rests half of it), so that every consumer's read covers
+	// more events instead of adding reads it cannot keep up with. Set it to TickFloor to tick
+	// every TickFloor whatever the consumer does. Defaults to 25ms; TickFloor to PollInterval.
 	TickBusyWait time.Duration `yaml:"tick_busy_wait" json:"tick_busy_wait"`
 
 	// TickFallbackInterval bounds what a lost hint costs. Every consumer ticks when it took

@@ -228,8 +228,9 @@ type scanRequests struct {
 	// busy: the loop is scanning, or was asked to scan and has not started; rested is
 	// signalled when it stops being either. The elected ticker paces its ticks by them
 	// (ticker.pace).
-	busy   atomic.Bool
-	rested chan struct{}
+	busy     atomic.Bool
+	rested   chan struct{}
+	restedAt atomic.Int64 // when the loop last went idle (UnixNano)
 }
 
 func newScanRequests() *scanRequests {
@@ -266,6 +267,7 @@ func (r *scanRequests) working() { r.busy.Store(true) }
 // with rest may leave the loop idle for a moment before that wake, which only lets one tick
 // through unheld.
 func (r *scanRequests) rest() {
+	r.restedAt.Store(time.Now().UnixNano())
 	r.busy.Store(false)
 	if len(r.wake) > 0 {
 		r.busy.Store(true)
@@ -275,6 +277,11 @@ func (r *scanRequests) rest() {
 	case r.rested <- struct{}{}:
 	default:
 	}
+}
+
+// idleFor is how long the loop has been idle (meaningful while it is).
+func (r *scanRequests) idleFor() time.Duration {
+	return time.Duration(time.Now().UnixNano() - r.restedAt.Load())
 }
 
 // markAll adds projects to set, or "" (every project) when projects is nil.

@@ -177,7 +177,7 @@ const tickerLockKey int64 = 0x6c69666574696b72 // "lifetikr"
 // tickerLockKey on its dedicated connection) listens to the writers' hints and ticks on them,
 // at most once per TickFloor, and again after each tick that found events until one finds
 // none, so a busy stream is ticked every TickFloor whatever the writers' hint gap, unless its
-// own consumer is still busy with the ticks before (pace: then up to TickBusyWait). The others
+// own consumer falls behind (pace, tickGap: then up to TickBusyWait). The others
 // wait for the lock on their own connection, which costs no statement, and take over the moment
 // the elected one's session ends. Whoever is elected, every candidate also ticks once per
 // TickFallbackInterval if it saw no tick of its own: a session holding the lock without ticking
@@ -244,13 +244,14 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 	elected := false
 	last := time.Time{}
 	followUp := false
+	gap := tickGap{floor: t.cfg.TickFloor, ceiling: t.cfg.TickBusyWait, cur: t.cfg.TickFloor}
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
 		var wait time.Duration
 		switch {
 		case elected && followUp:
-			wait = t.cfg.TickFloor - time.Since(last)
+			wait = gap.cur - time.Since(last)
 		case elected:
 			// The idle tick, once per TickFallbackInterval without a tick: this consumer's polls
 			// ask for a tick when an event committed without a hint (scanLoop.hintTicker), so
@@ -276,16 +277,16 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 			if !elected {
 				continue
 			}
-			if floor := t.cfg.TickFloor - time.Since(last); floor > 0 {
+			if floor := gap.cur - time.Since(last); floor > 0 {
 				if !sleepCtx(ctx, floor) {
 					return
 				}
 			}
-			if !t.pace(ctx, last) {
+			if !t.pace(ctx, last, &gap) {
 				return
 			}
 		case <-timer.C:
-			if elected && followUp && !t.pace(ctx, last) {
+			if elected && followUp && !t.pace(ctx, last, &gap) {
 				return
 			}
 		}
@@ -313,14 +314,20 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 	}
 }
 
-// pace holds the elected ticker's next tick back while its own consumer is still busy with
-// what the ticks before brought, until TickBusyWait after the last tick. A tick costs every
+// pace is called when the elected ticker's next tick is due (gap.cur after the last). It holds
+// the tick back while its own consumer is still busy with what the ticks before brought, until
+// TickBusyWait after the last tick, and moves the gap by what it saw. A tick costs every
 // consumer a read whatever it holds: ticking faster than the consumers read adds reads, and
 // the server time they take, without bringing any event sooner. While they keep up (the
 // consumer rests between ticks) this waits for nothing, and ticks follow every TickFloor. The
 // elected one's consumer stands for all of them; one kept busy by a slow listener slows the
 // ticks to one per TickBusyWait, not further. It reports false when ctx ended.
-func (t *ticker) pace(ctx context.Context, last time.Time) bool {
+func (t *ticker) pace(ctx context.Context, last time.Time, gap *tickGap) bool {
+	if t.own.busy.Load() {
+		gap.busy()
+	} else {
+		gap.rested(t.own.idleFor())
+	}
 	held := false
 	for t.own.busy.Load() {
 		left := t.cfg.TickBusyWait - time.Since(last)
@@ -343,6 +350,24 @@ func (t *ticker) pace(ctx context.Context, last time.Time) bool {
 		tm.Stop()
 	}
 	return ctx.Err() == nil
+}
+
+// tickGap is the elected ticker's shortest time between two ticks while they find events. It is
+// TickFloor while its own consumer keeps up. Each time the consumer is still busy when a tick
+// falls due, the gap doubles, up to TickBusyWait: the consumers are behind, and fewer ticks
+// each bring them more events for the same reads. Each time the consumer had rested for at
+// least half the gap, it halves, back down to TickFloor: they have time to spare, and ticks
+// come sooner. In between it stays. Owned by the tick loop.
+type tickGap struct {
+	floor, ceiling, cur time.Duration
+}
+
+func (g *tickGap) busy() { g.cur = min(2*g.cur, g.ceiling) }
+
+func (g *tickGap) rested(idle time.Duration) {
+	if idle >= g.cur/2 {
+		g.cur = max(g.cur/2, g.floor)
+	}
 }
 
 // campaign keeps a dedicated connection waiting for, then holding, the election lock, and
