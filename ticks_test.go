@@ -446,12 +446,8 @@ func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 	// call may come late enough to number the deletion below, so wait until both returned.
 	require.Eventually(t, func() bool { return outbox.TickerCalls(c1) >= 1 && outbox.TickerCalls(c2) >= 1 },
 		testkit.WaitLimit, 5*time.Millisecond, "both tickers made their first call")
-	w, err := outbox.NewWriter(pgtest.Pool(t, db.URL), outbox.Config{}, nil)
-	require.NoError(t, err)
-	store := testhost.New(pgtest.Pool(t, db.URL), testhost.Options{Writer: w})
-	_, err = store.CreateMany(ctx, "p", "t", 2)
-	require.NoError(t, err)
-	_, err = store.Delete(ctx, "p", "t-1")
+	store := hookedHost(t, ctx, db.URL, "p", 2)
+	_, err := store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
 	otherRec.WaitCount(t, ctx, 1)
 	// The tick's count is added once its call returns, which may be after the delivery.
@@ -514,11 +510,7 @@ func TestElectedTickerWaitsForItsBusyConsumer(t *testing.T) {
 	t.Cleanup(func() { stopConsumer(t, c) })
 	require.Eventually(t, func() bool { return outbox.TickerElected(c) && outbox.TickerCalls(c) >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "elected")
 
-	w, err := outbox.NewWriter(pgtest.Pool(t, db.URL), outbox.Config{}, nil)
-	require.NoError(t, err)
-	store := testhost.New(pgtest.Pool(t, db.URL), testhost.Options{Writer: w})
-	_, err = store.CreateMany(ctx, "p", "t", 2)
-	require.NoError(t, err)
+	store := hookedHost(t, ctx, db.URL, "p", 2)
 	_, err = store.Delete(ctx, "p", "t-1")
 	require.NoError(t, err)
 	select {
@@ -543,4 +535,16 @@ func TestElectedTickerWaitsForItsBusyConsumer(t *testing.T) {
 	require.Equal(t, []string{"t-1", "t-2"}, []string{evs[0].TaskID, evs[1].TaskID})
 	require.Equal(t, []int64{1, 2}, []int64{evs[0].Sequence, evs[1].Sequence})
 	require.Eventually(t, func() bool { return c.Stats().Numbered == 2 }, testkit.WaitLimit, 5*time.Millisecond, "the held tick numbered t-2")
+}
+
+// hookedHost is a reference host whose deletes go through a writer hook, with n live tasks
+// t-1 … t-n in project.
+func hookedHost(t *testing.T, ctx context.Context, url, project string, n int) *testhost.Store {
+	t.Helper()
+	w, err := outbox.NewWriter(pgtest.Pool(t, url), outbox.Config{}, nil)
+	require.NoError(t, err)
+	store := testhost.New(pgtest.Pool(t, url), testhost.Options{Writer: w})
+	_, err = store.CreateMany(ctx, project, "t", n)
+	require.NoError(t, err)
+	return store
 }
