@@ -186,6 +186,13 @@ func (wk *waker) note(channel, payload string) {
 	wk.log.Debug("skipped a notification that is not ours", zap.String("channel", channel), zap.Int("payload_bytes", len(payload)))
 }
 
+// closeDedicated closes a connection dedicatedConn opened, ending its session, within 2s.
+func closeDedicated(conn *pgx.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = conn.Close(ctx)
+}
+
 // dedicatedConn opens a connection for LISTEN and the ticker's election: from listenDSN
 // (Config.ListenDSN) when set (a pool behind a transaction-pooling proxy cannot LISTEN), else
 // hijacked from the pool so it never returns.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sync"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -113,20 +112,19 @@ func (h *listenHub) become(up bool, fn func(*waker)) {
 // run keeps the connection listening until the last member leaves.
 func (h *listenHub) run(ctx context.Context) {
 	defer close(h.done)
-	wait := 100 * time.Millisecond
+	b := newBackoff()
 	for {
 		listened, err := h.listenOnce(ctx)
 		if ctx.Err() != nil {
 			return
 		}
 		if listened {
-			wait = 100 * time.Millisecond
+			b.reset()
 		}
-		h.become(false, func(wk *waker) { wk.lost(err, wait) })
-		if !sleepCtx(ctx, wait) {
+		h.become(false, func(wk *waker) { wk.lost(err, b.wait) })
+		if !b.sleep(ctx) {
 			return
 		}
-		wait = min(wait*2, 5*time.Second)
 	}
 }
 
@@ -137,11 +135,7 @@ func (h *listenHub) listenOnce(ctx context.Context) (listened bool, err error) {
 	if err != nil {
 		return false, err
 	}
-	defer func() {
-		closeCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = conn.Close(closeCtx)
-	}()
+	defer closeDedicated(conn)
 	// LISTEN takes no parameter: the configured channel is quoted as an identifier.
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{h.key.channel}.Sanitize()); err != nil {
 		return false, fmt.Errorf("listen: %w", err)

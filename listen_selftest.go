@@ -107,7 +107,7 @@ func (wk *waker) startSelfTest() {
 // database is away; the connection's loss will start another run), and arms its bound.
 func (wk *waker) sendSelfTest(run int, token string) {
 	w := &wk.check
-	wait := 100 * time.Millisecond
+	b := newBackoff()
 	for {
 		sendCtx, stop := context.WithTimeout(wk.ctx, 10*time.Second)
 		_, err := wk.pool.Exec(sendCtx, selfTestNotifySQL, wk.cfg.TickChannel, token)
@@ -123,11 +123,10 @@ func (wk *waker) sendSelfTest(run int, token string) {
 			return
 		}
 		w.mu.Unlock()
-		wk.log.Debug("wake-up self-test: send failed; trying again", zap.Error(err), zap.Duration("retry_in", wait))
-		if !sleepCtx(wk.ctx, wait) {
+		wk.log.Debug("wake-up self-test: send failed; trying again", zap.Error(err), zap.Duration("retry_in", b.wait))
+		if !b.sleep(wk.ctx) {
 			return
 		}
-		wait = min(wait*2, 5*time.Second)
 	}
 }
 

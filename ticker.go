@@ -373,7 +373,7 @@ func (g *tickGap) rested(idle time.Duration) {
 // campaign keeps a dedicated connection waiting for, then holding, the election lock, and
 // listens there to the writers' hints while elected. It tells the loop when it wins or loses.
 func (t *ticker) campaign(ctx context.Context) {
-	wait := 100 * time.Millisecond
+	b := newBackoff()
 	for {
 		err := t.campaignOnce(ctx)
 		t.setElected(false)
@@ -381,10 +381,9 @@ func (t *ticker) campaign(ctx context.Context) {
 			return
 		}
 		logTransient(t.log, "ticker election", err)
-		if !sleepCtx(ctx, wait) {
+		if !b.sleep(ctx) {
 			return
 		}
-		wait = min(wait*2, 5*time.Second)
 	}
 }
 
@@ -393,11 +392,7 @@ func (t *ticker) campaignOnce(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer func() {
-		closeCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = conn.Close(closeCtx) // ends the session: the lock goes to the next candidate
-	}()
+	defer closeDedicated(conn) // ends the session: the lock goes to the next candidate
 	// Blocks, without a statement a second, until the elected one's session ends. It listens
 	// only once elected: a session that listens without reading holds the server's
 	// notification queue back for every listener.
@@ -427,6 +422,24 @@ func (t *ticker) setElected(v bool) {
 	}
 	t.elected <- v
 }
+
+// backoff is the wait between attempts to reconnect (the LISTEN connection, the ticker's
+// election, the self-test's send): 100ms, doubled after each wait, up to 5s.
+type backoff struct{ wait time.Duration }
+
+func newBackoff() backoff { return backoff{wait: 100 * time.Millisecond} }
+
+// sleep waits b.wait, or until ctx ends (then it reports false), and doubles the next wait.
+func (b *backoff) sleep(ctx context.Context) bool {
+	if !sleepCtx(ctx, b.wait) {
+		return false
+	}
+	b.wait = min(2*b.wait, 5*time.Second)
+	return true
+}
+
+// reset starts the waits again from the first: the connection was made.
+func (b *backoff) reset() { *b = newBackoff() }
 
 // sleepCtx waits for d or ctx, and reports whether d passed.
 func sleepCtx(ctx context.Context, d time.Duration) bool {
