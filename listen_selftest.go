@@ -88,13 +88,8 @@ func (wk *waker) startSelfTest() {
 	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
 	w := &wk.check
 	w.mu.Lock()
-	w.run++
-	run, token := w.run, selfTestPrefix+hex.EncodeToString(b[:])
+	run, token := w.endRun(), selfTestPrefix+hex.EncodeToString(b[:])
 	w.token = token
-	if w.timer != nil {
-		w.timer.Stop()
-		w.timer = nil
-	}
 	w.mu.Unlock()
 	wk.tests.Add(1)
 	go func() {
@@ -135,11 +130,18 @@ func (wk *waker) stopSelfTest() {
 	w := &wk.check
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.endRun()
+}
+
+// endRun ends the run under way (its bound no longer counts) and returns the next one's
+// number. The caller holds w.mu.
+func (w *wakeupCheck) endRun() int {
 	w.run++
 	if w.timer != nil {
 		w.timer.Stop()
 		w.timer = nil
 	}
+	return w.run
 }
 
 // heard records that a notification reached the LISTEN connection, which proves the channel
