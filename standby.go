@@ -574,6 +574,9 @@ func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead
 	r.stats.standbyWaits.Add(1)
 	r.stats.waiting.Store(true)
 	defer r.stats.waiting.Store(false)
+	// The lag is recorded before the wait's timer is armed: whoever sees the consumer waiting
+	// sees how far behind the standby is.
+	r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
 	deadline := r.cfg.Clock.NewTimer(r.cfg.ReadMaxLag)
 	defer deadline.Stop()
 	started := time.Now()
@@ -589,7 +592,6 @@ func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead
 	}
 	pause := time.Millisecond
 	for {
-		r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
 		if !checked && time.Since(started) >= standbyGrace(r.cfg) {
 			if err := check(); err != nil {
 				return hr, want, err
@@ -624,6 +626,7 @@ func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead
 			r.setLag(0, 0)
 			return hr, want, nil
 		}
+		r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
 	}
 }
 
