@@ -70,16 +70,18 @@ var consumerGrants = []grant{
 	{"EXECUTE", "FUNCTION " + adoptSignature},
 	{"EXECUTE", "FUNCTION " + readSignature},
 	{"EXECUTE", "FUNCTION " + readPartsSignature},
+	{"EXECUTE", "FUNCTION " + readTicksSignature},
 	{"EXECUTE", "FUNCTION " + untickedSignature},
 }
 
-// The ticker's and the readers' functions (migrations 0018, 0022 and 0023).
+// The ticker's and the readers' functions (migrations 0018, 0022, 0023 and 0024).
 const (
 	tickSignature      = "lifecycle_outbox_tick(text)"
 	adoptSignature     = "lifecycle_outbox_adopt_legacy(integer)"
 	readSignature      = "lifecycle_outbox_read(text, bigint, integer, xid8, timestamptz, text)"
 	readPartsSignature = "lifecycle_outbox_read_parts(text[], bigint[], integer)"
 	untickedSignature  = "lifecycle_outbox_unticked()" // migration 0023
+	readTicksSignature = "lifecycle_outbox_read_ticks(text[], bigint, integer)"
 )
 
 // operatorGrants: outboxctl and the retention sweep read status, request replays, retire and
@@ -116,7 +118,7 @@ var moduleObjects = []string{
 	"TABLE lifecycle_consumer_deliveries", "TABLE lifecycle_audit", "TABLE lifecycle_project_access",
 	"TABLE lifecycle_event_log", "TABLE lifecycle_tick", "TABLE lifecycle_tick_project",
 	"TABLE " + schemaTable, "FUNCTION " + tickSignature, "FUNCTION " + adoptSignature, "FUNCTION " + readSignature,
-	"FUNCTION " + readPartsSignature, "FUNCTION " + untickedSignature, "FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
+	"FUNCTION " + readPartsSignature, "FUNCTION " + readTicksSignature, "FUNCTION " + untickedSignature, "FUNCTION " + pruneSignature, "FUNCTION " + pruneDeadLettersSignature,
 }
 
 // GrantWriterRole gives role what the writer hook needs (see writerGrants) in the given

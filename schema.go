@@ -14,7 +14,7 @@ import (
 
 // SchemaVersion is the migration version this build needs. VerifySchema fails unless the
 // database is at exactly this version with unchanged migration checksums.
-const SchemaVersion = 23
+const SchemaVersion = 24
 
 // schemaTable records the module's applied migrations.
 const schemaTable = "lifecycle_outbox_schema"
@@ -131,7 +131,8 @@ WITH tables(name, forced) AS (VALUES
     ('lifecycle_event_id(text, timestamp with time zone)'),
     ('lifecycle_outbox_tick(text)'), ('lifecycle_outbox_adopt_legacy(integer)'),
     ('lifecycle_outbox_read(text, bigint, integer, xid8, timestamp with time zone, text)'),
-    ('lifecycle_outbox_read_parts(text[], bigint[], integer)'), ('lifecycle_outbox_unticked()'),
+    ('lifecycle_outbox_read_parts(text[], bigint[], integer)'), ('lifecycle_outbox_read_ticks(text[], bigint, integer)'),
+    ('lifecycle_outbox_unticked()'),
     ('lifecycle_outbox_prune(text, integer, bigint, interval, interval)'), ('lifecycle_outbox_prune_dead_letters(integer, interval, interval)')
 ), definers(signature) AS (VALUES
     ('lifecycle_outbox_tick(text)'), ('lifecycle_outbox_adopt_legacy(integer)'), ('lifecycle_outbox_unticked()'),
