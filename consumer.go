@@ -317,6 +317,11 @@ type Stats struct {
 	// TicksHeld counts the ticks this consumer's ticker, elected, held back while the
 	// consumer was still busy with the ticks before (Config.TickBusyWait).
 	TicksHeld int64
+	// TickReads counts the first reads of a scan made by tick, from the newest tick the last
+	// scan saw; TickReadMisses counts the projects such a read could not serve (their next
+	// event in an earlier tick), which read by project instead.
+	TickReads      int64
+	TickReadMisses int64
 
 	// Reading from a standby (Config.ReadDSN); all zero without one.
 	ReadFallbacks      int64         // times the consumer left the standby for the primary (behind by ReadMaxLag, or unreachable)
@@ -333,7 +338,7 @@ type Stats struct {
 // stats are the counters every part of a consumer adds to.
 type stats struct {
 	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, ticks, numbered, holes atomic.Int64
-	openReads, tickHints, sharedReads, ticksHeld                                                                        atomic.Int64
+	openReads, tickHints, sharedReads, ticksHeld, tickReads, tickReadMisses                                             atomic.Int64
 
 	readFallbacks, readReturns, readConflicts, standbyWaits, tickChecks, lagTicks, lagNanos atomic.Int64
 	onStandby, waiting                                                                      atomic.Bool
@@ -347,6 +352,7 @@ func (c *Consumer) Stats() Stats {
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
 		Scans: s.scans.Load(), Ticks: s.ticks.Load(), Numbered: s.numbered.Load(), Holes: s.holes.Load(),
 		OpenReads: s.openReads.Load(), TickHints: s.tickHints.Load(), SharedReads: s.sharedReads.Load(), TicksHeld: s.ticksHeld.Load(),
+		TickReads: s.tickReads.Load(), TickReadMisses: s.tickReadMisses.Load(),
 		ReadFallbacks: s.readFallbacks.Load(), ReadReturns: s.readReturns.Load(), ReadConflicts: s.readConflicts.Load(),
 		StandbyWaits: s.standbyWaits.Load(), TickChecks: s.tickChecks.Load(), ReadingFromStandby: s.onStandby.Load(), StandbyWaiting: s.waiting.Load(),
 		StandbyLagTicks: s.lagTicks.Load(), StandbyLag: time.Duration(s.lagNanos.Load()),

@@ -56,6 +56,7 @@ var Statements = map[string]string{
 	"readEventSQL":            readEventSQL,
 	"readEventsSQL":           readEventsSQL,
 	"readFirstEventsSQL":      readFirstEventsSQL,
+	"readTicksSQL":            readTicksSQL,
 	"reconcileCursorSQL":      reconcileCursorSQL,
 	"reinstateSQL":            reinstateSQL,
 	"releaseSQL":              releaseSQL,
@@ -124,4 +125,29 @@ func StandbyPoolUsers(dsn string) int {
 		}
 	}
 	return n
+}
+
+// TickServedEvent is an event a read of ticks served, with what identifies it in the log.
+type TickServedEvent struct {
+	Project  string
+	Sequence int64
+	TaskID   string
+	TxID     string
+}
+
+// ServedByTicks reads projects' events in the ticks after tick, up to limit events in all, as a
+// scan's first read does, and returns each project's first batch (up to batch events) as
+// served from its position (after, in step).
+func ServedByTicks(ctx context.Context, db DBTX, projects []string, after []int64, tick int64, limit, batch int) (map[string][]TickServedEvent, error) {
+	tr, err := readTickEvents(ctx, db, projects, tick, limit, 0)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string][]TickServedEvent{}
+	for p, b := range tr.served(projects, after, batch) {
+		for _, e := range b.events {
+			out[p] = append(out[p], TickServedEvent{e.ProjectID, e.Sequence, e.TaskID, e.key.txid})
+		}
+	}
+	return out, nil
 }

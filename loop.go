@@ -1,9 +1,11 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -224,7 +226,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 		if alone || st.readAlone {
 			st.readAloneAfter(err)
 		}
-		if err != nil {
+		if err == nil {
+			st.scanned(heads[p], l.seenTick)
+		} else {
 			failed = failed || !errors.Is(err, ErrLeaseLost)
 			l.handleStreamError(st, err)
 		}
@@ -237,9 +241,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 
 // readFirst reads, in one statement, the first batch of every project of leased that has events
 // to read: one read per scan rather than one per project, which walks each tick once for all of
-// them. A project it cannot serve (its next event in the frozen stream or in a part larger than
-// a batch, or a part that did not come back whole) gets no batch and reads in scanProject, from
-// its key when it has one. It leaves out the projects at their
+// them (readCombined). A project it cannot serve (its next event in the
+// frozen stream or in a part larger than a batch, or a part that did not come back whole) gets
+// no batch and reads in scanProject, from its key when it has one. It leaves out the projects at their
 // head, those whose lease is gone, those about to be reconciled (by default, every project of a
 // new consumer), those whose next event waits for a retry not yet due and the read suspects;
 // with one project left, that project reads in scanProject, in a statement as cheap. When the
@@ -249,7 +253,7 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 // alike, and is returned.
 func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[string]Head, open map[string][]delivery) (first map[string]firstBatch, alone bool, err error) {
 	var projects []string
-	var after []int64
+	var after, seen []int64
 	capacity := 0
 	for _, p := range leased {
 		st := l.streams[p]
@@ -257,16 +261,14 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 		if !ok || !l.leases.valid(p, st.epoch) {
 			continue
 		}
-		projects, after = append(projects, p), append(after, st.position)
+		projects, after, seen = append(projects, p), append(after, st.position), append(seen, st.tickSeen)
 		capacity += n
 	}
 	if len(projects) < 2 {
 		return nil, false, nil
 	}
 	err = l.read(ctx, func(db *pgxpool.Pool) (err error) {
-		var shared bool
-		first, shared, err = sharedFirstEvents(ctx, db, projects, after, l.cfg.BatchSize, capacity)
-		l.countShared(shared)
+		first, err = l.readCombined(ctx, db, projects, after, seen, capacity)
 		return err
 	})
 	if err == nil {
@@ -281,6 +283,58 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 	}
 	return nil, true, nil
 }
+
+// readCombined is readFirst's read on db of projects (after: their positions; seen: their
+// streams' tickSeen). The projects whose stream knows the tick after which its next event is
+// are read by tick (readTickEvents), after the oldest of those ticks: one walk of the tick key
+// for them all, and no search of each project's parts. Those it cannot serve (a project's next
+// event in an earlier tick: it had events in a tick its last scan saw but did not read), and
+// those whose stream knows no such tick, are read with lifecycle_outbox_read_parts, in a
+// second statement when two or more are left.
+func (l *scanLoop) readCombined(ctx context.Context, db *pgxpool.Pool, projects []string, after, seen []int64, capacity int) (map[string]firstBatch, error) {
+	first := make(map[string]firstBatch, len(projects))
+	var byTick []string
+	var byTickAfter []int64
+	var since int64
+	for i, p := range projects {
+		if seen[i] > 0 {
+			byTick, byTickAfter = append(byTick, p), append(byTickAfter, after[i])
+			since = min(cmp.Or(since, seen[i]), seen[i])
+		}
+	}
+	if len(byTick) > 0 {
+		limit := min(max(capacity, l.cfg.BatchSize), maxTickReadEvents)
+		tr, shared, err := sharedTickEvents(ctx, db, byTick, since, limit, capacity)
+		l.countShared(shared)
+		if err != nil {
+			return nil, err
+		}
+		first = tr.served(byTick, byTickAfter, l.cfg.BatchSize)
+		l.stats.tickReads.Add(1)
+		l.stats.tickReadMisses.Add(int64(len(byTick) - len(first)))
+	}
+	var left []string
+	var leftAfter []int64
+	for i, p := range projects {
+		if _, ok := first[p]; !ok {
+			left, leftAfter = append(left, p), append(leftAfter, after[i])
+		}
+	}
+	if len(left) < 2 {
+		return first, nil
+	}
+	rest, shared, err := sharedFirstEvents(ctx, db, left, leftAfter, l.cfg.BatchSize, capacity)
+	l.countShared(shared)
+	if err != nil {
+		return nil, err
+	}
+	maps.Copy(first, rest)
+	return first, nil
+}
+
+// maxTickReadEvents is the most events a read of ticks asks for (lifecycle_outbox_read_ticks
+// refuses more).
+const maxTickReadEvents = 100000
 
 // loopHeadsSQL reads the heads of projects ($1) with the newest tick and the time tick $2 was
 // taken, if it is still stored, in one statement. The tick table always holds a tick.

@@ -59,6 +59,10 @@ type stream struct {
 	// readAlone: the project failed when read alone after a combined read failed. It reads
 	// alone, so that the others' combined read succeeds, until it reads alone without failing.
 	readAlone bool
+	// tickSeen is the newest tick of the read of heads after whose scan the stream stood at its
+	// head: its next event is in a later tick, where the scan's first read looks for it (see
+	// scanLoop.readCombined). 0 when not known.
+	tickSeen int64
 }
 
 // takeLease moves the stream to lease ls when it is a new one: it starts from the durable
@@ -72,6 +76,7 @@ func (st *stream) takeLease(ls lease) {
 	st.lease, st.epoch, st.acked, st.position, st.keyAt = ls.grant, ls.epoch, ls.acked, max(ls.acked, 0), -1
 	st.checkDelivered = st.delivered > st.position
 	st.open, st.openKnown = nil, false
+	st.tickSeen = 0
 }
 
 // blocked reports whether the head-of-line event waits for its retry.
@@ -109,6 +114,15 @@ func (st *stream) restartAt(cursor int64) {
 	st.unblock()
 	st.acked, st.position, st.keyAt = cursor, max(cursor, 0), -1
 	st.checkDelivered = st.delivered > st.position
+	st.tickSeen = 0
+}
+
+// scanned notes where a scan that did not fail left the stream: at head (read with the newest
+// tick tick), its next event is in a later tick.
+func (st *stream) scanned(head Head, tick int64) {
+	if st.position >= head.LastSequence && !st.rewound {
+		st.tickSeen = tick
+	}
 }
 
 // reconcileReason says why the stream must be reconciled before it is read, if it must.

@@ -35,6 +35,9 @@ func TestEveryStatementPrepares(t *testing.T) {
 			require.Equal(t, resultColumns(described[group[0]]), resultColumns(described[name]), "%s and %s", group[0], name)
 		}
 	}
+	// readTicksSQL returns scanEvents' columns, then each row's tick and part.
+	require.Equal(t, resultColumns(described["readEventsSQL"]), resultColumns(described["readTicksSQL"])[:len(resultColumns(described["readEventsSQL"]))],
+		"readTicksSQL must start with readEventsSQL's columns")
 	// openWithTickSQL repeats openDeliveriesSQL whole.
 	require.Contains(t, strings.Join(strings.Fields(outbox.Statements["openWithTickSQL"]), " "),
 		strings.Join(strings.Fields(outbox.Statements["openDeliveriesSQL"]), " "), "openWithTickSQL must read openDeliveriesSQL word for word")

@@ -114,6 +114,12 @@ func firstKey(projects []string, after []int64, limit int) string {
 	return b.String()
 }
 
+// ticksKey names a read of ticks: the projects, the tick it reads after and the limit. The
+// positions are not in it: each consumer takes its own batches from the shared rows.
+func ticksKey(projects []string, tick int64, limit int) string {
+	return "ticks\x00" + strconv.FormatInt(tick, 10) + "\x00" + strconv.Itoa(limit) + "\x00" + strings.Join(projects, "\x00")
+}
+
 // sharedHeads reads heads as queryHeads does, sharing the read with the pool's other consumers
 // when its snapshot holds tick want (see readShare).
 func sharedHeads(ctx context.Context, pool *pgxpool.Pool, projects []string, seenTick, want int64) (hr headsRead, shared bool, err error) {
@@ -148,4 +154,17 @@ func sharedFirstEvents(ctx context.Context, pool *pgxpool.Pool, projects []strin
 		first = own
 	}
 	return first, shared, nil
+}
+
+// sharedTickEvents reads ticks as readTickEvents does, sharing the read with the pool's other
+// consumers (see readShare). The read is shared as it came back; tickRead.served gives each
+// consumer batches of its own.
+func sharedTickEvents(ctx context.Context, pool *pgxpool.Pool, projects []string, tick int64, limit, capacity int) (tickRead, bool, error) {
+	v, shared, err := shareOf(pool).do(ctx, ticksKey(projects, tick, limit), func() (any, error) {
+		return readTickEvents(ctx, pool, projects, tick, limit, capacity)
+	}, func(any) bool { return true })
+	if err != nil {
+		return tickRead{}, false, err
+	}
+	return v.(tickRead), shared, nil
 }

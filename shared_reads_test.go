@@ -26,7 +26,7 @@ type joinTracer struct {
 }
 
 func (j *joinTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	if d.SQL != outbox.Statements["loopHeadsSQL"] && d.SQL != outbox.Statements["readFirstEventsSQL"] {
+	if d.SQL != outbox.Statements["loopHeadsSQL"] && d.SQL != outbox.Statements["readFirstEventsSQL"] && d.SQL != outbox.Statements["readTicksSQL"] {
 		return ctx
 	}
 	if j.holds.Add(-1) < 0 {

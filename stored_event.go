@@ -37,6 +37,16 @@ SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_col
        writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text
 FROM lifecycle_outbox_read_parts($1::text[], $2::bigint[], $3::integer)`
 
+// readTicksSQL reads the events of the projects in $1 in the ticks after $2, tick by tick while
+// they add up to $3 events at most, each with its tick and its part: the part's first sequence
+// and its number of events (migration 0024). servedFromTicks takes from them what each project
+// can be served.
+const readTicksSQL = `
+SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+       writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text,
+       tick_id, part_first_sequence, part_events
+FROM lifecycle_outbox_read_ticks($1::text[], $2::bigint, $3::integer)`
+
 // readEventSQL reads the one event numbered $2.
 const readEventSQL = `
 SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
@@ -71,7 +81,7 @@ func readEvents(ctx context.Context, db DBTX, project string, after int64, limit
 	if err != nil {
 		return nil, fmt.Errorf("read events: %w", err)
 	}
-	return scanEvents(rows, limit)
+	return scanEvents(rows, limit, nil)
 }
 
 // firstBatch is a project's first batch of a scan, read with the other projects': the events
@@ -91,7 +101,7 @@ func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []in
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
-	evs, err := scanEvents(rows, capacity)
+	evs, err := scanEvents(rows, capacity, nil)
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
@@ -124,13 +134,108 @@ func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []in
 	return out, nil
 }
 
+// eventPart is where a row of readTicksSQL comes from: its tick, and its project's part of that
+// tick (the part's first sequence and number of events). The zero part marks a row that could
+// not be decoded.
+type eventPart struct {
+	tick   int64
+	first  int64
+	events int32
+}
+
+// tickRead is what one read of ticks returned, as read (readTickEvents): the events and their
+// parts, in step. Consumers of one process share it (sharedTickEvents) and never change it.
+type tickRead struct {
+	events []storedEvent
+	parts  []eventPart
+}
+
+// readTickEvents reads the events of projects in the ticks after tick, while they add up to
+// limit at most (readTicksSQL). capacity is how many rows are expected.
+func readTickEvents(ctx context.Context, db DBTX, projects []string, tick int64, limit, capacity int) (tickRead, error) {
+	rows, err := db.Query(ctx, readTicksSQL, projects, tick, limit)
+	if err != nil {
+		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
+	}
+	parts := make([]eventPart, 0, capacity)
+	evs, err := scanEvents(rows, capacity, &parts)
+	if err != nil {
+		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
+	}
+	return tickRead{events: evs, parts: parts}, nil
+}
+
+// served returns the first batch of each project of projects (after in step: its position)
+// that the read can serve, up to limit events each. A project is served from the part holding
+// its next event on, while its parts came back whole (as many rows as the part counts) and
+// each follows the one before: a part missing from the read (its tick not in it, a row deleted
+// by hand, a tick gone) ends what the project is served, and a project whose next event is not
+// in the read at all, or whose rows include one that could not be decoded, is not served (it
+// reads alone, where a hole or a bad row is handled). The batches are the caller's own.
+func (r tickRead) served(projects []string, after []int64, limit int) map[string]firstBatch {
+	type part struct {
+		eventPart
+		rows []storedEvent
+	}
+	byProject := make(map[string][]part, len(projects))
+	bad := make(map[string]bool)
+	for i, e := range r.events {
+		pt := r.parts[i]
+		if pt.tick == 0 {
+			bad[e.ProjectID] = true
+			continue
+		}
+		ps := byProject[e.ProjectID]
+		j := slices.IndexFunc(ps, func(p part) bool { return p.tick == pt.tick })
+		if j < 0 {
+			ps, j = append(ps, part{eventPart: pt}), len(ps)
+		}
+		ps[j].rows = append(ps[j].rows, e)
+		byProject[e.ProjectID] = ps
+	}
+	out := make(map[string]firstBatch, len(projects))
+	for i, p := range projects {
+		ps := byProject[p]
+		if bad[p] || len(ps) == 0 {
+			continue
+		}
+		slices.SortFunc(ps, func(a, b part) int { return cmp.Compare(a.first, b.first) })
+		pos := after[i]
+		var events []storedEvent
+		next := pos + 1 // the sequence the next part must hold
+		for _, pt := range ps {
+			end := pt.first + int64(pt.events) - 1
+			if end <= pos {
+				continue // read before: the project's position is past it
+			}
+			if pt.first > next || (len(events) > 0 && pt.first != next) || len(pt.rows) != int(pt.events) {
+				break // a part missing before it, or one that did not come back whole
+			}
+			slices.SortFunc(pt.rows, func(a, b storedEvent) int { return cmp.Compare(a.Sequence, b.Sequence) })
+			for _, e := range pt.rows {
+				if e.Sequence > pos && len(events) < limit {
+					events = append(events, e)
+				}
+			}
+			next = end + 1
+			if len(events) == limit {
+				break
+			}
+		}
+		if len(events) > 0 {
+			out[p] = firstBatch{after: pos, events: events}
+		}
+	}
+	return out
+}
+
 // readEventAt reads the event of project numbered sequence; ok is false when none is stored.
 func readEventAt(ctx context.Context, db DBTX, project string, sequence int64) (ev storedEvent, ok bool, err error) {
 	rows, err := db.Query(ctx, readEventSQL, project, sequence)
 	if err != nil {
 		return storedEvent{}, false, err
 	}
-	evs, err := scanEvents(rows, 1)
+	evs, err := scanEvents(rows, 1, nil)
 	if err != nil || len(evs) == 0 {
 		return storedEvent{}, false, err
 	}
@@ -150,24 +255,41 @@ type storedEvent struct {
 // scanEvents decodes outbox rows without reflection (the drain path reads many of them) and
 // formats each event's ID from its identity columns. A row that cannot be decoded, or that
 // holds what the writer never writes, is returned with its reason instead of failing the batch:
-// the consumer parks it as a dead letter and the stream goes on.
-func scanEvents(rows pgx.Rows, capacity int) ([]storedEvent, error) {
+// the consumer parks it as a dead letter and the stream goes on. When parts is not nil, each
+// row ends with its tick and part (readTicksSQL), which go there, in step with the events; a
+// row that cannot be decoded has the zero part.
+func scanEvents(rows pgx.Rows, capacity int, parts *[]eventPart) ([]storedEvent, error) {
 	defer rows.Close()
 	out := make([]storedEvent, 0, capacity)
 	var checked rowChecks
+	// One set of destinations for every row, cleared before each.
+	var (
+		e                     storedEvent
+		version               int16
+		deletedAt, occurredAt pgtype.Timestamptz
+		txid                  *string
+		part                  eventPart
+	)
+	dest := []any{&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &deletedAt,
+		&e.PriorColumn, &e.Archived, &e.WriterProcessID, &occurredAt, &version, &e.traceContext, &txid}
+	if parts != nil {
+		dest = append(dest, &part.tick, &part.first, &part.events)
+	}
 	for rows.Next() {
-		var e storedEvent
-		var version int16
-		var deletedAt, occurredAt pgtype.Timestamptz
-		var txid *string
-		if err := rows.Scan(&e.ProjectID, &e.Sequence, &e.EventType, &e.TaskID, &deletedAt,
-			&e.PriorColumn, &e.Archived, &e.WriterProcessID, &occurredAt, &version, &e.traceContext, &txid); err != nil {
+		e, version, deletedAt, occurredAt, txid, part = storedEvent{}, 0, pgtype.Timestamptz{}, pgtype.Timestamptz{}, nil, eventPart{}
+		if err := rows.Scan(dest...); err != nil {
 			bad, ok := undecodableRow(rows, err)
 			if !ok {
 				return nil, fmt.Errorf("decode event: %w", err)
 			}
 			out = append(out, bad)
+			if parts != nil {
+				*parts = append(*parts, eventPart{})
+			}
 			continue
+		}
+		if parts != nil {
+			*parts = append(*parts, part)
 		}
 		e.PayloadVersion = int(version)
 		e.DeletedAt, e.OccurredAt = deletedAt.Time, occurredAt.Time
