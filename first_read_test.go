@@ -26,6 +26,7 @@ import (
 // scanReads counts the reads of events in one scan of a consumer.
 type scanReads struct {
 	combined int // reads of several projects' first batches in one statement
+	byTick   int // those that read ticks (readTicksSQL)
 	failed   int // those that failed
 	rows     int // the rows those returned
 	single   int // reads of one project's batch
@@ -50,8 +51,11 @@ func (s *scanTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Tra
 	cur := &s.scans[len(s.scans)-1]
 	cur.all++
 	switch d.SQL {
-	case outbox.Statements["readFirstEventsSQL"]:
+	case outbox.Statements["readFirstEventsSQL"], outbox.Statements["readTicksSQL"]:
 		cur.combined++
+		if d.SQL == outbox.Statements["readTicksSQL"] {
+			cur.byTick++
+		}
 		return context.WithValue(ctx, combinedRead{}, len(s.scans)-1)
 	case outbox.Statements["readEventsSQL"]:
 		cur.single++
@@ -188,6 +192,61 @@ func TestScanReadsEveryProjectInOneStatement(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLaterScansReadTheirTicks: once a consumer of 8 projects has brought them to their heads,
+// each later scan finds their next events by tick: every first read of several projects is a
+// read of the ticks after those its streams last saw (readTicksSQL), which serves every
+// project it asks for, and none searches each project's parts (readFirstEventsSQL). Each
+// round writes two events into every project in one transaction, so one tick holds them all.
+func TestLaterScansReadTheirTicks(t *testing.T) {
+	t.Parallel()
+	ctx := testkit.Ctx(t)
+	db := pgtest.NewDB(t)
+	seeder := pgtest.Pool(t, db.URL)
+	var projects []string
+	for i := range 8 {
+		p := fmt.Sprintf("proj-%d", i)
+		testkit.SeedEvents(t, seeder, p, 3)
+		projects = append(projects, p)
+	}
+	tr := &scanTracer{}
+	c, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, testkit.FastConfig(), nil)
+	rec.WaitCount(t, ctx, 24)
+	from := tr.scan() + 1
+	before := c.Stats()
+
+	const rounds = 3
+	for round := range rounds {
+		tx, err := seeder.Begin(ctx)
+		require.NoError(t, err)
+		for _, p := range projects {
+			for i := range 2 {
+				_, err := tx.Exec(ctx, insertLogEvent, p, fmt.Sprintf("r%d-%d", round, i))
+				require.NoError(t, err)
+			}
+		}
+		require.NoError(t, tx.Commit(ctx))
+		_, err = outbox.Tick(ctx, seeder)
+		require.NoError(t, err)
+		rec.WaitCount(t, ctx, 24+16*(round+1))
+	}
+	evs := rec.WaitCount(t, ctx, 24+16*rounds)
+	for _, p := range projects {
+		require.Equal(t, upTo(3+2*rounds), sequencesByProject(evs)[p], "project %s: every event once, in order", p)
+	}
+	byTick, byParts := 0, 0
+	for i, sc := range tr.snapshot()[from:] {
+		if sc.combined+sc.single > 0 {
+			t.Logf("scan %d: %d statements: %d reads of ticks, %d other combined reads, %d single-project reads", from+i, sc.all, sc.byTick, sc.combined-sc.byTick, sc.single)
+		}
+		byTick, byParts = byTick+sc.byTick, byParts+sc.combined-sc.byTick
+	}
+	after := c.Stats()
+	require.Positive(t, byTick, "the scans read by tick")
+	require.Zero(t, byParts, "no scan searched each project's parts")
+	require.EqualValues(t, byTick, after.TickReads-before.TickReads, "Stats.TickReads counts the reads of ticks")
+	require.Zero(t, after.TickReadMisses-before.TickReadMisses, "every project asked for was served")
 }
 
 // TestUndecodableRowInACombinedRead: a row that cannot be delivered (deleted_at 'infinity', a

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"fusion/outbox"
@@ -49,18 +50,31 @@ func readOne(t *testing.T, ctx context.Context, db outbox.DBTX, project string, 
 	return evs
 }
 
-// TestCombinedReadNumbersAsThePerProjectReader seeds five projects: two with parts of several
-// sizes from interleaved transactions and ticks, one with a part larger than the read's limit,
-// one that begins in the stream numbered before schema 18, and one with an event deleted by
-// hand. From every position of every project, with several limits and all projects asked at
-// once at different positions, whatever the combined read returns for a project is exactly
-// what the per-project reader returns from there (same events, same sequences) for a batch of
-// that length; it returns something whenever the next part is in the log, whole, and no larger
-// than the limit; and it returns nothing for the frozen stream, the large part or the hole.
-func TestCombinedReadNumbersAsThePerProjectReader(t *testing.T) {
-	t.Parallel()
-	ctx := testkit.Ctx(t)
-	pool := pgtest.NewPool(t)
+// partsHistory is the log seedParts leaves: its projects, their heads and their parts.
+type partsHistory struct {
+	projects []string
+	heads    map[string]int64
+	parts    map[string][]seededPart
+}
+
+// seededPart is one project's part of one tick: its first sequence and size.
+type seededPart struct{ tick, first, events int64 }
+
+// partOf is the part of project holding seq, if the log has one.
+func (h partsHistory) partOf(project string, seq int64) (seededPart, bool) {
+	for _, pt := range h.parts[project] {
+		if seq >= pt.first && seq < pt.first+pt.events {
+			return pt, true
+		}
+	}
+	return seededPart{}, false
+}
+
+// seedParts seeds five projects: two with parts of several sizes from interleaved transactions
+// and ticks, one with a part of 13 events, one that begins in the stream numbered before
+// schema 18, and one with an event deleted by hand (its sixth).
+func seedParts(t *testing.T, ctx context.Context, pool *pgxpool.Pool) partsHistory {
+	t.Helper()
 	tick := func() {
 		t.Helper()
 		_, err := outbox.Tick(ctx, pool)
@@ -117,25 +131,33 @@ FROM generate_series(1, 4) g`)
 		heads[p] = h
 	}
 	// Each project's parts (first sequence and size), to say when the combined read must serve it.
-	type part struct{ first, events int64 }
-	parts := map[string][]part{}
-	rows, err := pool.Query(ctx, `SELECT project_id, first_sequence, events FROM lifecycle_tick_project ORDER BY project_id, first_sequence`)
+	parts := map[string][]seededPart{}
+	rows, err := pool.Query(ctx, `SELECT project_id, tick_id, first_sequence, events FROM lifecycle_tick_project ORDER BY project_id, first_sequence`)
 	require.NoError(t, err)
 	for rows.Next() {
 		var p string
-		var pt part
-		require.NoError(t, rows.Scan(&p, &pt.first, &pt.events))
+		var pt seededPart
+		require.NoError(t, rows.Scan(&p, &pt.tick, &pt.first, &pt.events))
 		parts[p] = append(parts[p], pt)
 	}
 	require.NoError(t, rows.Err())
-	partOf := func(project string, seq int64) (part, bool) {
-		for _, pt := range parts[project] {
-			if seq >= pt.first && seq < pt.first+pt.events {
-				return pt, true
-			}
-		}
-		return part{}, false
-	}
+	return partsHistory{projects: projects, heads: heads, parts: parts}
+}
+
+// TestCombinedReadNumbersAsThePerProjectReader seeds five projects: two with parts of several
+// sizes from interleaved transactions and ticks, one with a part larger than the read's limit,
+// one that begins in the stream numbered before schema 18, and one with an event deleted by
+// hand. From every position of every project, with several limits and all projects asked at
+// once at different positions, whatever the combined read returns for a project is exactly
+// what the per-project reader returns from there (same events, same sequences) for a batch of
+// that length; it returns something whenever the next part is in the log, whole, and no larger
+// than the limit; and it returns nothing for the frozen stream, the large part or the hole.
+func TestCombinedReadNumbersAsThePerProjectReader(t *testing.T) {
+	t.Parallel()
+	ctx := testkit.Ctx(t)
+	pool := pgtest.NewPool(t)
+	h := seedParts(t, ctx, pool)
+	projects, heads, parts, partOf := h.projects, h.heads, h.parts, h.partOf
 
 	served := map[string]int{}
 	for _, limit := range []int{1, 3, 5, 1000} {
@@ -181,6 +203,76 @@ FROM generate_series(1, 4) g`)
 		}
 	}
 	require.Equal(t, 1, large, "one part of big is larger than 5")
+}
+
+// TestTickReadServesAsThePerProjectReader: on the log of seedParts, from many positions of
+// every project and after every tick, whatever a read of ticks (lifecycle_outbox_read_ticks,
+// migration 0024, and what a scan takes from it) serves a project is exactly what the
+// per-project reader returns from there, from its next event on; it serves nothing of a
+// project whose next event is in the tick read after or an earlier one; and it serves every
+// project whose next event is in a later tick's part, whole (so not the part "hole" lost an
+// event of, nor "old"'s frozen stream). A read whose first tick holds more events than its
+// limit serves nothing.
+func TestTickReadServesAsThePerProjectReader(t *testing.T) {
+	t.Parallel()
+	ctx := testkit.Ctx(t)
+	pool := pgtest.NewPool(t)
+	h := seedParts(t, ctx, pool)
+	var newest int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT max(tick_id) FROM lifecycle_tick`).Scan(&newest))
+	lost, ok := h.partOf("hole", 6)
+	require.True(t, ok)
+
+	served := map[string]int{}
+	for _, batch := range []int{1, 3, 1000} {
+		for since := int64(0); since <= newest; since++ {
+			for step := int64(0); step <= 30; step++ {
+				after := make([]int64, len(h.projects))
+				for i, p := range h.projects {
+					after[i] = min((step+int64(i)*2)%(h.heads[p]+1), h.heads[p])
+				}
+				got, err := outbox.ServedByTicks(ctx, pool, h.projects, after, since, 100000, batch)
+				require.NoError(t, err)
+				for i, p := range h.projects {
+					next, inLog := h.partOf(p, after[i]+1)
+					evs := got[p]
+					if len(evs) == 0 {
+						whole := inLog && next != lost
+						require.False(t, whole && next.tick > since && after[i] < h.heads[p],
+							"%s after %d, ticks after %d, batch %d: its next part (tick %d, %d events from %d) is whole and in the read, yet not served",
+							p, after[i], since, batch, next.tick, next.events, next.first)
+						continue
+					}
+					served[p]++
+					require.True(t, inLog && next.tick > since, "%s after %d, ticks after %d: served, yet its next event is not in a tick read", p, after[i], since)
+					require.LessOrEqual(t, len(evs), batch)
+					want := readOne(t, ctx, pool, p, after[i], batch)
+					var as []partEvent
+					for _, e := range evs {
+						as = append(as, partEvent(e))
+					}
+					require.Equal(t, want[:min(len(as), len(want))], as, "%s after %d, ticks after %d, batch %d: as the per-project reader numbers them", p, after[i], since, batch)
+					require.Equal(t, after[i]+1, as[0].Sequence, "%s after %d: from the next event", p, after[i])
+				}
+			}
+		}
+	}
+	for _, p := range h.projects {
+		require.Positive(t, served[p], "%s was served at least once", p)
+	}
+	// The limit counts events tick by tick: a first tick larger than it gives nothing.
+	var large seededPart
+	for _, pt := range h.parts["big"] {
+		if pt.events > 5 {
+			large = pt
+		}
+	}
+	require.Positive(t, large.events, "one part of big is larger than 5")
+	for _, limit := range []int{5, 1000} {
+		got, err := outbox.ServedByTicks(ctx, pool, []string{"big"}, []int64{large.first - 1}, large.tick-1, limit, 1000)
+		require.NoError(t, err)
+		require.Equal(t, limit > 5, len(got["big"]) > 0, "a first tick of %d events, limit %d", large.events, limit)
+	}
 }
 
 // TestReadsAtTheHeadCostTheirOwnParts: with 400 parts stored and never analyzed, a read of the
