@@ -860,7 +860,7 @@ $$;
 REVOKE ALL ON FUNCTION lifecycle_outbox_read_parts(p_projects text[], p_after bigint[], p_limit integer) FROM PUBLIC;
 
 
-CREATE FUNCTION lifecycle_outbox_read_ticks(p_projects text[], p_tick bigint, p_limit integer) RETURNS TABLE(project_id text, sequence bigint, event_type lifecycle_event_type, task_id text, deleted_at timestamp with time zone, prior_column text, archived boolean, writer_process_id text, occurred_at timestamp with time zone, payload_version smallint, trace_context text, txid xid8, tick_id bigint, part_first_sequence bigint, part_events integer)
+CREATE FUNCTION lifecycle_outbox_read_ticks(p_projects text[], p_tick bigint, p_limit integer) RETURNS TABLE(project_id text, event_type lifecycle_event_type, task_id text, deleted_at timestamp with time zone, prior_column text, archived boolean, writer_process_id text, occurred_at timestamp with time zone, payload_version smallint, trace_context text, txid xid8, tick_id bigint, part_first_sequence bigint, part_events integer)
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'public', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -879,7 +879,7 @@ BEGIN
     RETURN QUERY
     WITH span AS (
         -- The projects' parts in the ticks after p_tick, in tick order: one walk of the tick
-        -- key, at most p_limit ticks and p_limit parts (each part holds an event at least).
+        -- key, at most p_limit ticks and p_limit parts.
         SELECT s.tick_id, s.project, s.first_sequence, s.events
         FROM (SELECT tp.tick_id, tp.project_id::text AS project, tp.first_sequence, tp.events
               FROM lifecycle_tick_project tp
@@ -890,22 +890,17 @@ BEGIN
         WHERE s.project OPERATOR(pg_catalog.=) ANY (p_projects)
         ORDER BY s.tick_id
         LIMIT p_limit
-    ), parts AS (
-        -- Those parts tick by tick while their events add up to p_limit at most.
-        SELECT c.tick_id, c.project, c.first_sequence, c.events
-        FROM (SELECT s.*, pg_catalog.sum(s.events) OVER (ORDER BY s.tick_id) AS upto FROM span s) c
-        WHERE c.upto OPERATOR(pg_catalog.<=) p_limit
     ), ticks AS (
-        -- Each tick once, with the projects to read in it and both snapshots (each looked up
-        -- by its key: a join could scan the whole tick table).
-        SELECT g.tick_id, g.projects,
+        -- Each tick once, with both snapshots (each looked up by its key: a join could scan
+        -- the whole tick table).
+        SELECT g.tick_id,
                (SELECT c.snapshot FROM lifecycle_tick c WHERE c.tick_id OPERATOR(pg_catalog.=) g.tick_id) AS cur,
                (SELECT b.snapshot FROM lifecycle_tick b WHERE b.tick_id OPERATOR(pg_catalog.=) (g.tick_id OPERATOR(pg_catalog.-) 1)) AS prev
-        FROM (SELECT p.tick_id, pg_catalog.array_agg(p.project) AS projects FROM parts p GROUP BY p.tick_id) g
-    ), batch AS (
-        -- A tick's batch for all its projects at once: one walk of the batch index per tick.
-        -- The projects are filtered after the walk, not in it: with txid leading the index,
-        -- PostgreSQL 15 would walk the range once per project of the list.
+        FROM (SELECT DISTINCT s.tick_id FROM span s) g
+    ), batch AS MATERIALIZED (
+        -- A tick's batch for all its projects at once: one walk of the batch index per tick
+        -- (materialized, so that the plan cannot walk it once per part instead). The projects
+        -- are filtered after the walk, by the join below.
         SELECT k.tick_id, e.*
         FROM ticks k
         CROSS JOIN LATERAL (
@@ -920,19 +915,16 @@ BEGIN
             WHERE l.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(k.prev)
               AND l.txid OPERATOR(pg_catalog.<) pg_catalog.pg_snapshot_xmax(k.cur)
               AND pg_catalog.pg_visible_in_snapshot(l.txid, k.cur)
-            OFFSET 0 -- keeps the project filter below out of the index conditions
+            OFFSET 0
         ) e
-        WHERE e.project_id::text OPERATOR(pg_catalog.=) ANY (k.projects)
     )
-    SELECT e.project_id::text,
-           (p.first_sequence OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.+) pg_catalog.row_number() OVER w,
-           e.event_type, e.task_id::text, e.deleted_at::timestamptz, e.prior_column::text,
+    SELECT e.project_id::text, e.event_type, e.task_id::text, e.deleted_at::timestamptz, e.prior_column::text,
            e.archived, e.writer_process_id::text, e.occurred_at::timestamptz,
            e.payload_version::smallint, e.trace_context::text, e.txid,
            e.tick_id, p.first_sequence, p.events
     FROM batch e
-    JOIN parts p ON p.tick_id OPERATOR(pg_catalog.=) e.tick_id AND p.project OPERATOR(pg_catalog.=) e.project_id::text
-    WINDOW w AS (PARTITION BY e.tick_id, e.project_id ORDER BY e.txid, e.deleted_at, e.task_id COLLATE "C");
+    JOIN span p ON p.tick_id OPERATOR(pg_catalog.=) e.tick_id AND p.project OPERATOR(pg_catalog.=) e.project_id::text
+    LIMIT p_limit;
 END;
 $$;
 

@@ -5,6 +5,8 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -37,12 +39,11 @@ SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_col
        writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text
 FROM lifecycle_outbox_read_parts($1::text[], $2::bigint[], $3::integer)`
 
-// readTicksSQL reads the events of the projects in $1 in the ticks after $2, tick by tick while
-// they add up to $3 events at most, each with its tick and its part: the part's first sequence
-// and its number of events (migration 0024). servedFromTicks takes from them what each project
-// can be served.
+// readTicksSQL reads up to $3 events of the projects in $1 in the ticks after $2, each with its
+// tick and its part: the part's first sequence and its number of events (migration 0024). The
+// events come unnumbered (the sequence column is 0): tickRead.served numbers them.
 const readTicksSQL = `
-SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
+SELECT project_id, 0::bigint AS sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
        writer_process_id, occurred_at, payload_version, coalesce(trace_context, ''), txid::text,
        tick_id, part_first_sequence, part_events
 FROM lifecycle_outbox_read_ticks($1::text[], $2::bigint, $3::integer)`
@@ -150,8 +151,8 @@ type tickRead struct {
 	parts  []eventPart
 }
 
-// readTickEvents reads the events of projects in the ticks after tick, while they add up to
-// limit at most (readTicksSQL). capacity is how many rows are expected.
+// readTickEvents reads up to limit events of projects in the ticks after tick (readTicksSQL),
+// unnumbered. capacity is how many rows are expected.
 func readTickEvents(ctx context.Context, db DBTX, projects []string, tick int64, limit, capacity int) (tickRead, error) {
 	rows, err := db.Query(ctx, readTicksSQL, projects, tick, limit)
 	if err != nil {
@@ -166,12 +167,15 @@ func readTickEvents(ctx context.Context, db DBTX, projects []string, tick int64,
 }
 
 // served returns the first batch of each project of projects (after in step: its position)
-// that the read can serve, up to limit events each. A project is served from the part holding
-// its next event on, while its parts came back whole (as many rows as the part counts) and
-// each follows the one before: a part missing from the read (its tick not in it, a row deleted
-// by hand, a tick gone) ends what the project is served, and a project whose next event is not
-// in the read at all, or whose rows include one that could not be decoded, is not served (it
-// reads alone, where a hole or a bad row is handled). The batches are the caller's own.
+// that the read can serve, up to limit events each. It numbers each part's events from the
+// part's first sequence in the order every reader numbers them: by writing transaction, then
+// deleted_at, then task ID in byte order (COLLATE "C"). A project is served from the part
+// holding its next event on, while its parts came back whole (as many rows as the part counts)
+// and each follows the one before: a part missing from the read (its tick not in it, rows the
+// read's limit cut, a row deleted by hand, a tick gone) ends what the project is served, and a
+// project whose next event is not in the read at all, or whose rows include one that could not
+// be decoded, is not served (it reads alone, where a hole or a bad row is handled). The batches
+// are the caller's own.
 func (r tickRead) served(projects []string, after []int64, limit int) map[string]firstBatch {
 	type part struct {
 		eventPart
@@ -181,8 +185,8 @@ func (r tickRead) served(projects []string, after []int64, limit int) map[string
 	bad := make(map[string]bool)
 	for i, e := range r.events {
 		pt := r.parts[i]
-		if pt.tick == 0 {
-			bad[e.ProjectID] = true
+		if pt.tick == 0 || e.key.txid == "" {
+			bad[e.ProjectID] = true // undecodable, or no key to number it by
 			continue
 		}
 		ps := byProject[e.ProjectID]
@@ -211,7 +215,9 @@ func (r tickRead) served(projects []string, after []int64, limit int) map[string
 			if pt.first > next || (len(events) > 0 && pt.first != next) || len(pt.rows) != int(pt.events) {
 				break // a part missing before it, or one that did not come back whole
 			}
-			slices.SortFunc(pt.rows, func(a, b storedEvent) int { return cmp.Compare(a.Sequence, b.Sequence) })
+			if !numberPart(pt.rows, pt.first) {
+				break
+			}
 			for _, e := range pt.rows {
 				if e.Sequence > pos && len(events) < limit {
 					events = append(events, e)
@@ -227,6 +233,27 @@ func (r tickRead) served(projects []string, after []int64, limit int) map[string
 		}
 	}
 	return out
+}
+
+// numberPart sorts one part's events (all of them) into the readers' order and numbers them
+// from first. It reports false when an event's transaction ID cannot be read as one.
+func numberPart(rows []storedEvent, first int64) bool {
+	txids := make(map[string]uint64, len(rows))
+	for _, e := range rows {
+		x, err := strconv.ParseUint(e.key.txid, 10, 64)
+		if err != nil {
+			return false
+		}
+		txids[e.key.txid] = x
+	}
+	slices.SortFunc(rows, func(a, b storedEvent) int {
+		return cmp.Or(cmp.Compare(txids[a.key.txid], txids[b.key.txid]), a.key.deletedAt.Compare(b.key.deletedAt),
+			strings.Compare(a.TaskID, b.TaskID))
+	})
+	for k := range rows {
+		rows[k].Sequence = first + int64(k)
+	}
+	return true
 }
 
 // readEventAt reads the event of project numbered sequence; ok is false when none is stored.

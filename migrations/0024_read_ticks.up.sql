@@ -1,24 +1,26 @@
 -- One read of what was ticked since the consumer's last scan.
 --
 -- lifecycle_outbox_read_parts (0022) finds each project's parts by key, two probes of the part
--- key per project, then checks in SQL that each came back whole: on a 2-core machine
--- (pgbench, one session, 1,500 ticks of 27 events over 16 projects, the newest tick read) a
--- call for 16 projects cost 0.77-0.95 ms, against 0.27-0.41 ms for the same events read by
--- tick range in a function like the one below.
+-- key per project, checks in SQL that each came back whole and numbers its events with a
+-- window: on a 2-core machine (pgbench, one session, 1,500 ticks of 27 events over 16
+-- projects, the newest tick read) a call for 16 projects cost 0.75-1.1 ms, against 0.20-0.24 ms
+-- for the function below; most of the difference is starting the larger plan.
 --
--- lifecycle_outbox_read_ticks(projects, tick, limit) reads the events of the given projects in
--- the ticks after tick, tick by tick in order, while they add up to limit events at most (so
--- nothing when the first such tick holds more): one walk of the tick key for all the projects,
--- one walk of the batch index per tick. Each row carries its tick and its part (the part's
--- first sequence and event count), so the caller serves a project only from the part holding
--- its next event on, while the parts come back whole and follow each other; any other
--- project (its next event in an earlier tick, an event deleted by hand, a tick gone) it reads
--- with lifecycle_outbox_read. A consumer passes the newest tick its previous scan saw: a
--- project it brought to its head then has its next event in a later tick. It runs as the
--- caller, so row-level security shows it only the projects granted to it.
+-- lifecycle_outbox_read_ticks(projects, tick, limit) returns the events of the given projects in
+-- the ticks after tick, up to limit rows, each with its tick and its project's part of that tick
+-- (the part's first sequence and number of events), unnumbered: one walk of the tick key for
+-- all the projects (at most limit ticks and limit parts), one walk of the batch index per tick,
+-- no sort. The caller numbers each part's events in the order the other readers number them
+-- (txid, deleted_at, task_id in byte order) from the part's first sequence, and serves a
+-- project only from the part holding its next event on, while its parts come back whole (as
+-- many rows as the part counts: a part the limit cut, or that lost an event, is not) and follow
+-- each other. Any other project (its next event in an earlier tick, the frozen stream, a tick
+-- gone) it reads with the other readers. A consumer passes the newest tick seen by the scan
+-- that brought its projects to their heads: their next events are in later ticks. It runs as
+-- the caller, so row-level security shows it only the projects granted to it.
 
 CREATE FUNCTION lifecycle_outbox_read_ticks(p_projects text[], p_tick bigint, p_limit integer)
-RETURNS TABLE (project_id text, sequence bigint, event_type lifecycle_event_type, task_id text, deleted_at timestamptz,
+RETURNS TABLE (project_id text, event_type lifecycle_event_type, task_id text, deleted_at timestamptz,
                prior_column text, archived boolean, writer_process_id text, occurred_at timestamptz,
                payload_version smallint, trace_context text, txid xid8,
                tick_id bigint, part_first_sequence bigint, part_events integer)
@@ -35,7 +37,7 @@ BEGIN
     RETURN QUERY
     WITH span AS (
         -- The projects' parts in the ticks after p_tick, in tick order: one walk of the tick
-        -- key, at most p_limit ticks and p_limit parts (each part holds an event at least).
+        -- key, at most p_limit ticks and p_limit parts.
         SELECT s.tick_id, s.project, s.first_sequence, s.events
         FROM (SELECT tp.tick_id, tp.project_id::text AS project, tp.first_sequence, tp.events
               FROM lifecycle_tick_project tp
@@ -46,22 +48,17 @@ BEGIN
         WHERE s.project OPERATOR(pg_catalog.=) ANY (p_projects)
         ORDER BY s.tick_id
         LIMIT p_limit
-    ), parts AS (
-        -- Those parts tick by tick while their events add up to p_limit at most.
-        SELECT c.tick_id, c.project, c.first_sequence, c.events
-        FROM (SELECT s.*, pg_catalog.sum(s.events) OVER (ORDER BY s.tick_id) AS upto FROM span s) c
-        WHERE c.upto OPERATOR(pg_catalog.<=) p_limit
     ), ticks AS (
-        -- Each tick once, with the projects to read in it and both snapshots (each looked up
-        -- by its key: a join could scan the whole tick table).
-        SELECT g.tick_id, g.projects,
+        -- Each tick once, with both snapshots (each looked up by its key: a join could scan
+        -- the whole tick table).
+        SELECT g.tick_id,
                (SELECT c.snapshot FROM lifecycle_tick c WHERE c.tick_id OPERATOR(pg_catalog.=) g.tick_id) AS cur,
                (SELECT b.snapshot FROM lifecycle_tick b WHERE b.tick_id OPERATOR(pg_catalog.=) (g.tick_id OPERATOR(pg_catalog.-) 1)) AS prev
-        FROM (SELECT p.tick_id, pg_catalog.array_agg(p.project) AS projects FROM parts p GROUP BY p.tick_id) g
-    ), batch AS (
-        -- A tick's batch for all its projects at once: one walk of the batch index per tick.
-        -- The projects are filtered after the walk, not in it: with txid leading the index,
-        -- PostgreSQL 15 would walk the range once per project of the list.
+        FROM (SELECT DISTINCT s.tick_id FROM span s) g
+    ), batch AS MATERIALIZED (
+        -- A tick's batch for all its projects at once: one walk of the batch index per tick
+        -- (materialized, so that the plan cannot walk it once per part instead). The projects
+        -- are filtered after the walk, by the join below.
         SELECT k.tick_id, e.*
         FROM ticks k
         CROSS JOIN LATERAL (
@@ -76,19 +73,16 @@ BEGIN
             WHERE l.txid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(k.prev)
               AND l.txid OPERATOR(pg_catalog.<) pg_catalog.pg_snapshot_xmax(k.cur)
               AND pg_catalog.pg_visible_in_snapshot(l.txid, k.cur)
-            OFFSET 0 -- keeps the project filter below out of the index conditions
+            OFFSET 0
         ) e
-        WHERE e.project_id::text OPERATOR(pg_catalog.=) ANY (k.projects)
     )
-    SELECT e.project_id::text,
-           (p.first_sequence OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.+) pg_catalog.row_number() OVER w,
-           e.event_type, e.task_id::text, e.deleted_at::timestamptz, e.prior_column::text,
+    SELECT e.project_id::text, e.event_type, e.task_id::text, e.deleted_at::timestamptz, e.prior_column::text,
            e.archived, e.writer_process_id::text, e.occurred_at::timestamptz,
            e.payload_version::smallint, e.trace_context::text, e.txid,
            e.tick_id, p.first_sequence, p.events
     FROM batch e
-    JOIN parts p ON p.tick_id OPERATOR(pg_catalog.=) e.tick_id AND p.project OPERATOR(pg_catalog.=) e.project_id::text
-    WINDOW w AS (PARTITION BY e.tick_id, e.project_id ORDER BY e.txid, e.deleted_at, e.task_id COLLATE "C");
+    JOIN span p ON p.tick_id OPERATOR(pg_catalog.=) e.tick_id AND p.project OPERATOR(pg_catalog.=) e.project_id::text
+    LIMIT p_limit;
 END;
 $$;
 
