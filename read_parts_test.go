@@ -70,9 +70,10 @@ func (h partsHistory) partOf(project string, seq int64) (seededPart, bool) {
 	return seededPart{}, false
 }
 
-// seedParts seeds five projects: two with parts of several sizes from interleaved transactions
+// seedParts seeds six projects: two with parts of several sizes from interleaved transactions
 // and ticks, one with a part of 13 events, one that begins in the stream numbered before
-// schema 18, and one with an event deleted by hand (its sixth).
+// schema 18, one with an event deleted by hand (its sixth), and one whose parts are each one
+// transaction's events deleted at one instant.
 func seedParts(t *testing.T, ctx context.Context, pool *pgxpool.Pool) partsHistory {
 	t.Helper()
 	tick := func() {
@@ -115,6 +116,14 @@ FROM generate_series(1, 4) g`)
 			insert("big", tasks...)
 		}
 		insert("big", fmt.Sprintf("big-after-%d", round))
+		if round%2 == 1 {
+			// One transaction deleting several tasks at one instant, as a host's batch delete
+			// does: their order is their task IDs' byte order, which no locale sorts alike.
+			_, err := pool.Exec(ctx, `INSERT INTO lifecycle_event_log (project_id, task_id, deleted_at, event_type, archived, payload_version, occurred_at, writer_process_id)
+SELECT 'same', t || '-' || $1::int, timestamptz '2031-01-01' + $1::int * interval '1 second', 'task:deleted', false, 1, now(), 'w'
+FROM unnest(ARRAY['b', 'B', '_', 'Z', 'a', 'é', 'e']) t`, round)
+			require.NoError(t, err)
+		}
 		tick()
 	}
 	// The owner deletes one event of "hole" (its sixth).
@@ -123,7 +132,7 @@ FROM generate_series(1, 4) g`)
 	_, err = pool.Exec(ctx, `DELETE FROM lifecycle_event_log WHERE project_id = 'hole' AND task_id = $1`, gone[0].TaskID)
 	require.NoError(t, err)
 
-	projects := []string{"a", "b", "big", "old", "hole"}
+	projects := []string{"a", "b", "big", "old", "hole", "same"}
 	heads := map[string]int64{}
 	for _, p := range projects {
 		var h int64
