@@ -317,9 +317,9 @@ type Stats struct {
 	// TicksHeld counts the ticks this consumer's ticker, elected, held back while the
 	// consumer was still busy with the ticks before (Config.TickBusyWait).
 	TicksHeld int64
-	// TickReads counts the first reads of a scan made by tick, from the newest tick the last
-	// scan saw; TickReadMisses counts the projects such a read could not serve (their next
-	// event in an earlier tick), which read by project instead.
+	// TickReads counts the scans' first reads made by tick (after the tick each project's last
+	// scan to its head saw); TickReadMisses counts the projects such a read could not serve (a
+	// part the read's limit cut, or one that did not come back whole), which read by project.
 	TickReads      int64
 	TickReadMisses int64
 

@@ -241,10 +241,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 
 // readFirst reads, in one statement, the first batch of every project of leased that has events
 // to read: one read per scan rather than one per project, which walks each tick once for all of
-// them (readCombined). A project it cannot serve (its next event in the
-// frozen stream or in a part larger than a batch, or a part that did not come back whole) gets
-// no batch and reads in scanProject, from its key when it has one. It leaves out the projects at their
-// head, those whose lease is gone, those about to be reconciled (by default, every project of a
+// them (readCombined). A project it cannot serve (its next event in the frozen stream or in a
+// part larger than a batch, or a part that did not come back whole) gets no batch and reads in
+// scanProject, from its key when it has one. It leaves out the projects at their head, those whose lease is gone, those about to be reconciled (by default, every project of a
 // new consumer), those whose next event waits for a retry not yet due and the read suspects;
 // with one project left, that project reads in scanProject, in a statement as cheap. When the
 // statement fails in a way that may be one project's doing (see readIsolatable), no batch is
@@ -287,9 +286,9 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 // readCombined is readFirst's read on db of projects (after: their positions; seen: their
 // streams' tickSeen). The projects whose stream knows the tick after which its next event is
 // are read by tick (readTickEvents), after the oldest of those ticks: one walk of the tick key
-// for them all, and no search of each project's parts. Those it cannot serve (a project's next
-// event in an earlier tick: it had events in a tick its last scan saw but did not read), and
-// those whose stream knows no such tick, are read with lifecycle_outbox_read_parts, in a
+// for them all, and no search of each project's parts. Those it cannot serve (a part the read's
+// limit cut, or one that did not come back whole), and those whose stream knows no such tick
+// (after a start, a new lease or a restore), are read with lifecycle_outbox_read_parts, in a
 // second statement when two or more are left.
 func (l *scanLoop) readCombined(ctx context.Context, db *pgxpool.Pool, projects []string, after, seen []int64, capacity int) (map[string]firstBatch, error) {
 	first := make(map[string]firstBatch, len(projects))
