@@ -243,8 +243,9 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 // to read: one read per scan rather than one per project, which walks each tick once for all of
 // them (readCombined). A project it cannot serve (its next event in the frozen stream or in a
 // part larger than a batch, or a part that did not come back whole) gets no batch and reads in
-// scanProject, from its key when it has one. It leaves out the projects at their head, those whose lease is gone, those about to be reconciled (by default, every project of a
-// new consumer), those whose next event waits for a retry not yet due and the read suspects;
+// scanProject, from its key when it has one. It leaves out the projects at their head, those
+// whose lease is gone, those about to be reconciled (by default, every project of a new
+// consumer), those whose next event waits for a retry not yet due and the read suspects;
 // with one project left, that project reads in scanProject, in a statement as cheap. When the
 // statement fails in a way that may be one project's doing (see readIsolatable), no batch is
 // returned and alone is set: each project reads alone, so one project's trouble stays its own,
