@@ -246,9 +246,10 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 // scanProject, from its key when it has one. It leaves out the projects at their head, those
 // whose lease is gone, those about to be reconciled (by default, every project of a new
 // consumer), those whose next event waits for a retry not yet due and the read suspects;
-// with one project left, that project reads in scanProject, in a statement as cheap. When the
-// statement fails in a way that may be one project's doing (see readIsolatable), no batch is
-// returned and alone is set: each project reads alone, so one project's trouble stays its own,
+// with one project left, that project is read by tick when its stream knows its tick (a
+// statement a little cheaper than the per-project reader's), and reads in scanProject
+// otherwise. When the statement fails in a way that may be one project's doing (see
+// readIsolatable), no batch is returned and alone is set: each project reads alone, so one project's trouble stays its own,
 // and those that fail become read suspects. Any other failure would fail every project's read
 // alike, and is returned.
 func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[string]Head, open map[string][]delivery) (first map[string]firstBatch, alone bool, err error) {
@@ -264,7 +265,7 @@ func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[str
 		projects, after, seen = append(projects, p), append(after, st.position), append(seen, st.tickSeen)
 		capacity += n
 	}
-	if len(projects) < 2 {
+	if len(projects) == 0 || (len(projects) == 1 && seen[0] == 0) {
 		return nil, false, nil
 	}
 	err = l.read(ctx, func(db *pgxpool.Pool) (err error) {
