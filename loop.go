@@ -478,6 +478,8 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *stream, head
 		}
 	}
 	retrying := headOfLineRetry(open, st.position)
+	var ahead *nextBatch // the next batch, read while this one is dispatched
+	defer func() { ahead.wait() }()
 	for st.position < head.LastSequence {
 		if ctx.Err() != nil || !l.leases.valid(st.project, st.epoch) {
 			return nil
@@ -486,9 +488,15 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *stream, head
 			return nil
 		}
 		var batch []storedEvent
-		if st.takesFirst(first) {
+		next, prefetched := ahead.take(st)
+		ahead = nil
+		switch {
+		case st.takesFirst(first):
 			batch = first.events
-		} else {
+		case prefetched:
+			batch = next
+			l.stats.prefetched.Add(1)
+		default:
 			// Later batches, and a first one read before a reconciliation moved the stream.
 			err := l.read(ctx, func(db *pgxpool.Pool) (err error) {
 				batch, err = readEvents(ctx, db, st.project, st.position, l.cfg.BatchSize, st.readKey())
@@ -506,6 +514,7 @@ func (l *scanLoop) scanProject(ctx context.Context, s *session, st *stream, head
 			// The head counts events above the position and none is stored: a hole.
 			return l.hole(ctx, st, head, st.position+1)
 		}
+		ahead = l.prefetch(ctx, st, head, batch, retrying)
 		stop, err := l.dispatchBatch(ctx, s, st, batch, retrying)
 		if h := (errHole{}); errors.As(err, &h) {
 			if l.readFromPrimary() {
