@@ -322,6 +322,9 @@ type Stats struct {
 	// part the read's limit cut, or one that did not come back whole), which read by project.
 	TickReads      int64
 	TickReadMisses int64
+	// TickStarts counts the scans that started with a read of ticks alone, without a read of
+	// heads: every stream knew its tick and had nothing else to look at (scanLoop.startByTick).
+	TickStarts int64
 	// Prefetched counts the batches a stream with a backlog read while it dispatched the batch
 	// before and then took: full batches with more to come (scanLoop.prefetch).
 	Prefetched int64
@@ -341,7 +344,7 @@ type Stats struct {
 // stats are the counters every part of a consumer adds to.
 type stats struct {
 	delivered, own, suppressed, failures, parked, replayed, reconciliations, leaseLosses, scans, ticks, numbered, holes atomic.Int64
-	openReads, tickHints, sharedReads, ticksHeld, tickReads, tickReadMisses, prefetched                                 atomic.Int64
+	openReads, tickHints, sharedReads, ticksHeld, tickReads, tickReadMisses, prefetched, tickStarts                     atomic.Int64
 
 	readFallbacks, readReturns, readConflicts, standbyWaits, tickChecks, lagTicks, lagNanos atomic.Int64
 	onStandby, waiting                                                                      atomic.Bool
@@ -355,7 +358,7 @@ func (c *Consumer) Stats() Stats {
 		Parked: s.parked.Load(), Replayed: s.replayed.Load(), Reconciliations: s.reconciliations.Load(), LeaseLosses: s.leaseLosses.Load(),
 		Scans: s.scans.Load(), Ticks: s.ticks.Load(), Numbered: s.numbered.Load(), Holes: s.holes.Load(),
 		OpenReads: s.openReads.Load(), TickHints: s.tickHints.Load(), SharedReads: s.sharedReads.Load(), TicksHeld: s.ticksHeld.Load(),
-		TickReads: s.tickReads.Load(), TickReadMisses: s.tickReadMisses.Load(), Prefetched: s.prefetched.Load(),
+		TickReads: s.tickReads.Load(), TickReadMisses: s.tickReadMisses.Load(), Prefetched: s.prefetched.Load(), TickStarts: s.tickStarts.Load(),
 		ReadFallbacks: s.readFallbacks.Load(), ReadReturns: s.readReturns.Load(), ReadConflicts: s.readConflicts.Load(),
 		StandbyWaits: s.standbyWaits.Load(), TickChecks: s.tickChecks.Load(), ReadingFromStandby: s.onStandby.Load(), StandbyWaiting: s.waiting.Load(),
 		StandbyLagTicks: s.lagTicks.Load(), StandbyLag: time.Duration(s.lagNanos.Load()),

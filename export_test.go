@@ -57,6 +57,7 @@ var Statements = map[string]string{
 	"readEventsSQL":           readEventsSQL,
 	"readFirstEventsSQL":      readFirstEventsSQL,
 	"readTicksSQL":            readTicksSQL,
+	"readTicksSinceSQL":       readTicksSinceSQL,
 	"reconcileCursorSQL":      reconcileCursorSQL,
 	"reinstateSQL":            reinstateSQL,
 	"releaseSQL":              releaseSQL,

@@ -26,10 +26,11 @@ import (
 // scanReads counts the reads of events in one scan of a consumer.
 type scanReads struct {
 	combined int // reads of several projects' first batches in one statement
-	byTick   int // those that read ticks (readTicksSQL)
+	byTick   int // those that read ticks (readTicksSQL, readTicksSinceSQL)
 	failed   int // those that failed
 	rows     int // the rows those returned
 	single   int // reads of one project's batch
+	heads    int // reads of heads
 	all      int // every statement the pool sent meanwhile, from any of the consumer's goroutines
 }
 
@@ -45,15 +46,19 @@ type scanTracer struct {
 func (s *scanTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if len(s.scans) == 0 || d.SQL == outbox.Statements["loopHeadsSQL"] || d.SQL == outbox.Statements["loopHeadsUntickedSQL"] {
+	if len(s.scans) == 0 || d.SQL == outbox.Statements["loopHeadsSQL"] || d.SQL == outbox.Statements["loopHeadsUntickedSQL"] ||
+		d.SQL == outbox.Statements["readTicksSinceSQL"] {
 		s.scans = append(s.scans, scanReads{})
 	}
 	cur := &s.scans[len(s.scans)-1]
 	cur.all++
+	if d.SQL == outbox.Statements["loopHeadsSQL"] || d.SQL == outbox.Statements["loopHeadsUntickedSQL"] {
+		cur.heads++
+	}
 	switch d.SQL {
-	case outbox.Statements["readFirstEventsSQL"], outbox.Statements["readTicksSQL"]:
+	case outbox.Statements["readFirstEventsSQL"], outbox.Statements["readTicksSQL"], outbox.Statements["readTicksSinceSQL"]:
 		cur.combined++
-		if d.SQL == outbox.Statements["readTicksSQL"] {
+		if d.SQL != outbox.Statements["readFirstEventsSQL"] {
 			cur.byTick++
 		}
 		return context.WithValue(ctx, combinedRead{}, len(s.scans)-1)
@@ -246,6 +251,60 @@ func TestLaterScansReadTheirTicks(t *testing.T) {
 	require.Positive(t, byTick, "the scans read by tick")
 	require.Zero(t, byParts, "no scan searched each project's parts")
 	require.EqualValues(t, byTick, after.TickReads-before.TickReads, "Stats.TickReads counts the reads of ticks")
+	require.Zero(t, after.TickReadMisses-before.TickReadMisses, "every project asked for was served")
+}
+
+// TestWokenScansStartWithTheirTicks: a consumer whose streams are at their heads, woken by a
+// tick, reads that tick's events with the newest tick in one statement and no read of heads
+// (Stats.TickStarts); every event arrives once, in order. Polls are an hour apart, so only the
+// wake-ups of the ticks the consumer's elected ticker takes on a writer's hint bring the events.
+func TestWokenScansStartWithTheirTicks(t *testing.T) {
+	t.Parallel()
+	ctx := testkit.Ctx(t)
+	db := pgtest.NewDB(t)
+	seeder := pgtest.Pool(t, db.URL)
+	var projects []string
+	for i := range 4 {
+		p := fmt.Sprintf("proj-%d", i)
+		testkit.SeedEvents(t, seeder, p, 2)
+		projects = append(projects, p)
+	}
+	cfg := testkit.FastConfig()
+	cfg.PollInterval, cfg.TickFallbackInterval = time.Hour, time.Hour
+	tr := &scanTracer{}
+	c, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil)
+	rec.WaitCount(t, ctx, 8)
+	// The scan that reached the heads read them: the streams know their tick from then on.
+	require.Eventually(t, func() bool { return c.Stats().Scans > 0 && tr.scan() > 0 }, testkit.WaitLimit, 5*time.Millisecond)
+	from := tr.scan() + 1
+	before := c.Stats()
+
+	const rounds = 3
+	for round := range rounds {
+		tx, err := seeder.Begin(ctx)
+		require.NoError(t, err)
+		for _, p := range projects {
+			_, err := tx.Exec(ctx, insertLogEvent, p, fmt.Sprintf("w%d", round))
+			require.NoError(t, err)
+		}
+		require.NoError(t, tx.Commit(ctx))
+		// A writer's hint: the consumer's ticker, elected, ticks and announces the tick.
+		_, err = seeder.Exec(ctx, `SELECT pg_notify($1, $2)`, cfg.WithDefaults().NotifyChannel, projects[0])
+		require.NoError(t, err)
+		rec.WaitCount(t, ctx, 8+4*(round+1))
+	}
+	evs := rec.WaitCount(t, ctx, 8+4*rounds)
+	for _, p := range projects {
+		require.Equal(t, upTo(2+rounds), sequencesByProject(evs)[p], "project %s: every event once, in order", p)
+	}
+	heads := 0
+	for i, sc := range tr.snapshot()[from:] {
+		t.Logf("scan %d: %d statements: %d reads of heads, %d reads of ticks, %d single-project reads", from+i, sc.all, sc.heads, sc.byTick, sc.single)
+		heads += sc.heads
+	}
+	after := c.Stats()
+	require.Zero(t, heads, "no woken scan read heads")
+	require.GreaterOrEqual(t, after.TickStarts-before.TickStarts, int64(rounds), "each round's scan started with its tick")
 	require.Zero(t, after.TickReadMisses-before.TickReadMisses, "every project asked for was served")
 }
 

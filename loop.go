@@ -193,26 +193,21 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	// connections: a woken scan waits for one round trip before it reads events, not two. Most
 	// scans read no open deliveries: the streams know them (stream.open).
 	reading := l.openToRead(leased, full)
-	heads, read, err, openErr := l.scanStart(ctx, leased, reading, check)
-	if len(reading) > 0 {
-		l.stats.openReads.Add(1)
-		l.streams.takeOpen(reading, read, openErr)
+	var heads map[string]Head
+	var first map[string]firstBatch
+	var alone, byTick bool
+	if !full && len(reading) == 0 {
+		heads, first, byTick = l.startByTick(ctx, leased)
 	}
-	if leased, failed = l.skipFailed("read heads", leased, err); len(leased) == 0 {
-		return failed
+	if !byTick {
+		if leased, heads, first, alone, failed = l.startByHeads(ctx, leased, reading, check); len(leased) == 0 {
+			return failed
+		}
 	}
-	leased, stepFailed := l.skipFailedOf("read open deliveries", leased, reading, openErr)
-	failed = failed || stepFailed
 	open := make(map[string][]delivery, len(leased))
 	for _, p := range leased {
 		open[p] = l.streams[p].open
 	}
-	if l.unticked {
-		l.hintTicker()
-	}
-	first, alone, err := l.readFirst(ctx, leased, heads, open)
-	leased, stepFailed = l.skipFailed("read events", leased, err)
-	failed = failed || stepFailed
 	for _, p := range leased {
 		if ctx.Err() != nil {
 			break
@@ -237,6 +232,32 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 	// (or the consumer's shutdown) applies what they wrote before anything else.
 	l.acks.start(ctx, l.streams.dueAcks(time.Now(), l.cfg.BatchSize, l.cfg.AckInterval)...)
 	return failed
+}
+
+// startByHeads starts a scan of leased by reading their heads, and the open deliveries of
+// reading, at once, then the first batch of each project that has events to read (readFirst).
+// It returns the projects whose steps did not fail, and whether a step failed for some.
+func (l *scanLoop) startByHeads(ctx context.Context, leased, reading []string, check bool) (kept []string, heads map[string]Head, first map[string]firstBatch, alone, failed bool) {
+	heads, read, err, openErr := l.scanStart(ctx, leased, reading, check)
+	if len(reading) > 0 {
+		l.stats.openReads.Add(1)
+		l.streams.takeOpen(reading, read, openErr)
+	}
+	if leased, failed = l.skipFailed("read heads", leased, err); len(leased) == 0 {
+		return nil, nil, nil, false, failed
+	}
+	leased, stepFailed := l.skipFailedOf("read open deliveries", leased, reading, openErr)
+	failed = failed || stepFailed
+	open := make(map[string][]delivery, len(leased))
+	for _, p := range leased {
+		open[p] = l.streams[p].open
+	}
+	if l.unticked {
+		l.hintTicker()
+	}
+	first, alone, err = l.readFirst(ctx, leased, heads, open)
+	leased, stepFailed = l.skipFailed("read events", leased, err)
+	return leased, heads, first, alone, failed || stepFailed
 }
 
 // readFirst reads, in one statement, the first batch of every project of leased that has events

@@ -38,6 +38,10 @@ func TestEveryStatementPrepares(t *testing.T) {
 	// readTicksSQL returns scanEvents' columns, then each row's tick and part.
 	require.Equal(t, resultColumns(described["readEventsSQL"]), resultColumns(described["readTicksSQL"])[:len(resultColumns(described["readEventsSQL"]))],
 		"readTicksSQL must start with readEventsSQL's columns")
+	// readTicksSinceSQL returns readTicksSQL's columns, then the ticks' state (scanEventRows).
+	require.Equal(t, resultColumns(described["readTicksSQL"]), resultColumns(described["readTicksSinceSQL"])[:len(resultColumns(described["readTicksSQL"]))],
+		"readTicksSinceSQL must start with readTicksSQL's columns")
+	require.Len(t, described["readTicksSinceSQL"].Fields, len(described["readTicksSQL"].Fields)+3, "readTicksSinceSQL: the ticks' state is three columns")
 	// openWithTickSQL repeats openDeliveriesSQL whole.
 	require.Contains(t, strings.Join(strings.Fields(outbox.Statements["openWithTickSQL"]), " "),
 		strings.Join(strings.Fields(outbox.Statements["openDeliveriesSQL"]), " "), "openWithTickSQL must read openDeliveriesSQL word for word")

@@ -168,3 +168,18 @@ func sharedTickEvents(ctx context.Context, pool *pgxpool.Pool, projects []string
 	}
 	return v.(tickRead), shared, nil
 }
+
+// sharedTicksSince reads ticks with their state as readTicksSince does, sharing the read with
+// the pool's other consumers when its snapshot holds tick want (see readShare), as reads of
+// heads are shared: a read older than a tick the consumer saw or was announced would not
+// stand for its heads.
+func sharedTicksSince(ctx context.Context, pool *pgxpool.Pool, projects []string, tick int64, limit int, seen, want int64) (tickRead, bool, error) {
+	key := "since\x00" + strconv.FormatInt(seen, 10) + "\x00" + ticksKey(projects, tick, limit)
+	v, shared, err := shareOf(pool).do(ctx, key, func() (any, error) {
+		return readTicksSince(ctx, pool, projects, tick, limit, min(limit, 256), seen)
+	}, func(v any) bool { return v.(tickRead).state.newest >= want })
+	if err != nil {
+		return tickRead{}, false, err
+	}
+	return v.(tickRead), shared, nil
+}

@@ -26,7 +26,8 @@ type joinTracer struct {
 }
 
 func (j *joinTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	if d.SQL != outbox.Statements["loopHeadsSQL"] && d.SQL != outbox.Statements["readFirstEventsSQL"] && d.SQL != outbox.Statements["readTicksSQL"] {
+	if d.SQL != outbox.Statements["loopHeadsSQL"] && d.SQL != outbox.Statements["readFirstEventsSQL"] && d.SQL != outbox.Statements["readTicksSQL"] &&
+		d.SQL != outbox.Statements["readTicksSinceSQL"] {
 		return ctx
 	}
 	if j.holds.Add(-1) < 0 {

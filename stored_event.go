@@ -48,6 +48,18 @@ SELECT project_id, 0::bigint AS sequence, event_type, task_id, deleted_at, coale
        tick_id, part_first_sequence, part_events
 FROM lifecycle_outbox_read_ticks($1::text[], $2::bigint, $3::integer)`
 
+// readTicksSinceSQL is readTicksSQL with the state of the ticks in the same snapshot: after each
+// row's part come the newest tick, when it was taken, and when tick $4 was taken if it is still
+// stored. With no event to return it returns one row of those three alone, the others NULL.
+// It is a scan's whole start when its streams know their ticks (scanLoop.startByTick).
+const readTicksSinceSQL = `
+SELECT r.project_id, 0::bigint AS sequence, r.event_type, r.task_id, r.deleted_at, coalesce(r.prior_column, ''), r.archived,
+       r.writer_process_id, r.occurred_at, r.payload_version, coalesce(r.trace_context, ''), r.txid::text,
+       r.tick_id, r.part_first_sequence, r.part_events, n.tick_id, n.ticked_at, n.seen_at
+FROM (SELECT t.tick_id, t.ticked_at, (SELECT s.ticked_at FROM lifecycle_tick s WHERE s.tick_id = $4::bigint) AS seen_at
+      FROM lifecycle_tick t ORDER BY t.tick_id DESC LIMIT 1) n
+LEFT JOIN lifecycle_outbox_read_ticks($1::text[], $2::bigint, $3::integer) r ON true`
+
 // readEventSQL reads the one event numbered $2.
 const readEventSQL = `
 SELECT project_id, sequence, event_type, task_id, deleted_at, coalesce(prior_column, ''), archived,
@@ -145,10 +157,34 @@ type eventPart struct {
 }
 
 // tickRead is what one read of ticks returned, as read (readTickEvents): the events and their
-// parts, in step. Consumers of one process share it (sharedTickEvents) and never change it.
+// parts, in step, and with readTicksSinceSQL the ticks' state. Consumers of one process share
+// it (sharedTickEvents) and never change it.
 type tickRead struct {
 	events []storedEvent
 	parts  []eventPart
+	state  tickState
+}
+
+// tickState is the newest tick in a read's snapshot, when it was taken, and when the tick the
+// reader saw last was taken (nil when that tick is no longer stored).
+type tickState struct {
+	newest   int64
+	newestAt time.Time
+	seenAt   *time.Time
+}
+
+// readTicksSince is readTickEvents with the ticks' state in the same snapshot
+// (readTicksSinceSQL); seen is the tick whose time it also returns.
+func readTicksSince(ctx context.Context, db DBTX, projects []string, tick int64, limit, capacity int, seen int64) (tickRead, error) {
+	rows, err := db.Query(ctx, readTicksSinceSQL, projects, tick, limit, seen)
+	if err != nil {
+		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
+	}
+	r := tickRead{parts: make([]eventPart, 0, capacity)}
+	if r.events, err = scanEventRows(rows, capacity, &r.parts, &r.state); err != nil {
+		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
+	}
+	return r, nil
 }
 
 // readTickEvents reads up to limit events of projects in the ticks after tick (readTicksSQL),
@@ -286,6 +322,13 @@ type storedEvent struct {
 // row ends with its tick and part (readTicksSQL), which go there, in step with the events; a
 // row that cannot be decoded has the zero part.
 func scanEvents(rows pgx.Rows, capacity int, parts *[]eventPart) ([]storedEvent, error) {
+	return scanEventRows(rows, capacity, parts, nil)
+}
+
+// scanEventRows is scanEvents for rows that may end, after their part, with the ticks' state
+// (readTicksSinceSQL), which goes to state when it is not nil; a row without an event (its
+// project NULL) carries only that.
+func scanEventRows(rows pgx.Rows, capacity int, parts *[]eventPart, state *tickState) ([]storedEvent, error) {
 	defer rows.Close()
 	out := make([]storedEvent, 0, capacity)
 	var checked rowChecks
@@ -302,7 +345,19 @@ func scanEvents(rows pgx.Rows, capacity int, parts *[]eventPart) ([]storedEvent,
 	if parts != nil {
 		dest = append(dest, &part.tick, &part.first, &part.events)
 	}
+	var stateOnly []any // the destinations of a row with no event: its state alone
+	if state != nil {
+		dest = append(dest, &state.newest, &state.newestAt, &state.seenAt)
+		stateOnly = make([]any, len(dest))
+		copy(stateOnly[len(dest)-3:], dest[len(dest)-3:])
+	}
 	for rows.Next() {
+		if state != nil && rows.RawValues()[0] == nil {
+			if err := rows.Scan(stateOnly...); err != nil {
+				return nil, fmt.Errorf("decode the ticks' state: %w", err)
+			}
+			continue
+		}
 		e, version, deletedAt, occurredAt, txid, part = storedEvent{}, 0, pgtype.Timestamptz{}, pgtype.Timestamptz{}, nil, eventPart{}
 		if err := rows.Scan(dest...); err != nil {
 			bad, ok := undecodableRow(rows, err)

@@ -1,0 +1,74 @@
+package outbox
+
+import (
+	"cmp"
+	"context"
+)
+
+// startByTick starts a scan of leased without a read of heads, when every stream knows the
+// tick after which its next event is (stream.tickSeen) and has nothing else to look at: one
+// statement (readTicksSinceSQL) reads their events in the ticks after the oldest of those
+// ticks, with the newest tick of the same snapshot. The read then stands for the heads:
+//   - a project with rows in it has its head at the end of its last part there; one with none
+//     has had nothing numbered since its tick, and stays at its head;
+//   - the newest tick becomes what the scan saw, as a read of heads would make it.
+//
+// It gives way (ok false, and the scan reads heads as before) whenever the read cannot stand
+// for them: a standby is configured; a stream has open deliveries, waits for a retry, reads
+// alone, was rewound or must check what it delivered; the read came back cut by its limit;
+// the tick this loop saw is gone or was taken again, or the newest is older than one seen or
+// announced (a restore, or a forged announcement, which the read of heads handles); or a
+// project has rows the read cannot serve it from (a part missing, a row that cannot be
+// decoded). So what it delivers is what the scan through heads would have delivered; it only
+// costs one statement where that costs two. Consumers of one pool share the read as they share
+// reads of ticks.
+func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[string]Head, first map[string]firstBatch, ok bool) {
+	if l.reads.configured() || l.seenTick == 0 {
+		return nil, nil, false
+	}
+	after := make([]int64, len(leased))
+	var since int64
+	for i, p := range leased {
+		st := l.streams[p]
+		if st.tickSeen == 0 || !st.openKnown || len(st.open) > 0 || st.blocked() || st.readAlone || st.rewound || st.checkDelivered ||
+			!l.leases.valid(p, st.epoch) {
+			return nil, nil, false
+		}
+		after[i] = st.position
+		since = min(cmp.Or(since, st.tickSeen), st.tickSeen)
+	}
+	limit := min(len(leased)*l.cfg.BatchSize, maxTickReadEvents)
+	announced := l.scans.announced.Load()
+	tr, shared, err := sharedTicksSince(ctx, l.pool, leased, since, limit, l.seenTick, max(announced, l.seenTick))
+	l.countShared(shared)
+	if err != nil {
+		return nil, nil, false // the read of heads meets the failure, and handles it as it does
+	}
+	s := tr.state
+	if s.seenAt == nil || !s.seenAt.Equal(l.seenTickAt) || s.newest < max(announced, l.seenTick) ||
+		len(tr.events) >= limit || s.newest > since+int64(limit) {
+		return nil, nil, false
+	}
+	ends := make(map[string]int64, len(leased)) // the end of each project's last part in the read
+	for k, e := range tr.events {
+		pt := tr.parts[k]
+		if pt.tick == 0 {
+			return nil, nil, false // a row that could not be decoded: read as before, where it is parked
+		}
+		ends[e.ProjectID] = max(ends[e.ProjectID], pt.first+int64(pt.events)-1)
+	}
+	first = tr.served(leased, after, l.cfg.BatchSize)
+	heads = make(map[string]Head, len(leased))
+	for i, p := range leased {
+		h := Head{ProjectID: p, LastSequence: max(after[i], ends[p])}
+		if _, served := first[p]; h.LastSequence > after[i] && !served {
+			return nil, nil, false
+		}
+		heads[p] = h
+	}
+	l.checked(announced, s.newest)
+	l.seenTick, l.seenTickAt = s.newest, s.newestAt
+	l.stats.tickReads.Add(1)
+	l.stats.tickStarts.Add(1)
+	return heads, first, true
+}
