@@ -68,6 +68,7 @@ func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[
 	}
 	l.checked(announced, s.newest)
 	l.seenTick, l.seenTickAt = s.newest, s.newestAt
+	l.unticked = false // asked on polls only, as a read of heads of a woken scan leaves it
 	l.stats.tickReads.Add(1)
 	l.stats.tickStarts.Add(1)
 	return heads, first, true
