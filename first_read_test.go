@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -209,12 +210,7 @@ func TestLaterScansReadTheirTicks(t *testing.T) {
 	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	seeder := pgtest.Pool(t, db.URL)
-	var projects []string
-	for i := range 8 {
-		p := fmt.Sprintf("proj-%d", i)
-		testkit.SeedEvents(t, seeder, p, 3)
-		projects = append(projects, p)
-	}
+	projects := seedProjects(t, seeder, 8, 3)
 	tr := &scanTracer{}
 	c, rec := startConsumer(t, tracedPool(t, db.URL, tr), "c1", projects, testkit.FastConfig(), nil)
 	rec.WaitCount(t, ctx, 24)
@@ -223,16 +219,8 @@ func TestLaterScansReadTheirTicks(t *testing.T) {
 
 	const rounds = 3
 	for round := range rounds {
-		tx, err := seeder.Begin(ctx)
-		require.NoError(t, err)
-		for _, p := range projects {
-			for i := range 2 {
-				_, err := tx.Exec(ctx, insertLogEvent, p, fmt.Sprintf("r%d-%d", round, i))
-				require.NoError(t, err)
-			}
-		}
-		require.NoError(t, tx.Commit(ctx))
-		_, err = outbox.Tick(ctx, seeder)
+		commitRound(t, ctx, seeder, projects, 2, fmt.Sprintf("r%d-", round))
+		_, err := outbox.Tick(ctx, seeder)
 		require.NoError(t, err)
 		rec.WaitCount(t, ctx, 24+16*(round+1))
 	}
@@ -254,6 +242,33 @@ func TestLaterScansReadTheirTicks(t *testing.T) {
 	require.Zero(t, after.TickReadMisses-before.TickReadMisses, "every project asked for was served")
 }
 
+// seedProjects numbers events events in each of n projects, proj-0 to proj-<n-1>, and returns
+// their IDs.
+func seedProjects(t *testing.T, seeder *pgxpool.Pool, n, events int) []string {
+	t.Helper()
+	projects := make([]string, n)
+	for i := range projects {
+		projects[i] = fmt.Sprintf("proj-%d", i)
+		testkit.SeedEvents(t, seeder, projects[i], events)
+	}
+	return projects
+}
+
+// commitRound writes perProject events into every project of projects in one transaction, so
+// that one tick holds them all; their task IDs start with prefix.
+func commitRound(t *testing.T, ctx context.Context, seeder *pgxpool.Pool, projects []string, perProject int, prefix string) {
+	t.Helper()
+	tx, err := seeder.Begin(ctx)
+	require.NoError(t, err)
+	for _, p := range projects {
+		for i := range perProject {
+			_, err := tx.Exec(ctx, insertLogEvent, p, prefix+strconv.Itoa(i))
+			require.NoError(t, err)
+		}
+	}
+	require.NoError(t, tx.Commit(ctx))
+}
+
 // TestWokenScansStartWithTheirTicks: a consumer whose streams are at their heads, woken by a
 // tick, reads that tick's events with the newest tick in one statement and no read of heads
 // (Stats.TickStarts); every event arrives once, in order. Polls are an hour apart, so only the
@@ -263,12 +278,7 @@ func TestWokenScansStartWithTheirTicks(t *testing.T) {
 	ctx := testkit.Ctx(t)
 	db := pgtest.NewDB(t)
 	seeder := pgtest.Pool(t, db.URL)
-	var projects []string
-	for i := range 4 {
-		p := fmt.Sprintf("proj-%d", i)
-		testkit.SeedEvents(t, seeder, p, 2)
-		projects = append(projects, p)
-	}
+	projects := seedProjects(t, seeder, 4, 2)
 	cfg := testkit.FastConfig()
 	cfg.PollInterval, cfg.TickFallbackInterval = time.Hour, time.Hour
 	tr := &scanTracer{}
@@ -281,15 +291,9 @@ func TestWokenScansStartWithTheirTicks(t *testing.T) {
 
 	const rounds = 3
 	for round := range rounds {
-		tx, err := seeder.Begin(ctx)
-		require.NoError(t, err)
-		for _, p := range projects {
-			_, err := tx.Exec(ctx, insertLogEvent, p, fmt.Sprintf("w%d", round))
-			require.NoError(t, err)
-		}
-		require.NoError(t, tx.Commit(ctx))
+		commitRound(t, ctx, seeder, projects, 1, fmt.Sprintf("w%d-", round))
 		// A writer's hint: the consumer's ticker, elected, ticks and announces the tick.
-		_, err = seeder.Exec(ctx, `SELECT pg_notify($1, $2)`, cfg.WithDefaults().NotifyChannel, projects[0])
+		_, err := seeder.Exec(ctx, `SELECT pg_notify($1, $2)`, cfg.WithDefaults().NotifyChannel, projects[0])
 		require.NoError(t, err)
 		rec.WaitCount(t, ctx, 8+4*(round+1))
 	}
