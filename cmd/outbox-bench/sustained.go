@@ -27,6 +27,7 @@ func init() {
 			fs.StringVar(&o.mailbox, "mailbox", o.mailbox, `"included": the host's post-commit mailbox notice as it writes it; "excluded": it commits nothing on either side`)
 			fs.BoolVar(&o.oneProcess, "one-process", o.oneProcess, "run the consumers as one process would: on one shared pool, so that they share their reads of heads and first batches (Stats.SharedReads)")
 			fs.DurationVar(&o.tickBusyWait, "tick-busy-wait", 0, "the consumers' Config.TickBusyWait (0: the default); the line says it when set")
+			fs.DurationVar(&o.tickFloor, "tick-floor", 0, "the consumers' Config.TickFloor (0: the default); the line says it when set")
 			fs.BoolVar(&o.standby, "standby", o.standby, "start a streaming hot standby of the throwaway cluster and have the consumers read from it (Config.ReadDSN); server CPU stays the primary's, the standby's is reported beside it")
 			return one(func(ctx context.Context, env *Env) (sustainedResult, error) { return runSustained(ctx, env, o) })
 		}})
@@ -37,7 +38,7 @@ type sustainedOpts struct {
 	seconds                             float64
 	mailbox                             string
 	standby, oneProcess                 bool
-	tickBusyWait                        time.Duration
+	tickBusyWait, tickFloor             time.Duration
 }
 
 type sustainedResult struct {
@@ -49,6 +50,8 @@ type sustainedResult struct {
 	Mailbox   string  `json:"mailbox"`
 	// TickBusyWaitMS is the consumers' Config.TickBusyWait when -tick-busy-wait set it.
 	TickBusyWaitMS float64 `json:"tick_busy_wait_ms,omitempty"`
+	// TickFloorMS is the consumers' Config.TickFloor when -tick-floor set it.
+	TickFloorMS float64 `json:"tick_floor_ms,omitempty"`
 	// OneProcess: the consumers shared one pool, as consumers of one process do; SharedReads
 	// counts the reads they took from one another's statements.
 	OneProcess  bool  `json:"one_process,omitempty"`
@@ -285,7 +288,7 @@ func (s *sustainedDB) phase(ctx context.Context, env *Env, name string, writers 
 func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResult, error) {
 	res := sustainedResult{Header: env.Header("sustained"), Writers: o.writers, Consumers: o.consumers, Projects: o.projects,
 		Seconds: o.seconds, Mailbox: o.mailbox, NumberingShare: -1, NumberingShareLessLockWait: -1, ReadFrom: "primary",
-		TickBusyWaitMS: float64(o.tickBusyWait) / float64(time.Millisecond)}
+		TickBusyWaitMS: float64(o.tickBusyWait) / float64(time.Millisecond), TickFloorMS: float64(o.tickFloor) / float64(time.Millisecond)}
 	if o.writers < 1 || o.consumers < 1 || o.projects < 1 || o.seconds <= 0 || o.tasks < o.projects {
 		return res, errors.New("sustained: need writers, consumers, projects >= 1, seconds > 0 and tasks >= projects")
 	}
@@ -331,7 +334,7 @@ func runSustained(ctx context.Context, env *Env, o sustainedOpts) (sustainedResu
 		trackers[k] = newTimedTracker("t", o.tasks)
 		ids[k] = fmt.Sprintf("bench-sustained-%d", k)
 		specs[k] = consumerSpec{id: ids[k], projects: projects, listeners: []outbox.Listener{trackers[k].listener()}}
-		specs[k].cfg.TickBusyWait = o.tickBusyWait
+		specs[k].cfg.TickBusyWait, specs[k].cfg.TickFloor = o.tickBusyWait, o.tickFloor
 		if o.standby {
 			specs[k].cfg.ReadDSN = ob.db.ConsumerDSNOn(standbyHost)
 		}
