@@ -310,6 +310,18 @@ func TestWokenScansStartWithTheirTicks(t *testing.T) {
 	require.Zero(t, heads, "no woken scan read heads")
 	require.GreaterOrEqual(t, after.TickStarts-before.TickStarts, int64(rounds), "each round's scan started with its tick")
 	require.Zero(t, after.TickReadMisses-before.TickReadMisses, "every project asked for was served")
+
+	// A wake-up with nothing behind it: the read returns the ticks' state alone, which stands
+	// for the heads as well.
+	from = tr.scan() + 1
+	_, err := seeder.Exec(ctx, `SELECT pg_notify($1, $2)`, cfg.WithDefaults().TickChannel, projects[1])
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return c.Stats().TickStarts > after.TickStarts }, testkit.WaitLimit, 5*time.Millisecond,
+		"the empty wake-up's scan started with its tick")
+	for _, sc := range tr.snapshot()[from:] {
+		require.Zero(t, sc.heads, "the empty wake-up's scan read no heads")
+	}
+	require.Len(t, rec.Snapshot(), 8+4*rounds, "nothing more was delivered")
 }
 
 // TestUndecodableRowInACombinedRead: a row that cannot be delivered (deleted_at 'infinity', a
