@@ -204,10 +204,6 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 			return failed
 		}
 	}
-	open := make(map[string][]delivery, len(leased))
-	for _, p := range leased {
-		open[p] = l.streams[p].open
-	}
 	for _, p := range leased {
 		if ctx.Err() != nil {
 			break
@@ -217,7 +213,7 @@ func (l *scanLoop) iterate(ctx context.Context, s *session, dirty map[string]str
 		if b, ok := first[p]; ok {
 			fb = &b
 		}
-		err := l.scanProject(ctx, s, st, heads[p], open[p], fb)
+		err := l.scanProject(ctx, s, st, heads[p], st.open, fb)
 		if alone || st.readAlone {
 			st.readAloneAfter(err)
 		}
@@ -248,14 +244,10 @@ func (l *scanLoop) startByHeads(ctx context.Context, leased, reading []string, c
 	}
 	leased, stepFailed := l.skipFailedOf("read open deliveries", leased, reading, openErr)
 	failed = failed || stepFailed
-	open := make(map[string][]delivery, len(leased))
-	for _, p := range leased {
-		open[p] = l.streams[p].open
-	}
 	if l.unticked {
 		l.hintTicker()
 	}
-	first, alone, err = l.readFirst(ctx, leased, heads, open)
+	first, alone, err = l.readFirst(ctx, leased, heads)
 	leased, stepFailed = l.skipFailed("read events", leased, err)
 	return leased, heads, first, alone, failed || stepFailed
 }
@@ -273,13 +265,13 @@ func (l *scanLoop) startByHeads(ctx context.Context, leased, reading []string, c
 // readIsolatable), no batch is returned and alone is set: each project reads alone, so one project's trouble stays its own,
 // and those that fail become read suspects. Any other failure would fail every project's read
 // alike, and is returned.
-func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[string]Head, open map[string][]delivery) (first map[string]firstBatch, alone bool, err error) {
+func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[string]Head) (first map[string]firstBatch, alone bool, err error) {
 	var projects []string
 	var after, seen []int64
 	capacity := 0
 	for _, p := range leased {
 		st := l.streams[p]
-		n, ok := st.readAhead(heads[p], open[p], shiftedNow(l.cfg.Clock), l.cfg.NewCursor, l.cfg.BatchSize)
+		n, ok := st.readAhead(heads[p], st.open, shiftedNow(l.cfg.Clock), l.cfg.NewCursor, l.cfg.BatchSize)
 		if !ok || !l.leases.valid(p, st.epoch) {
 			continue
 		}
