@@ -94,7 +94,7 @@ func readEvents(ctx context.Context, db DBTX, project string, after int64, limit
 	if err != nil {
 		return nil, fmt.Errorf("read events: %w", err)
 	}
-	return scanEvents(rows, limit, nil)
+	return scanEvents(rows, limit)
 }
 
 // firstBatch is a project's first batch of a scan, read with the other projects': the events
@@ -114,7 +114,7 @@ func readFirstEvents(ctx context.Context, db DBTX, projects []string, after []in
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
-	evs, err := scanEvents(rows, capacity, nil)
+	evs, err := scanEvents(rows, capacity)
 	if err != nil {
 		return nil, fmt.Errorf("read events of %d projects: %w", len(projects), err)
 	}
@@ -176,30 +176,30 @@ type tickState struct {
 // readTicksSince is readTickEvents with the ticks' state in the same snapshot
 // (readTicksSinceSQL); seen is the tick whose time it also returns.
 func readTicksSince(ctx context.Context, db DBTX, projects []string, tick int64, limit, capacity int, seen int64) (tickRead, error) {
-	rows, err := db.Query(ctx, readTicksSinceSQL, projects, tick, limit, seen)
-	if err != nil {
-		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
-	}
-	r := tickRead{parts: make([]eventPart, 0, capacity)}
-	if r.events, err = scanEventRows(rows, capacity, &r.parts, &r.state); err != nil {
-		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
-	}
-	return r, nil
+	return queryTicks(ctx, db, readTicksSinceSQL, []any{projects, tick, limit, seen}, len(projects), tick, capacity, true)
 }
 
 // readTickEvents reads up to limit events of projects in the ticks after tick (readTicksSQL),
 // unnumbered. capacity is how many rows are expected.
 func readTickEvents(ctx context.Context, db DBTX, projects []string, tick int64, limit, capacity int) (tickRead, error) {
-	rows, err := db.Query(ctx, readTicksSQL, projects, tick, limit)
-	if err != nil {
-		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
+	return queryTicks(ctx, db, readTicksSQL, []any{projects, tick, limit}, len(projects), tick, capacity, false)
+}
+
+// queryTicks runs a read of ticks (sql with args, over projects after tick) and decodes its
+// rows, with the ticks' state when withState is set.
+func queryTicks(ctx context.Context, db DBTX, sql string, args []any, projects int, tick int64, capacity int, withState bool) (tickRead, error) {
+	rows, err := db.Query(ctx, sql, args...)
+	if err == nil {
+		r := tickRead{parts: make([]eventPart, 0, capacity)}
+		var state *tickState
+		if withState {
+			state = &r.state
+		}
+		if r.events, err = scanEventRows(rows, capacity, &r.parts, state); err == nil {
+			return r, nil
+		}
 	}
-	parts := make([]eventPart, 0, capacity)
-	evs, err := scanEvents(rows, capacity, &parts)
-	if err != nil {
-		return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", len(projects), tick, err)
-	}
-	return tickRead{events: evs, parts: parts}, nil
+	return tickRead{}, fmt.Errorf("read events of %d projects after tick %d: %w", projects, tick, err)
 }
 
 // served returns the first batch of each project of projects (after in step: its position)
@@ -298,7 +298,7 @@ func readEventAt(ctx context.Context, db DBTX, project string, sequence int64) (
 	if err != nil {
 		return storedEvent{}, false, err
 	}
-	evs, err := scanEvents(rows, 1, nil)
+	evs, err := scanEvents(rows, 1)
 	if err != nil || len(evs) == 0 {
 		return storedEvent{}, false, err
 	}
@@ -318,16 +318,16 @@ type storedEvent struct {
 // scanEvents decodes outbox rows without reflection (the drain path reads many of them) and
 // formats each event's ID from its identity columns. A row that cannot be decoded, or that
 // holds what the writer never writes, is returned with its reason instead of failing the batch:
-// the consumer parks it as a dead letter and the stream goes on. When parts is not nil, each
-// row ends with its tick and part (readTicksSQL), which go there, in step with the events; a
-// row that cannot be decoded has the zero part.
-func scanEvents(rows pgx.Rows, capacity int, parts *[]eventPart) ([]storedEvent, error) {
-	return scanEventRows(rows, capacity, parts, nil)
+// the consumer parks it as a dead letter and the stream goes on.
+func scanEvents(rows pgx.Rows, capacity int) ([]storedEvent, error) {
+	return scanEventRows(rows, capacity, nil, nil)
 }
 
-// scanEventRows is scanEvents for rows that may end, after their part, with the ticks' state
-// (readTicksSinceSQL), which goes to state when it is not nil; a row without an event (its
-// project NULL) carries only that.
+// scanEventRows is scanEvents for the reads of ticks. When parts is not nil, each row ends with
+// its tick and part (readTicksSQL), which go there, in step with the events; a row that cannot
+// be decoded has the zero part. When state is not nil, the rows end with the ticks' state
+// after their part (readTicksSinceSQL), which goes there; a row without an event (its project
+// NULL) carries only that.
 func scanEventRows(rows pgx.Rows, capacity int, parts *[]eventPart, state *tickState) ([]storedEvent, error) {
 	defer rows.Close()
 	out := make([]storedEvent, 0, capacity)
