@@ -13,17 +13,31 @@ import (
 //     has had nothing numbered since its tick, and stays at its head;
 //   - the newest tick becomes what the scan saw, as a read of heads would make it.
 //
+// With a standby (Config.ReadDSN) the statement is sent to the standby, and the scan goes on
+// there (readSource.scanStandby) when the standby has replayed every tick seen or announced,
+// the tick scanStart would have waited for: the heads and the events then come from one
+// server, as they do when scanStart picks the standby.
+//
 // It gives way (ok false, and the scan reads heads as before) whenever the read cannot stand
-// for them: a standby is configured; a stream has open deliveries, waits for a retry, reads
-// alone, was rewound or must check what it delivered; the read came back cut by its limit;
-// the tick this loop saw is gone or was taken again, or the newest is older than one seen or
-// announced (a restore, or a forged announcement, which the read of heads handles); or a
-// project has rows the read cannot serve it from (a part missing, a row that cannot be
-// decoded). So what it delivers is what the scan through heads would have delivered; it only
-// costs one statement where that costs two. Consumers of one pool share the read as they share
-// reads of ticks.
+// for them: the consumer reads from the primary while the standby is behind or unreachable
+// (readSource.fallen); a stream has open deliveries, waits for a retry, reads alone, was
+// rewound or must check what it delivered; the read came back cut by its limit; the tick this
+// loop saw is gone or was taken again, or the newest is older than one seen or announced (a
+// restore, a forged announcement, or a standby that has not replayed the tick yet: the read of
+// heads handles each, and waits for a standby); or a project has rows the read cannot serve it
+// from (a part missing, a row that cannot be decoded). So what it delivers is what the scan
+// through heads would have delivered; it only costs one statement where that costs two.
+// Consumers of one pool share the read as they share reads of ticks.
 func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[string]Head, first map[string]firstBatch, ok bool) {
-	if l.reads.configured() || l.seenTick == 0 {
+	r := l.reads
+	db := l.pool
+	if r.configured() {
+		if r.fallen {
+			return nil, nil, false
+		}
+		db = r.standby
+	}
+	if l.seenTick == 0 {
 		return nil, nil, false
 	}
 	after := make([]int64, len(leased))
@@ -39,9 +53,16 @@ func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[
 	}
 	limit := min(len(leased)*l.cfg.BatchSize, maxTickReadEvents)
 	announced := l.scans.announced.Load()
-	tr, shared, err := sharedTicksSince(ctx, l.pool, leased, since, limit, l.seenTick, max(announced, l.seenTick))
+	tr, shared, err := sharedTicksSince(ctx, db, leased, since, limit, l.seenTick, max(announced, l.seenTick))
 	l.countShared(shared)
 	if err != nil {
+		switch {
+		case !r.configured() || ctx.Err() != nil:
+		case recoveryConflict(err):
+			r.conflict(err) // counted; the read of heads tries the standby again
+		case standbyDown(err):
+			r.fallBack(fallbackUnreachable, 0, 0, err) // the read of heads goes to the primary at once
+		}
 		return nil, nil, false // the read of heads meets the failure, and handles it as it does
 	}
 	s := tr.state
@@ -66,7 +87,11 @@ func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[
 		}
 		heads[p] = h
 	}
-	l.checked(announced, s.newest)
+	if r.configured() {
+		r.scanStandby = true
+		r.setLag(0, 0)
+	}
+	l.checked(announced, s.newest) // a tick the standby replayed is one the primary has
 	l.seenTick, l.seenTickAt = s.newest, s.newestAt
 	l.unticked = false // asked on polls only, as a read of heads of a woken scan leaves it
 	l.stats.tickReads.Add(1)

@@ -25,8 +25,9 @@ import (
 // reads of its own state (open deliveries, cursors, leases).
 //
 // What keeps it correct:
-//   - A scan starts by reading the heads on the standby. The standby serves the scan only once
-//     it has replayed the tick the scan must see: the newest tick the ticker announced (each
+//   - A scan starts by reading the heads on the standby, or its ticks (scanLoop.startByTick,
+//     which gives way to the read of heads when the standby is behind). The standby serves the
+//     scan only once it has replayed the tick the scan must see: the newest tick the ticker announced (each
 //     tick's notifications start with "tick/<tick_id>", before those of its projects, so the
 //     tick whose notification started the scan is known when it starts), the newest the
 //     primary showed when the scan also read open deliveries there (openWithTickSQL: at least
@@ -617,7 +618,7 @@ func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead
 			return hr, want, nil
 		case <-wait.C:
 		}
-		pause = min(pause*2, 20*time.Millisecond)
+		pause = standbyPause(pause, time.Since(started), r.cfg)
 		next, err := l.standbyHeads(ctx, held, unticked)
 		if err != nil {
 			return hr, want, err
@@ -628,6 +629,17 @@ func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead
 		}
 		r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
 	}
+}
+
+// standbyPause is the pause after pause between two reads of a standby that a scan waits for,
+// waited so far: it doubles from a millisecond up to 4 ms within standbyGrace, where a standby
+// that keeps up replays the tick, so a wait ends at most about 4 ms after the replay; then up
+// to 20 ms, for a standby that is behind.
+func standbyPause(pause, waited time.Duration, cfg consumerConfig) time.Duration {
+	if waited < standbyGrace(cfg) {
+		return min(pause*2, 4*time.Millisecond)
+	}
+	return min(pause*2, 20*time.Millisecond)
 }
 
 // conflict counts a read the standby cancelled for a conflict with recovery.

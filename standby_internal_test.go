@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"testing"
 	"time"
 
@@ -97,4 +98,25 @@ func TestStandbyReadRetriesConflictsThenUsesThePrimary(t *testing.T) {
 	require.Equal(t, []*pgxpool.Pool{standby, primary}, *got)
 	require.False(t, l.reads.fallen)
 	require.False(t, l.reads.scanStandby)
+}
+
+// TestStandbyPauses: a scan waiting for a standby reads it again within 4 ms during the grace
+// (so a wait ends at most about 4 ms after the replay of a standby that keeps up), then backs
+// off to 20 ms.
+func TestStandbyPauses(t *testing.T) {
+	t.Parallel()
+	cfg := Config{ReadMaxLag: 5 * time.Second}.consumerConfig()
+	grace := standbyGrace(cfg)
+	pause, waited := time.Millisecond, time.Duration(0)
+	var pauses []time.Duration
+	for waited += pause; waited < grace; waited += pause {
+		pause = standbyPause(pause, waited, cfg)
+		pauses = append(pauses, pause)
+	}
+	require.Equal(t, []time.Duration{2 * time.Millisecond, 4 * time.Millisecond, 4 * time.Millisecond}, pauses[:3])
+	require.LessOrEqual(t, slices.Max(pauses), 4*time.Millisecond, "within the grace")
+	for range 10 {
+		pause = standbyPause(pause, grace, cfg)
+	}
+	require.Equal(t, 20*time.Millisecond, pause, "after it")
 }
