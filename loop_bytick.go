@@ -3,6 +3,7 @@ package outbox
 import (
 	"cmp"
 	"context"
+	"time"
 )
 
 // startByTick starts a scan of leased without a read of heads, when every stream knows the
@@ -14,19 +15,22 @@ import (
 //   - the newest tick becomes what the scan saw, as a read of heads would make it.
 //
 // With a standby (Config.ReadDSN) the statement is sent to the standby, and the scan goes on
-// there (readSource.scanStandby) when the standby has replayed every tick seen or announced,
-// the tick scanStart would have waited for: the heads and the events then come from one
-// server, as they do when scanStart picks the standby.
+// there (readSource.scanStandby) once the standby has replayed every tick seen or announced,
+// the tick scanStart would wait for: the heads and the events then come from one server, as
+// they do when scanStart picks the standby. A standby that has not replayed it yet (the
+// tick's notification usually comes first) is waited for as scanStart waits (awaitStandby:
+// probes of its newest tick, the announcement checked on the primary after standbyGrace, the
+// primary from then on after ReadMaxLag), and read again.
 //
 // It gives way (ok false, and the scan reads heads as before) whenever the read cannot stand
 // for them: the consumer reads from the primary while the standby is behind or unreachable
 // (readSource.fallen); a stream has open deliveries, waits for a retry, reads alone, was
 // rewound or must check what it delivered; the read came back cut by its limit; the tick this
 // loop saw is gone or was taken again, or the newest is older than one seen or announced (a
-// restore, a forged announcement, or a standby that has not replayed the tick yet: the read of
-// heads handles each, and waits for a standby); or a project has rows the read cannot serve it
-// from (a part missing, a row that cannot be decoded). So what it delivers is what the scan
-// through heads would have delivered; it only costs one statement where that costs two.
+// restore, or a forged announcement: the read of heads handles each); or a project has rows
+// the read cannot serve it from (a part missing, a row that cannot be decoded). So what it
+// delivers is what the scan through heads would have delivered; it only costs one statement
+// where that costs two.
 // Consumers of one pool share the read as they share reads of ticks.
 func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[string]Head, first map[string]firstBatch, ok bool) {
 	r := l.reads
@@ -53,8 +57,23 @@ func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[
 	}
 	limit := min(len(leased)*l.cfg.BatchSize, maxTickReadEvents)
 	announced := l.scans.announced.Load()
-	tr, shared, err := sharedTicksSince(ctx, db, leased, since, limit, l.seenTick, max(announced, l.seenTick))
-	l.countShared(shared)
+	want, checked := l.standbyWant(announced)
+	read := func() (tickRead, error) {
+		tr, shared, err := sharedTicksSince(ctx, db, leased, since, limit, l.seenTick, want)
+		l.countShared(shared)
+		return tr, err
+	}
+	tr, err := read()
+	if s := tr.state; err == nil && r.configured() && s.newest < want && s.seenAt != nil {
+		// The standby has not replayed the tick yet (the notification came first): wait for it
+		// as scanStart would, on probes of its newest tick, then read again.
+		var replayed bool
+		if want, replayed, err = l.awaitStandby(ctx, s.newest, s.newestAt, want, time.Time{}, checked); replayed {
+			tr, err = read()
+		} else if err == nil {
+			return nil, nil, false // the wait ran out: the consumer reads from the primary now
+		}
+	}
 	if err != nil {
 		switch {
 		case !r.configured() || ctx.Err() != nil:
@@ -66,7 +85,7 @@ func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[
 		return nil, nil, false // the read of heads meets the failure, and handles it as it does
 	}
 	s := tr.state
-	if s.seenAt == nil || !s.seenAt.Equal(l.seenTickAt) || s.newest < max(announced, l.seenTick) ||
+	if s.seenAt == nil || !s.seenAt.Equal(l.seenTickAt) || s.newest < want ||
 		len(tr.events) >= limit || s.newest > since+int64(limit) {
 		return nil, nil, false
 	}

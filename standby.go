@@ -404,13 +404,9 @@ func (l *scanLoop) scanStart(ctx context.Context, held, reading []string, untick
 	if r.fallen {
 		return l.scanStartFallen(ctx, held, reading, unticked)
 	}
-	// What the standby must have replayed: the newest tick announced or seen, checked on the
-	// primary unless it is no newer than a tick the primary showed.
 	announced := l.scans.announced.Load()
-	want, wantAt, checked := max(announced, l.seenTick), time.Time{}, true
-	if want > max(l.checkedTick, l.seenTick) {
-		checked = false
-	}
+	want, checked := l.standbyWant(announced)
+	var wantAt time.Time
 	var primaryTick int64
 	var primaryTickAt time.Time
 	var opened chan struct{}
@@ -440,10 +436,12 @@ func (l *scanLoop) scanStart(ctx context.Context, held, reading []string, untick
 	case opened != nil && primaryTick == 0:
 		// The primary's tick is unknown (its read failed): this scan reads from the primary.
 	default:
-		if hr.newest < want {
-			hr, want, err = l.awaitStandby(ctx, held, hr, want, wantAt, checked, unticked)
-		} else {
-			r.setLag(0, 0)
+		replayed := hr.newest >= want
+		if !replayed {
+			// The heads are read again once the standby has replayed the tick.
+			if _, replayed, err = l.awaitStandby(ctx, hr.newest, hr.newestAt, want, wantAt, checked); replayed {
+				hr, err = l.standbyHeads(ctx, held, unticked)
+			}
 		}
 		switch {
 		case ctx.Err() != nil:
@@ -453,10 +451,11 @@ func (l *scanLoop) scanStart(ctx context.Context, held, reading []string, untick
 		case err != nil && !standbyDown(err):
 		case err != nil:
 			r.fallBack(fallbackUnreachable, 0, 0, err)
-		case hr.newest >= want:
+		case replayed:
+			r.setLag(0, 0)
 			r.scanStandby = true
 		default:
-			r.fallBack(fallbackLag, want-hr.newest, wantAt.Sub(hr.newestAt), nil)
+			// The wait ran out: awaitStandby left the standby.
 		}
 	}
 	if !r.scanStandby {
@@ -467,6 +466,15 @@ func (l *scanLoop) scanStart(ctx context.Context, held, reading []string, untick
 		l.checked(announced, hr.newest)
 	}
 	return l.applyHeads(hr), open, nil, openErr
+}
+
+// standbyWant is the tick a scan on the standby must see, with announced the newest tick
+// announced: the newest tick announced or seen. checked: it is no newer than a tick the primary
+// showed; otherwise the announcement is checked on the primary when the standby has not
+// replayed it within standbyGrace (awaitStandby).
+func (l *scanLoop) standbyWant(announced int64) (want int64, checked bool) {
+	want = max(announced, l.seenTick)
+	return want, want <= max(l.checkedTick, l.seenTick)
 }
 
 // checked records that a read of the primary, sent when the newest announcement was
@@ -553,81 +561,104 @@ func (l *scanLoop) scanStartFallen(ctx context.Context, held, reading []string, 
 // recovery conflict. A read another consumer of the process has in flight with the same
 // arguments is shared (shared_reads.go): how far the standby has replayed is then judged on
 // its answer, as on this consumer's own.
-func (l *scanLoop) standbyHeads(ctx context.Context, held []string, unticked bool) (headsRead, error) {
-	for attempt := 0; ; attempt++ {
-		hr, err := l.headsOn(ctx, l.reads.standby, held, l.seenTick, unticked)
-		if err == nil || ctx.Err() != nil || !recoveryConflict(err) || attempt >= readConflictRetries {
-			return hr, err
-		}
-		l.reads.conflict(err)
-		conflictPause(ctx, attempt)
-	}
+func (l *scanLoop) standbyHeads(ctx context.Context, held []string, unticked bool) (hr headsRead, err error) {
+	err = l.onStandby(ctx, func() (err error) {
+		hr, err = l.headsOn(ctx, l.reads.standby, held, l.seenTick, unticked)
+		return err
+	})
+	return hr, err
 }
 
-// awaitStandby reads the heads on the standby again until it has replayed tick want, for at
-// most ReadMaxLag on the consumer's clock. It returns the last heads it read (their newest tick
-// is below want when the wait ran out) and the tick it waited for. When want is an announced
-// tick not checked on the primary (checked false), it checks it there once standbyGrace has
-// passed, or when the wait runs out first, and waits for the primary's newest tick instead:
-// only a tick the primary showed makes it wait on. errTickUnchecked: that read failed.
-func (l *scanLoop) awaitStandby(ctx context.Context, held []string, hr headsRead, want int64, wantAt time.Time, checked, unticked bool) (headsRead, int64, error) {
+// awaitStandby waits until the standby has replayed tick want, reading its newest tick
+// (newestTickSQL: one probe of the tick key) every few milliseconds (standbyPause), for at most
+// ReadMaxLag on the consumer's clock; newest and newestAt are what the scan's last read there
+// showed. When want is an announced tick not checked on the primary (checked false), it checks
+// it there once standbyGrace has passed, or when the wait runs out first, and waits for the
+// primary's newest tick instead: only a tick the primary showed makes it wait on. It returns the
+// tick it waited for and whether the standby has replayed it; when the wait ran out, the
+// consumer reads from the primary from then on (fallBack). errTickUnchecked: the check failed.
+func (l *scanLoop) awaitStandby(ctx context.Context, newest int64, newestAt time.Time, want int64, wantAt time.Time, checked bool) (int64, bool, error) {
 	r := l.reads
 	r.stats.standbyWaits.Add(1)
 	r.stats.waiting.Store(true)
 	defer r.stats.waiting.Store(false)
 	// The lag is recorded before the wait's timer is armed: whoever sees the consumer waiting
 	// sees how far behind the standby is.
-	r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
+	r.setLag(want-newest, wantAt.Sub(newestAt))
 	deadline := r.cfg.Clock.NewTimer(r.cfg.ReadMaxLag)
 	defer deadline.Stop()
 	started := time.Now()
-	check := func() error {
+	// check waits for the primary's newest tick in place of an announced one; it reports
+	// whether the standby has replayed that.
+	check := func() (bool, error) {
 		announced := l.scans.announced.Load()
 		tick, at, err := l.primaryTick(ctx)
 		if err != nil {
-			return errTickUnchecked
+			return false, errTickUnchecked
 		}
 		l.checked(announced, tick)
 		want, wantAt, checked = max(tick, l.seenTick), at, true
-		return nil
+		return newest >= want, nil
 	}
 	pause := time.Millisecond
 	for {
 		if !checked && time.Since(started) >= standbyGrace(r.cfg) {
-			if err := check(); err != nil {
-				return hr, want, err
+			if replayed, err := check(); err != nil || replayed {
+				return want, replayed, err
 			}
-			if hr.newest >= want {
-				r.setLag(0, 0)
-				return hr, want, nil
-			}
-			r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
+			r.setLag(want-newest, wantAt.Sub(newestAt))
 		}
 		wait := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
 			wait.Stop()
-			return hr, want, ctx.Err()
+			return want, false, ctx.Err()
 		case <-deadline.C():
 			wait.Stop()
 			if !checked {
-				if err := check(); err != nil {
-					return hr, want, err
+				if replayed, err := check(); err != nil || replayed {
+					return want, replayed, err
 				}
 			}
-			return hr, want, nil
+			r.fallBack(fallbackLag, want-newest, wantAt.Sub(newestAt), nil)
+			return want, false, nil
 		case <-wait.C:
 		}
 		pause = standbyPause(pause, time.Since(started), r.cfg)
-		next, err := l.standbyHeads(ctx, held, unticked)
+		tick, at, err := l.standbyNewest(ctx)
 		if err != nil {
-			return hr, want, err
+			return want, false, err
 		}
-		if hr = next; hr.newest >= want {
-			r.setLag(0, 0)
-			return hr, want, nil
+		if newest, newestAt = tick, at; newest >= want {
+			return want, true, nil
 		}
-		r.setLag(want-hr.newest, wantAt.Sub(hr.newestAt))
+		r.setLag(want-newest, wantAt.Sub(newestAt))
+	}
+}
+
+// standbyNewest reads the standby's newest tick (0 when it has none), trying again a statement
+// cancelled by a recovery conflict.
+func (l *scanLoop) standbyNewest(ctx context.Context) (tick int64, at time.Time, err error) {
+	err = l.onStandby(ctx, func() error {
+		err := l.reads.standby.QueryRow(ctx, newestTickSQL).Scan(&tick, &at)
+		if errors.Is(err, pgx.ErrNoRows) {
+			tick, at, err = 0, time.Time{}, nil
+		}
+		return err
+	})
+	return tick, at, err
+}
+
+// onStandby runs fn, a read on the standby, and runs it again while the standby cancels it for
+// a recovery conflict, readConflictRetries times at most.
+func (l *scanLoop) onStandby(ctx context.Context, fn func() error) error {
+	for attempt := 0; ; attempt++ {
+		err := fn()
+		if err == nil || ctx.Err() != nil || !recoveryConflict(err) || attempt >= readConflictRetries {
+			return err
+		}
+		l.reads.conflict(err)
+		conflictPause(ctx, attempt)
 	}
 }
 

@@ -25,6 +25,7 @@ func TestStandbyReads(t *testing.T) {
 	pair := pgtest.StartPair(t)
 	t.Run("DeliversEveryEventOnceInOrder", func(t *testing.T) { testStandbyDeliversInOrder(t, pair) })
 	t.Run("PausedReplayIsWaitedForThenLeft", func(t *testing.T) { testStandbyPausedReplay(t, pair) })
+	t.Run("WokenScanWaitsThenStartsWithItsTicks", func(t *testing.T) { testStandbyWokenScanWaits(t, pair) })
 	t.Run("RecoveryConflictIsRetried", func(t *testing.T) { testStandbyRecoveryConflict(t, pair) })
 	t.Run("NotifiedScansSendThePrimaryNothing", func(t *testing.T) { testStandbyScansLeaveThePrimary(t, pair) })
 	t.Run("ForgedTickAnnouncementIsChecked", func(t *testing.T) { testStandbyForgedTick(t, pair) })
@@ -201,6 +202,37 @@ func testStandbyPausedReplay(t *testing.T, pair *pgtest.Pair) {
 	require.Equal(t, "lag", labelValue(fams["outbox_read_fallbacks_total"].GetMetric()[0], "reason"))
 	require.EqualValues(t, 1, fams["outbox_read_returns_total"].GetMetric()[0].GetCounter().GetValue())
 	require.Zero(t, fams["outbox_read_standby_lag_ticks"].GetMetric()[0].GetGauge().GetValue())
+}
+
+// testStandbyWokenScanWaits: a scan woken by a tick the standby has not replayed yet (replay
+// paused; a notification usually comes before the replay) waits for it, and then starts with
+// its ticks on the standby all the same: no read of heads, no fallback.
+func testStandbyWokenScanWaits(t *testing.T, pair *pgtest.Pair) {
+	ctx := testkit.Ctx(t)
+	db := pair.NewDB(t)
+	w := standbyWriter(t, db.URL, 10)
+	cfg := metricsConfig()
+	// The wait must not run out: ReadMaxLag on a clock that does not move. Notified scans only.
+	cfg.Clock, cfg.ReadDSN, cfg.ReadMaxLag = outboxtest.NewFakeClock(), db.StandbyURL, 10*time.Minute
+	cfg.PollInterval, cfg.TickFallbackInterval = time.Hour, time.Hour
+	c := testkit.StartProcess(t, db.URL, testkit.ProcessOpts{ID: "waiting-reader", Projects: standbyProjects, Config: cfg})
+	deleteRound(t, w, 1, 5)
+	c.Rec.WaitCount(t, ctx, 15)
+
+	pair.PauseReplay(t)
+	deleteRound(t, w, 6, 6)
+	require.Eventually(t, func() bool { return c.Consumer.Stats().StandbyWaiting }, testkit.WaitLimit, 5*time.Millisecond,
+		"the woken scan waits for the standby")
+	before := c.Consumer.Stats()
+	require.Len(t, c.Rec.Snapshot(), 15, "nothing delivered past what the standby has")
+	pair.ResumeReplay(t)
+	requireInOrder(t, c.Rec.WaitCount(t, ctx, 18), 6)
+	st := c.Consumer.Stats()
+	require.Greater(t, st.TickStarts, before.TickStarts, "the scan that waited started with its ticks")
+	require.Zero(t, st.ReadFallbacks)
+	require.True(t, st.ReadingFromStandby)
+	require.Zero(t, st.StandbyLagTicks)
+	requireCursorsWithin(t, c.Pool, "waiting-reader", c.Rec)
 }
 
 // testStandbyRecoveryConflict: replay cancels a consumer's read on the standby for a conflict
