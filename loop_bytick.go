@@ -30,8 +30,7 @@ import (
 // restore, or a forged announcement: the read of heads handles each); or a project has rows
 // the read cannot serve it from (a part missing, a row that cannot be decoded). So what it
 // delivers is what the scan through heads would have delivered; it only costs one statement
-// where that costs two.
-// Consumers of one pool share the read as they share reads of ticks.
+// where that costs two. Consumers of one pool share the read as they share reads of ticks.
 func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[string]Head, first map[string]firstBatch, ok bool) {
 	r := l.reads
 	db := l.pool

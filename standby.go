@@ -25,11 +25,11 @@ import (
 // reads of its own state (open deliveries, cursors, leases).
 //
 // What keeps it correct:
-//   - A scan starts by reading the heads on the standby, or its ticks (scanLoop.startByTick,
-//     which gives way to the read of heads when the standby is behind). The standby serves the
-//     scan only once it has replayed the tick the scan must see: the newest tick the ticker announced (each
-//     tick's notifications start with "tick/<tick_id>", before those of its projects, so the
-//     tick whose notification started the scan is known when it starts), the newest the
+//   - A scan starts by reading the heads on the standby, or its ticks (scanLoop.startByTick).
+//     The standby serves the scan only once it has replayed the tick the scan must see
+//     (standbyWant): the newest tick the ticker announced (each tick's notifications start
+//     with "tick/<tick_id>", before those of its projects, so the tick whose notification
+//     started the scan is known when it starts), the newest the
 //     primary showed when the scan also read open deliveries there (openWithTickSQL: at least
 //     every TickFallbackInterval, and after the LISTEN connection was lost), and every tick the
 //     consumer saw before. So the tick whose notification started the scan is never missed,
