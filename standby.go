@@ -637,16 +637,30 @@ func (l *scanLoop) awaitStandby(ctx context.Context, newest int64, newestAt time
 }
 
 // standbyNewest reads the standby's newest tick (0 when it has none), trying again a statement
-// cancelled by a recovery conflict.
-func (l *scanLoop) standbyNewest(ctx context.Context) (tick int64, at time.Time, err error) {
-	err = l.onStandby(ctx, func() error {
-		err := l.reads.standby.QueryRow(ctx, newestTickSQL).Scan(&tick, &at)
-		if errors.Is(err, pgx.ErrNoRows) {
-			tick, at, err = 0, time.Time{}, nil
-		}
-		return err
-	})
-	return tick, at, err
+// cancelled by a recovery conflict. The consumers of a process that wait for the standby at the
+// same moment (woken by the same tick) share the probe in flight: any answer tells a waiting
+// scan whether to read or to wait on, and the read checks the tick again.
+func (l *scanLoop) standbyNewest(ctx context.Context) (int64, time.Time, error) {
+	type newest struct {
+		tick int64
+		at   time.Time
+	}
+	v, _, err := shareOf(l.reads.standby).do(ctx, "newest", func() (any, error) {
+		var n newest
+		err := l.onStandby(ctx, func() error {
+			err := l.reads.standby.QueryRow(ctx, newestTickSQL).Scan(&n.tick, &n.at)
+			if errors.Is(err, pgx.ErrNoRows) {
+				n, err = newest{}, nil
+			}
+			return err
+		})
+		return n, err
+	}, func(any) bool { return true })
+	if err != nil {
+		return 0, time.Time{}, err
+	}
+	n := v.(newest)
+	return n.tick, n.at, nil
 }
 
 // onStandby runs fn, a read on the standby, and runs it again while the standby cancels it for
