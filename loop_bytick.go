@@ -17,10 +17,11 @@ import (
 // With a standby (Config.ReadDSN) the statement is sent to the standby, and the scan goes on
 // there (readSource.scanStandby) once the standby has replayed every tick seen or announced,
 // the tick scanStart would wait for: the heads and the events then come from one server, as
-// they do when scanStart picks the standby. A standby that has not replayed it yet (the
-// tick's notification usually comes first) is waited for as scanStart waits (awaitStandby:
-// probes of its newest tick, the announcement checked on the primary after standbyGrace, the
-// primary from then on after ReadMaxLag), and read again.
+// they do when scanStart picks the standby. When a newer tick than the scan saw was announced,
+// the standby (which usually replays it after its notification came) is probed first and
+// waited for as scanStart waits (awaitStandby: probes of its newest tick, the announcement
+// checked on the primary after standbyGrace, the primary from then on after ReadMaxLag), and
+// read once it has replayed the tick.
 //
 // It gives way (ok false, and the scan reads heads as before) whenever the read cannot stand
 // for them: the consumer reads from the primary while the standby is behind or unreachable
@@ -62,16 +63,23 @@ func (l *scanLoop) startByTick(ctx context.Context, leased []string) (heads map[
 		l.countShared(shared)
 		return tr, err
 	}
-	tr, err := read()
-	if s := tr.state; err == nil && r.configured() && s.newest < want && s.seenAt != nil {
-		// The standby has not replayed the tick yet (the notification came first): wait for it
-		// as scanStart would, on probes of its newest tick, then read again.
-		var replayed bool
-		if want, replayed, err = l.awaitStandby(ctx, s.newest, s.newestAt, want, time.Time{}, checked); replayed {
-			tr, err = read()
-		} else if err == nil {
-			return nil, nil, false // the wait ran out: the consumer reads from the primary now
+	var err error
+	if r.configured() && want > l.seenTick {
+		// A tick newer than the scan saw was announced, and its notification usually comes
+		// before the standby replays it: probe the standby's newest tick (one lookup, shared by
+		// the consumers of the process) and wait for it as scanStart would, before the read.
+		var newest int64
+		var newestAt time.Time
+		if newest, newestAt, err = l.standbyNewest(ctx); err == nil && newest < want {
+			var replayed bool
+			if want, replayed, err = l.awaitStandby(ctx, newest, newestAt, want, time.Time{}, checked); err == nil && !replayed {
+				return nil, nil, false // the wait ran out: the consumer reads from the primary now
+			}
 		}
+	}
+	var tr tickRead
+	if err == nil {
+		tr, err = read()
 	}
 	if err != nil {
 		switch {
