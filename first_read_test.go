@@ -358,12 +358,7 @@ func TestUndecodableRowInACombinedRead(t *testing.T) {
 		scanOf[fmt.Sprintf("%s/%d", ev.ProjectID, ev.Sequence)] = tr.scan()
 		return nil
 	})
-	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: testkit.FastConfig(),
-		Projects: outbox.StaticProjects(projects), Dispatcher: d, Logger: zaptest.NewLogger(t)})
-	require.NoError(t, err)
-	require.NoError(t, c.Start(ctx))
-	t.Cleanup(func() { stopConsumer(t, c) })
+	c := startRecording(t, tracedPool(t, db.URL, tr), "c1", projects, testkit.FastConfig(), nil, rec)
 	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	evs := rec.WaitCount(t, waitCtx, 8*3+2)
@@ -474,12 +469,7 @@ func TestRetryHoldsOnlyItsProjectInACombinedRead(t *testing.T) {
 		}
 		return nil
 	})
-	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: tracedPool(t, db.URL, tr), Config: cfg,
-		Projects: outbox.StaticProjects(projects), Dispatcher: d, Logger: zaptest.NewLogger(t)})
-	require.NoError(t, err)
-	require.NoError(t, c.Start(ctx))
-	t.Cleanup(func() { stopConsumer(t, c) })
+	startRecording(t, tracedPool(t, db.URL, tr), "c1", projects, cfg, nil, rec)
 	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 	delivered := func(want map[string][]int64) func([]outbox.ObservedEvent) bool {

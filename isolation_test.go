@@ -71,13 +71,20 @@ func deletePrefixedTasksAs(t *testing.T, lp *leastPrivilege, pool *pgxpool.Pool,
 func startConsumer(t *testing.T, pool *pgxpool.Pool, id outbox.ConsumerID, projects []string, cfg outbox.Config, m *outbox.Metrics) (*outbox.Consumer, *testkit.Recorder) {
 	t.Helper()
 	rec := testkit.NewRecorder()
+	return startRecording(t, pool, id, projects, cfg, m, rec), rec
+}
+
+// startRecording is startConsumer with the recorder given, for a test that sets what it fails
+// (Recorder.SetFail) before the consumer starts.
+func startRecording(t *testing.T, pool *pgxpool.Pool, id outbox.ConsumerID, projects []string, cfg outbox.Config, m *outbox.Metrics, rec *testkit.Recorder) *outbox.Consumer {
+	t.Helper()
 	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
 	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: id, Pool: pool, Config: cfg, Projects: outbox.StaticProjects(projects),
 		Dispatcher: d, Metrics: m, Logger: zaptest.NewLogger(t)})
 	require.NoError(t, err)
 	require.NoError(t, c.Start(testkit.Ctx(t)))
 	t.Cleanup(func() { stopConsumer(t, c) })
-	return c, rec
+	return c
 }
 
 func inProject(project string) func([]outbox.ObservedEvent) int {

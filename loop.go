@@ -262,9 +262,9 @@ func (l *scanLoop) startByHeads(ctx context.Context, leased, reading []string, c
 // with one project left, that project is read by tick when its stream knows its tick (a
 // statement a little cheaper than the per-project reader's), and reads in scanProject
 // otherwise. When the statement fails in a way that may be one project's doing (see
-// readIsolatable), no batch is returned and alone is set: each project reads alone, so one project's trouble stays its own,
-// and those that fail become read suspects. Any other failure would fail every project's read
-// alike, and is returned.
+// readIsolatable), no batch is returned and alone is set: each project reads alone, so one
+// project's trouble stays its own, and those that fail become read suspects. Any other failure
+// would fail every project's read alike, and is returned.
 func (l *scanLoop) readFirst(ctx context.Context, leased []string, heads map[string]Head) (first map[string]firstBatch, alone bool, err error) {
 	var projects []string
 	var after, seen []int64

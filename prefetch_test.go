@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.uber.org/zap/zaptest"
 
 	"fusion/outbox"
 	"fusion/outbox/internal/pgtest"
@@ -54,12 +53,7 @@ func TestReadAheadIsDroppedWhenTheStreamStops(t *testing.T) {
 		}
 		return nil
 	})
-	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "c1", Pool: pgtest.Pool(t, db.URL), Config: cfg,
-		Projects: outbox.StaticProjects([]string{"p"}), Dispatcher: d, Logger: zaptest.NewLogger(t)})
-	require.NoError(t, err)
-	require.NoError(t, c.Start(ctx))
-	t.Cleanup(func() { stopConsumer(t, c) })
+	c := startRecording(t, pgtest.Pool(t, db.URL), "c1", []string{"p"}, cfg, nil, rec)
 	waitCtx, cancel := context.WithTimeout(ctx, testkit.WaitLimit)
 	defer cancel()
 

@@ -307,17 +307,12 @@ func TestConsumerRoleAuditsItsPoisonAndReplay(t *testing.T) {
 		}
 		return nil
 	})
-	d := outbox.NewDispatcher(outbox.DispatcherOptions{Listeners: []outbox.Listener{rec}, NoLocalWriter: true, Logger: zaptest.NewLogger(t)})
-	c, err := outbox.NewConsumer(outbox.ConsumerOptions{ID: "dash", Pool: dash, Config: cfg, Projects: outbox.StaticProjects{"proj-a"},
-		Dispatcher: d, Logger: zaptest.NewLogger(t)})
-	require.NoError(t, err)
-	require.NoError(t, c.Start(ctx))
-	t.Cleanup(func() { stopConsumer(t, c) })
+	startRecording(t, dash, "dash", []string{"proj-a"}, cfg, nil, rec)
 	testkit.WaitCursor(t, ctx, lp.owner, "proj-a", "dash", 2)
 	require.Equal(t, "dead", testkit.DeliveryOf(t, lp.owner, "dash", 1).State)
 
 	fixed.Store(true)
-	_, err = outbox.NewAdmin(operator, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "proj-a",
+	_, err := outbox.NewAdmin(operator, outbox.AdminOptions{}).RequestReplay(ctx, outbox.ReplayRequest{ProjectID: "proj-a",
 		ConsumerID: "dash", Sequence: 1, Operator: outbox.Operator{Actor: "oncall@corp", Reason: "FN-4"}})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return testkit.DeliveryOf(t, lp.owner, "dash", 1).State == "resolved" }, testkit.WaitLimit, 10*time.Millisecond)

@@ -71,6 +71,12 @@ const (
 // newestTickSQL reads the newest tick: the standby's probe.
 const newestTickSQL = `SELECT n.tick_id, n.ticked_at FROM lifecycle_tick n ORDER BY n.tick_id DESC LIMIT 1`
 
+// newestTick reads db's newest tick (newestTickSQL); pgx.ErrNoRows when it has none.
+func newestTick(ctx context.Context, db DBTX) (tick int64, at time.Time, err error) {
+	err = db.QueryRow(ctx, newestTickSQL).Scan(&tick, &at)
+	return tick, at, err
+}
+
 // inRecoverySQL asks a server whether it is a standby.
 const inRecoverySQL = `SELECT pg_catalog.pg_is_in_recovery()`
 
@@ -503,10 +509,7 @@ func standbyGrace(cfg consumerConfig) time.Duration {
 // primaryTick reads the primary's newest tick, to check an announcement (counted).
 func (l *scanLoop) primaryTick(ctx context.Context) (int64, time.Time, error) {
 	l.stats.tickChecks.Add(1)
-	var tick int64
-	var at time.Time
-	err := l.pool.QueryRow(ctx, newestTickSQL).Scan(&tick, &at)
-	return tick, at, err
+	return newestTick(ctx, l.pool)
 }
 
 // scanStartFallen starts a scan that reads from the primary while the standby is behind or
@@ -532,7 +535,7 @@ func (l *scanLoop) scanStartFallen(ctx context.Context, held, reading []string, 
 		}
 		pctx, cancel := context.WithTimeout(ctx, min(r.cfg.ReadMaxLag, 2*time.Second))
 		defer cancel()
-		probeErr = r.standby.QueryRow(pctx, newestTickSQL).Scan(&probe, &probeAt)
+		probe, probeAt, probeErr = newestTick(pctx, r.standby)
 	}()
 	announced := l.scans.announced.Load()
 	hr, err := queryHeads(ctx, l.pool, held, l.seenTick, unticked)
@@ -647,9 +650,8 @@ func (l *scanLoop) standbyNewest(ctx context.Context) (int64, time.Time, error) 
 	}
 	v, _, err := shareOf(l.reads.standby).do(ctx, "newest", func() (any, error) {
 		var n newest
-		err := l.onStandby(ctx, func() error {
-			err := l.reads.standby.QueryRow(ctx, newestTickSQL).Scan(&n.tick, &n.at)
-			if errors.Is(err, pgx.ErrNoRows) {
+		err := l.onStandby(ctx, func() (err error) {
+			if n.tick, n.at, err = newestTick(ctx, l.reads.standby); errors.Is(err, pgx.ErrNoRows) {
 				n, err = newest{}, nil
 			}
 			return err
@@ -795,10 +797,11 @@ type StandbyLag struct {
 // whole spell until the standby replays it.
 func CompareStandby(ctx context.Context, primary, standby DBTX) (StandbyLag, error) {
 	var l StandbyLag
-	if err := primary.QueryRow(ctx, newestTickSQL).Scan(&l.PrimaryTick, &l.PrimaryTickAt); err != nil {
+	var err error
+	if l.PrimaryTick, l.PrimaryTickAt, err = newestTick(ctx, primary); err != nil {
 		return l, fmt.Errorf("compare standby: read the primary's newest tick: %w", err)
 	}
-	err := standby.QueryRow(ctx, standbyNewestTickSQL).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
+	err = standby.QueryRow(ctx, standbyNewestTickSQL).Scan(&l.StandbyTick, &l.StandbyTickAt, &l.InRecovery)
 	if err != nil {
 		return l, fmt.Errorf("compare standby: read the standby's newest tick: %w", err)
 	}
