@@ -205,7 +205,7 @@ func (c *Consumer) Start(ctx context.Context) error {
 	listening := make(chan struct{})
 	wg.Add(4)
 	go func() { defer wg.Done(); c.leases.heartbeatLoop(runCtx) }()
-	go func() { defer wg.Done(); c.ticker.run(runCtx) }()
+	go func() { defer wg.Done(); c.ticker.run(runCtx, c.lifecycle.Abandoned()) }()
 	go func() {
 		defer wg.Done()
 		if c.cfg.NotifyDisabled {
@@ -253,10 +253,11 @@ func (c *Consumer) startUp(ctx context.Context) ([]string, error) {
 }
 
 // Stop stops the consumer: no event is handed to a listener after it is called; the one in
-// flight may finish within its listener timeout and is acknowledged only if it did. Then it
-// flushes pending acknowledgements, releases its leases and waits for its goroutines. All of
-// it is bounded by ctx: when ctx ends first, Stop abandons the listener in flight, the
-// shutdown's writes give up (the leases expire instead) and Stop returns ctx's error. It is
+// flight may finish within its listener timeout and is acknowledged only if it did; its
+// ticker starts no tick, and the one in flight runs to its end. Then it flushes pending
+// acknowledgements, releases its leases and waits for its goroutines. All of it is bounded by
+// ctx: when ctx ends first, Stop abandons the listener and the tick in flight, the shutdown's
+// writes give up (the leases expire instead) and Stop returns ctx's error. It is
 // idempotent and safe before Start.
 func (c *Consumer) Stop(ctx context.Context) error {
 	if err := c.lifecycle.Stop(ctx); err != nil {

@@ -222,11 +222,23 @@ func (t *ticker) poke() {
 	}
 }
 
-// run campaigns and ticks until ctx ends.
-func (t *ticker) run(ctx context.Context) {
+// run campaigns and ticks until ctx ends. A tick in flight then runs to its end, unless
+// abandoned is closed (the Stop's own context ended): cutting it off would not stop it, since
+// the server runs the statement on until the driver's cancel request reaches it, and a tick
+// that commits meanwhile would number events after the consumer stopped, uncounted.
+func (t *ticker) run(ctx context.Context, abandoned <-chan struct{}) {
+	tickCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	go func() {
+		select {
+		case <-abandoned:
+			cancel()
+		case <-tickCtx.Done():
+		}
+	}()
 	if !t.campaigns() {
 		// No session of its own to be elected on, or no hints to hear: tick on the poll interval.
-		t.loop(ctx, t.cfg.PollInterval)
+		t.loop(ctx, tickCtx, t.cfg.PollInterval)
 		return
 	}
 	done := make(chan struct{})
@@ -234,13 +246,14 @@ func (t *ticker) run(ctx context.Context) {
 		defer close(done)
 		t.campaign(ctx)
 	}()
-	t.loop(ctx, t.cfg.TickFallbackInterval)
+	t.loop(ctx, tickCtx, t.cfg.TickFallbackInterval)
 	<-done
 }
 
 // loop ticks when elected (on hints and follow-ups) and, elected or not, once per fallback when
-// no tick of its own happened for that long.
-func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
+// no tick of its own happened for that long. It starts no tick once ctx ended; the ticks run
+// on tickCtx (see run).
+func (t *ticker) loop(ctx, tickCtx context.Context, fallback time.Duration) {
 	elected := false
 	last := time.Time{}
 	followUp := false
@@ -290,7 +303,7 @@ func (t *ticker) loop(ctx context.Context, fallback time.Duration) {
 				return
 			}
 		}
-		res, err := tick(ctx, t.pool, t.cfg.TickChannel)
+		res, err := tick(tickCtx, t.pool, t.cfg.TickChannel)
 		last = time.Now()
 		t.calls.Add(1)
 		if err != nil {
