@@ -303,6 +303,9 @@ func (t *ticker) loop(ctx, tickCtx context.Context, fallback time.Duration) {
 				return
 			}
 		}
+		if ctx.Err() != nil {
+			return // the select may have taken another ready case: no tick once stopping
+		}
 		res, err := tick(tickCtx, t.pool, t.cfg.TickChannel)
 		last = time.Now()
 		t.calls.Add(1)
