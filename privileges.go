@@ -226,8 +226,39 @@ SELECT $1, c FROM pg_catalog.unnest($2::text[]) AS c ON CONFLICT DO NOTHING`
 DELETE FROM lifecycle_consumer_access WHERE role_name = $1`
 )
 
+// analyzeGrantsAfter is how many grants one call must add before it refreshes the planner's
+// statistics of the grant table itself. Row-level security probes a row's grant by its key
+// (migration 0014), unless the planner expects a role to hold only a few grants: it then
+// checks a statement's rows against a hash of all of the role's grants, built per statement.
+// Statistics taken before a role was granted thousands of projects expect that; one lease
+// then read 4,001 grant rows instead of 3, until autovacuum analyzed the table again (after
+// about a tenth of its rows changed).
+const analyzeGrantsAfter = 100
+
+// The statements that refresh the statistics of the grant tables. Run by a role that does not
+// own them, ANALYZE skips them with a warning; autovacuum refreshes them later.
+const (
+	analyzeProjectAccessSQL  = `ANALYZE lifecycle_project_access`
+	analyzeConsumerAccessSQL = `ANALYZE lifecycle_consumer_access`
+)
+
+// insertGrants runs a grant statement and, when it added many grants, analyzes its table.
+func insertGrants(ctx context.Context, db DBTX, insertSQL, analyzeSQL string, args ...any) error {
+	tag, err := db.Exec(ctx, insertSQL, args...)
+	if err != nil {
+		return err
+	}
+	if tag.RowsAffected() >= analyzeGrantsAfter {
+		if _, err := db.Exec(ctx, analyzeSQL); err != nil {
+			return fmt.Errorf("analyze: %w", err)
+		}
+	}
+	return nil
+}
+
 // GrantProjectAccess lets role see and write the given projects' outbox state ("*" for every
-// project).
+// project). A call that adds many grants refreshes the planner's statistics of them
+// (analyzeGrantsAfter).
 func GrantProjectAccess(ctx context.Context, db DBTX, role string, projects ...string) error {
 	for _, p := range projects {
 		if p != "*" {
@@ -236,7 +267,7 @@ func GrantProjectAccess(ctx context.Context, db DBTX, role string, projects ...s
 			}
 		}
 	}
-	if _, err := db.Exec(ctx, grantProjectAccessSQL, role, projects); err != nil {
+	if err := insertGrants(ctx, db, grantProjectAccessSQL, analyzeProjectAccessSQL, role, projects); err != nil {
 		return fmt.Errorf("grant project access to %s: %w", role, err)
 	}
 	return nil
@@ -251,7 +282,8 @@ func RevokeProjectAccess(ctx context.Context, db DBTX, role string, projects ...
 }
 
 // GrantConsumerAccess lets role write the cursors, deliveries and audit rows of the given
-// consumer identities ("*" for every one), within its projects.
+// consumer identities ("*" for every one), within its projects. A call that adds many grants
+// refreshes the planner's statistics of them, as GrantProjectAccess does.
 func GrantConsumerAccess(ctx context.Context, db DBTX, role string, consumers ...string) error {
 	for _, c := range consumers {
 		if c != "*" {
@@ -260,7 +292,7 @@ func GrantConsumerAccess(ctx context.Context, db DBTX, role string, consumers ..
 			}
 		}
 	}
-	if _, err := db.Exec(ctx, grantConsumerAccessSQL, role, consumers); err != nil {
+	if err := insertGrants(ctx, db, grantConsumerAccessSQL, analyzeConsumerAccessSQL, role, consumers); err != nil {
 		return fmt.Errorf("grant consumer access to %s: %w", role, err)
 	}
 	return nil
