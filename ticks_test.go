@@ -464,9 +464,9 @@ func TestOneTickerIsElectedAndAnotherTakesOver(t *testing.T) {
 	require.NoError(t, err)
 	otherRec.WaitCount(t, ctx, 2)
 	if !assert.Eventually(t, func() bool { return other.Stats().Numbered >= 1 }, testkit.WaitLimit, 5*time.Millisecond, "the new ticker numbered it") {
-		// Seen once in CI (stop 43): the stopped ticker's tick, cut off by its Stop, ran on in
-		// the server and numbered the event (fixed; TestStopWaitsForTheTickInFlight). Should it
-		// fail again, what the ticks say:
+		// Seen once in CI (stop 43), most likely the stopped ticker's tick, cut off by its Stop,
+		// running on in the server and numbering the event (since fixed: the tick runs to its
+		// end, TestStopWaitsForTheTickInFlight). Should it fail again, what the ticks say:
 		rows, err := pgtest.Pool(t, db.URL).Query(ctx, `SELECT t.tick_id::text || ' at ' || t.ticked_at::text || ': ' ||
        coalesce((SELECT sum(p.events) FROM lifecycle_tick_project p WHERE p.tick_id = t.tick_id), 0)::text || ' events'
 FROM lifecycle_tick t ORDER BY t.tick_id`)
@@ -479,12 +479,12 @@ FROM lifecycle_tick t ORDER BY t.tick_id`)
 }
 
 // TestStopWaitsForTheTickInFlight: a tick in flight when its consumer stops runs to its end
-// before Stop returns, and is counted. Cutting it off would not stop it: the driver gives up on
-// the connection without cancelling the statement, which then runs on and may number events
-// after Stop returned (TestOneTickerIsElectedAndAnotherTakesOver once saw its new ticker number
-// nothing: the stopped one's tick had numbered the event). Here the tick waits for a lock the
-// test holds until the consumer is stopping; the test lifts the tick's lock timeout, so that
-// how long the stop takes does not matter.
+// before Stop returns, and is counted. Cutting it off would not stop it at once: the driver
+// closes the connection and sends its cancel request from another goroutine, and a statement
+// the cancel reaches too late may number events after Stop returned (the likely reason
+// TestOneTickerIsElectedAndAnotherTakesOver once saw its new ticker number nothing). Here the
+// tick waits for a lock the test holds until the consumer is stopping; the test lifts the
+// tick's lock timeout, so that how long the stop takes does not matter.
 func TestStopWaitsForTheTickInFlight(t *testing.T) {
 	t.Parallel()
 	ctx := testkit.Ctx(t)
